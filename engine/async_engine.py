@@ -1,0 +1,193 @@
+"""Online API: the engine loop on its own thread, streams of deltas as async iterators.
+
+The event loop never runs model code: ``generate`` validates and enqueues, the engine thread
+steps and hands each delta back to the caller's loop with ``call_soon_threadsafe``. A consumer
+that stops iterating (a client that went away) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, RequestError
+from engine.metrics import EngineStats
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    extra_keys: tuple
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, *, core: EngineCore | None = None) -> None:
+        if core is None:
+            if config is None:
+                raise ValueError("AsyncEngine needs an EngineConfig or an EngineCore")
+            core = EngineCore(config)
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stats = core.stats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, **kwargs: Any) -> "AsyncEngine":
+        from engine.llm import make_config
+
+        return cls(make_config(model, **kwargs))
+
+    # ---- public API -------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+        extra_keys: tuple = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; raises :class:`RequestError` before scheduling if invalid."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        arrival = time.perf_counter()
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if rid in self._streams:
+                raise RequestError(f"request id {rid!r} is already in use")
+            self.core.validate_request(ids, params, None)
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._streams[rid] = stream
+        self._commands.put(_Add(rid, ids, params, priority, extra_keys, arrival))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(rid))
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to stop ``request_id``; its stream ends with finish_reason 'abort'."""
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last engine step (safe from any thread)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            self._drain(block=not core.has_unfinished_requests())
+            if not core.has_unfinished_requests():
+                continue
+            try:
+                outputs = core.step()
+            except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                for rid in list(core.requests):
+                    core.abort_request(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                outputs = []
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = core.stats()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.core.add_request(
+                    cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority,
+                    extra_keys=cmd.extra_keys, arrival_time=cmd.arrival_time,
+                )
+            except Exception as e:
+                self._deliver(cmd.request_id, e)
+            return
+        req = self.core.requests.get(cmd.request_id)
+        if req is not None and self.core.abort_request(cmd.request_id):
+            self._deliver(cmd.request_id, RequestOutput(
+                request_id=cmd.request_id, text="", token_ids=[], finished=True, finish_reason="abort",
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_generated_tokens=len(req.output_token_ids), metrics=req.metrics,
+            ))
+        self._stats = self.core.stats()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            self._commands.put(_Abort(request_id))

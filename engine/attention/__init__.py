@@ -1,0 +1,5 @@
+"""Attention over the paged KV cache: metadata shared by all backends, and backend selection."""
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata, select_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]

@@ -1,0 +1,65 @@
+"""The attention-backend interface and the metadata that describes one step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens sit in the flattened batch and where its KV lives.
+
+    Requests are ordered decodes first (query length 1), then prefill chunks. For request i,
+    its new tokens are ``q[query_start_loc[i]:query_start_loc[i+1]]`` at absolute positions
+    ``seq_lens[i] - query_len .. seq_lens[i] - 1``; its KV blocks are ``block_tables[i]``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    num_decodes: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens_host)
+
+
+class AttentionBackend:
+    """Writes this step's K/V into the paged cache, then attends each query to its context."""
+
+    name = "base"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], cache (k, v) each [blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+        raise NotImplementedError
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA when it imports, else the torch reference."""
+    from engine.attention.torch_ref import TorchReferenceAttention
+
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchReferenceAttention()
+    if device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
+    try:
+        from engine.attention.triton_paged import TritonPagedAttention
+    except ImportError as e:  # pragma: no cover - depends on the install
+        if name == "triton":
+            raise ValueError(f"attention backend 'triton' is not available: {e}") from e
+        return TorchReferenceAttention()
+    return TritonPagedAttention()

@@ -1,0 +1,72 @@
+"""Pure-torch paged attention: gather each request's KV blocks, then SDPA.
+
+This is the CPU path and the reference GPU kernels are tested against. Decodes (one query each)
+run as one batched SDPA over padded contexts; prefill chunks run one SDPA per request with a
+causal mask offset by the request's cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into their cache slots."""
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every query over its request's cached context (KV already written)."""
+    k_cache, v_cache = kv_cache
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        max_len = max(meta.seq_lens_host[:nd])
+        nblocks = -(-max_len // block_size)
+        table = meta.block_tables[:nd, :nblocks]
+        keys = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
+        values = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        lens = meta.seq_lens[:nd].to(torch.long)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for i in range(nd, meta.num_requests):
+        qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
+        nblocks = -(-slen // block_size)
+        table = meta.block_tables[i, :nblocks]
+        keys = k_cache[table].flatten(0, 1)[:slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        values = v_cache[table].flatten(0, 1)[:slen].transpose(0, 1).unsqueeze(0)
+        qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
+        if qlen == slen:
+            o = F.scaled_dot_product_attention(qi, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query j sits at position slen - qlen + j and sees keys 0..that position.
+            qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+            mask = torch.arange(slen, device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(qi, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + qlen] = o.squeeze(0).transpose(0, 1)
+        start += qlen
+    return out
+
+
+class TorchReferenceAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):  # type: ignore[override]
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention_reference(q, kv_cache, meta, scale)

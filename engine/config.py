@@ -1,0 +1,163 @@
+"""Engine configuration: the model's architecture and the engine's knobs, in one typed place."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from platformdirs import user_cache_dir
+
+
+class ConfigError(ValueError):
+    """An engine or model setting is invalid; the message names the setting and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-architecture hyperparameters (HF ``config.json`` names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "llama") -> "ModelConfig":
+        """Build from a HF ``LlamaConfig`` dict (``rope_parameters`` or ``rope_scaling``)."""
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or None
+        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=dict(rope) if rope else None,
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), name=path.parent.name if path.name == "config.json" else path.stem)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``LlamaConfig`` keyword arguments for this architecture (reference models)."""
+        d: dict[str, Any] = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        return d
+
+    @property
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def default_cache_dir() -> Path:
+    """Where the engine keeps converted artifacts (tokenizers from GGUF files)."""
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path(user_cache_dir("handbook-assistant")) / "engine")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; validated once by :meth:`validate`."""
+
+    model: str
+    """An HF directory (config.json + safetensors), a llama ``.gguf`` file, or with
+    ``load_format="dummy"`` a config.json (file or directory) for random weights."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int | None = None
+    # Scheduler
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    enable_prefix_caching: bool = True
+    # Execution
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enable_cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad setting."""
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto/torch/triton, got {self.attention_backend!r}")
+        path = Path(self.model)
+        if not path.exists():
+            raise ConfigError(f"model path does not exist: {self.model}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

@@ -1,0 +1,261 @@
+"""The engine loop: add requests, step (schedule -> run -> sample -> detokenize), abort.
+
+Single-threaded and synchronous; :class:`engine.LLM` drives it to completion and
+:class:`engine.AsyncEngine` runs it on a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import select_backend
+from engine.block_manager import BlockManager
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import load_model, model_kind
+from engine.memory import MemoryLedger, tensor_bytes
+from engine.metrics import EngineStats
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling import SampleInput, Sampler, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class RequestError(ValueError):
+    """A request is invalid; raised by ``add_request`` before anything is scheduled."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.memory = MemoryLedger(str(self.device))
+        self.model, self.model_config = load_model(config, self.device, self.dtype)
+        self.memory.record("weights", tensor_bytes(self.model))
+        self.tokenizer = self._load_tokenizer()
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
+        spec = KVCacheSpec.for_model(mc, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(self._kv_budget(spec))
+        if num_blocks < 2:
+            raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
+        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        self.memory.record("kv_cache", self.kv_cache.nbytes)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        backend = select_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- setup helpers ------------------------------------------------------------------------
+    def _load_tokenizer(self) -> Tokenizer | None:
+        source = self.config.tokenizer or (None if model_kind(self.config) == "dummy" else self.config.model)
+        return None if source is None else Tokenizer.load(source, self.config.cache_dir)
+
+    def _kv_budget(self, spec: KVCacheSpec) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        from engine.profiling import kv_budget_after_profile
+
+        return kv_budget_after_profile(self, spec)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None) -> None:
+        """Raise :class:`RequestError` for anything that would fail later; schedules nothing."""
+        if request_id is not None and request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if len(prompt_token_ids) == 0:
+            raise RequestError("the prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the context is {self.max_model_len}: "
+                "at least one position must be left to generate"
+            )
+        needed = self.block_manager.blocks_needed(len(prompt_token_ids) + 1)
+        if needed > self.block_manager.num_usable_blocks:
+            raise RequestError(
+                f"the prompt needs {needed} KV blocks but the cache has {self.block_manager.num_usable_blocks}"
+            )
+        try:
+            params.validate(vocab)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        extra_keys: tuple = (),
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        self.validate_request(prompt, params, request_id)
+        seq = next(self._ids)
+        rid = request_id if request_id is not None else f"req-{seq}"
+        req = Request(rid, prompt, params, priority=priority, arrival_seq=seq, extra_keys=extra_keys)
+        req.metrics.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        req.metrics.num_prompt_tokens = len(prompt)
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer.backend, params)
+        if params.seed is not None:
+            self._generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free all its KV blocks; False if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        inputs = self.runner.prepare(sched.chunks)
+        logits = self.runner.execute(inputs)
+        rows = [
+            SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
+            for c in inputs.sampled_chunks
+        ]
+        sampled = self.sampler(logits, rows) if rows else None
+        self.num_steps += 1
+        now = time.perf_counter()
+        for c in inputs.chunks:
+            req = c.request
+            self.prompt_tokens_total += max(0, min(c.start + c.num_tokens, req.num_prompt_tokens) - c.start)
+            req.num_computed_tokens += c.num_tokens
+            self.block_manager.cache_full_blocks(req)
+        outputs = []
+        for i, c in enumerate(inputs.sampled_chunks):
+            outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], now))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
+        req.output_token_ids.append(token)
+        m = req.metrics
+        m.token_times.append(now)
+        m.num_generated_tokens = len(req.output_token_ids)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        self.generation_tokens_total += 1
+        params = req.sampling_params
+        status, stop_reason = None, None
+        detok = self._detok.get(req.request_id)
+        stop_str = detok.add_token(token) if detok is not None else None
+        if stop_str is not None:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif token in params.stop_token_ids:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        text = detok.take_delta(finished=status is not None) if detok is not None else ""
+        if status is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+        return RequestOutput(
+            request_id=req.request_id,
+            text=text,
+            token_ids=[token],
+            finished=status is not None,
+            finish_reason=status.value if status is not None else None,
+            stop_reason=stop_reason,
+            logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_generated_tokens=len(req.output_token_ids),
+            metrics=req.metrics if status is not None else None,
+        )
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(req, status)
+        req.metrics.finished_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        self._generators.pop(req.request_id, None)
+
+    # ---- observability ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_usable_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache.stats.queries,
+            prefix_cache_hits=bm.prefix_cache.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,224 @@
+"""Weight loading: HF safetensors directories, llama GGUF files, and random ("dummy") weights.
+
+Everything is mapped onto HF parameter names first, then fused into the engine's layout
+(``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.model import LlamaForCausalLM
+
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def model_kind(config: EngineConfig) -> str:
+    """'dummy', 'gguf' or 'hf', with a clear error for anything else."""
+    path = Path(config.model)
+    if config.load_format == "dummy":
+        return "dummy"
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "hf"
+    raise ConfigError(
+        f"{path} is not a model: expected a llama .gguf file or a directory with config.json and "
+        "*.safetensors (or a config.json with load_format='dummy')"
+    )
+
+
+# ---- GGUF -----------------------------------------------------------------------------------
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    heads = int(_gguf_field(reader, "llama.attention.head_count"))
+    hidden = int(_gguf_field(reader, "llama.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _gguf_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_gguf_field(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        name=str(_gguf_field(reader, "general.name", "gguf")),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF pairs halves)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The model config and (HF name, float32 tensor) pairs, dequantized with the gguf package."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = gguf_model_config(reader)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+            if m:
+                name = f"model.layers.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.weight"
+            elif t.name in GGUF_NAMES:
+                name = GGUF_NAMES[t.name]
+            else:
+                continue  # e.g. rope_freqs: recomputed from the config
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
+            if name.endswith("q_proj.weight"):
+                w = _unpermute(w, config.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute(w, config.num_key_value_heads)
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+
+    return config, tensors()
+
+
+# ---- HF safetensors -------------------------------------------------------------------------
+def read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ConfigError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama architecture")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            raw = {**raw, "eos_token_id": eos}
+    config = ModelConfig.from_hf_dict(raw, name=path.name)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    return config, tensors()
+
+
+# ---- into the engine's layout -----------------------------------------------------------------
+def load_weights(model: LlamaForCausalLM, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model, fusing q/k/v and gate/up into their slices."""
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    slices = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+              "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+              "up_proj": ("gate_up_proj", cfg.intermediate_size, 2 * cfg.intermediate_size)}
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in named:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied checkpoints sometimes store the head too
+            target = name.removeprefix("model.")
+            m = re.fullmatch(r"(layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.weight", target)
+            if m and m[2] in slices:
+                fused, lo, hi = slices[m[2]]
+                key = f"{m[1]}.{fused}.weight"
+                params[key][lo:hi].copy_(tensor)
+                loaded.add(f"{key}[{lo}:{hi}]")
+                continue
+            if target not in params:
+                raise ConfigError(f"unexpected weight {name!r} for a Llama model")
+            params[target].copy_(tensor)
+            loaded.add(target)
+    expected = set()
+    for key in params:
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if key.endswith(f + ".weight")), None)
+        if fused is None:
+            expected.add(key)
+        else:
+            expected |= {f"{key}[{lo}:{hi}]" for f2, lo, hi in slices.values() if f2 == fused}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ConfigError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights (normal, std 0.02; norms 1): speed does not depend on weight values."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in ``dtype`` (an 8B model never exists in float32)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model on ``device`` in ``dtype`` with weights from ``config.model``."""
+    kind = model_kind(config)
+    path = Path(config.model)
+    if kind == "dummy":
+        model_config, named = ModelConfig.from_json(path), None
+    elif kind == "gguf":
+        model_config, named = read_gguf(path)
+    else:
+        model_config, named = read_hf_dir(path)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(model_config, max_positions=max(max_len, 1))
+    if named is None:
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, named)
+    model.eval().requires_grad_(False)
+    return model, model_config

@@ -1,0 +1,41 @@
+"""Memory ledger: where the device memory goes (weights, KV pool, activations, the rest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes by owner, plus what the device says in total (CUDA only)."""
+
+    device: str
+    entries: dict[str, int] = field(default_factory=dict)
+
+    def record(self, owner: str, nbytes: int) -> None:
+        self.entries[owner] = nbytes
+
+    def add(self, owner: str, nbytes: int) -> None:
+        self.entries[owner] = self.entries.get(owner, 0) + nbytes
+
+    @property
+    def accounted(self) -> int:
+        return sum(self.entries.values())
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(owner, bytes) rows; on CUDA, peak reserved memory not owned by anyone is "other"."""
+        rows = list(self.entries.items())
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            peak = torch.cuda.max_memory_reserved(torch.device(self.device))
+            rows.append(("other (allocator, workspace)", max(0, peak - self.accounted)))
+            rows.append(("peak reserved (device)", peak))
+        return rows
+
+    def format(self) -> str:
+        return "\n".join(f"{owner:<32} {nbytes / 2**20:>12,.1f} MiB" for owner, nbytes in self.rows())

@@ -1,0 +1,98 @@
+"""Turns a scheduled step into tensors, runs the model, and returns logits to sample from.
+
+The step's tokens are flattened: decodes (one query token each) first, then prefill chunks,
+so attention can batch all decodes in one call. Host-side lists are built once per step and
+copied to the device in one transfer per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.block_manager import NULL_BLOCK, BlockManager
+from engine.kv_cache import KVCache
+from engine.model import LlamaForCausalLM
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    chunks: list[ScheduledChunk]  # in batch order
+    sample_rows: torch.Tensor  # index into the flattened tokens of each chunk that yields a sample
+    sampled_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, block_manager: BlockManager, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_layers = kv_cache.layers()
+        self.backend = backend
+        self.block_manager = block_manager
+        self.device = device
+        self.block_size = block_manager.block_size
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        slens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        max_blocks = 1
+        for c in chunks:
+            req, start, n = c.request, c.start, c.num_tokens
+            tokens = req.all_token_ids
+            ids += tokens[start : start + n]
+            blocks = req.block_ids
+            if n == 1:
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = range(start, start + n)
+                positions += pos
+                slots += [blocks[p // bs] * bs + p % bs for p in pos]
+            qlens.append(n)
+            slens.append(start + n)
+            max_blocks = max(max_blocks, len(blocks))
+            if c.completes_prompt:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(c)
+        table = [c.request.block_ids + [NULL_BLOCK] * (max_blocks - len(c.request.block_ids)) for c in chunks]
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            query_lens_host=qlens,
+            seq_lens_host=slens,
+            num_decodes=sum(1 for q in qlens if q == 1),
+            max_seq_len=max(slens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            chunks=chunks,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampled_chunks=sampled,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.backend, inputs.meta, self.kv_layers)
+        return self.model.compute_logits(hidden[inputs.sample_rows])

@@ -1,0 +1,58 @@
+"""GPU memory profiling: how much is left for the KV cache after weights and peak activations."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache, KVCacheSpec
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+
+
+@torch.inference_mode()
+def profile_peak_activations(core: "EngineCore", spec: KVCacheSpec) -> int:
+    """Run one prefill of ``max_num_batched_tokens`` tokens and return the activation peak (bytes)."""
+    device = core.device
+    tokens = min(core.config.max_num_batched_tokens, core.max_model_len)
+    blocks = -(-tokens // spec.block_size) + 1
+    scratch = KVCache(spec, blocks, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(spec.block_size, spec.block_size + tokens, device=device),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(1, blocks, dtype=torch.int32, device=device)[None],
+        query_lens_host=[tokens],
+        seq_lens_host=[tokens],
+        num_decodes=0,
+        max_seq_len=tokens,
+    )
+    ids = torch.randint(0, core.model_config.vocab_size, (tokens,), device=device)
+    positions = torch.arange(tokens, device=device)
+    from engine.attention import select_backend
+
+    backend = select_backend(core.config.attention_backend, device)
+    hidden = core.model(ids, positions, backend, meta, scratch.layers())
+    core.model.compute_logits(hidden[-core.config.max_num_seqs :])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def kv_budget_after_profile(core: "EngineCore", spec: KVCacheSpec) -> int:
+    """``gpu_memory_utilization`` x total memory, minus what is in use and the activation peak."""
+    device = core.device
+    activations = profile_peak_activations(core, spec)
+    core.memory.record("activations (profiled peak)", activations)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(core.config.gpu_memory_utilization * total) - used - activations
+    return max(budget, 0)

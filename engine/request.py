@@ -1,0 +1,66 @@
+"""A request as the scheduler sees it: tokens, progress, KV blocks, priority and timings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.metrics import RequestMetrics
+from engine.prefix_cache import BlockHash
+from engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Lower ``priority`` values are served first (0 = interactive voice turn)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_seq: int = 0
+    extra_keys: tuple = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until looked up
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority class, then arrival (FCFS within a class)."""
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1

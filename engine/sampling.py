@@ -1,0 +1,183 @@
+"""Sampling parameters (validated up front) and the batched sampler.
+
+Order of operations per row, as in vLLM/HF: penalties on the raw logits, then temperature,
+then top-k / top-p / min-p filtering, then a draw. Greedy rows (temperature 0) take the argmax.
+Seeded requests draw from their own generator, so their output does not depend on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; raised before anything is scheduled."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: chosen token; k: chosen + top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        """Build from user-supplied fields; unknown names are an error, not silently ignored."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SamplingError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        params = cls(**d)
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (_num(self.temperature) and 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature!r}"),
+            (_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"),
+            (_num(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (_num(self.repetition_penalty) and self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (all(isinstance(s, str) and s for s in self.stop), f"stop must be a list of non-empty strings, got {self.stop!r}"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be None or 0..20, got {self.logprobs!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SamplingError(message)
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise SamplingError(f"stop_token_ids must be < vocab size {vocab_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+@dataclass
+class SampleInput:
+    """What the sampler needs of one request."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row of ``logits`` [N, V] (float32)."""
+
+    def __init__(self, default_generator: torch.Generator) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleInput]) -> SampleOutput:
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(r.params.has_penalties for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.params.has_penalties:
+                    _apply_penalties(logits[i], r)
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = []
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None or raw_logprobs is None:
+                logprobs.append(None)
+                continue
+            entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
+            if r.params.logprobs:
+                top = raw_logprobs[i].topk(r.params.logprobs)
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            logprobs.append(entry)
+        return SampleOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleInput]) -> torch.Tensor:
+        n, vocab = logits.shape
+        device = logits.device
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device, dtype=logits.dtype))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p > 0.0 for p in min_p):
+            mp = torch.tensor(min_p, device=device, dtype=probs.dtype)
+            probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race (equivalent to a categorical draw): argmax(p / E), E ~ Exp(1),
+        # drawn per row from the request's own generator for reproducibility.
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=r.generator or self.default_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        if greedy.any():
+            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    remove |= cumulative >= p[:, None]
+    remove[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _apply_penalties(row: torch.Tensor, r: SampleInput) -> None:
+    p = r.params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=row.device)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        counts = torch.bincount(torch.tensor(r.output_token_ids, device=row.device), minlength=vocab).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

@@ -1,0 +1,193 @@
+"""Continuous batching with one token budget per step, priorities and preemption by recompute.
+
+Each step hands out ``max_num_batched_tokens`` tokens. Requests are visited by priority class
+(lower value first); within a class, running decodes get their one token first, then running
+requests still prefilling get chunks, then waiting requests are admitted (FCFS) with what is
+left. So decodes and prefill chunks share a step, and a long prompt never stalls running streams
+of its class (chunked prefill). When KV blocks or seats (``max_num_seqs``) run out, the
+lowest-priority, latest-arriving running request is preempted: its blocks are freed and it goes
+back to waiting to be recomputed (its full blocks usually survive in the prefix cache). A waiting
+request may preempt running ones only of a strictly lower class; a running one may preempt any
+request behind it in scheduling order, itself included.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # cap on one request's chunk per step
+    max_model_len: int = 8192
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        """Position of the chunk's first token (the request's computed tokens so far)."""
+        return self.request.num_computed_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when the chunk reaches the request's last known token, so it yields a sample."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its blocks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: dict[int, ScheduledChunk] = {}
+        budget = [self.config.max_num_batched_tokens]
+        admission_open = True
+        oversize_used = False
+        classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
+        for cls in classes:
+            members = [r for r in self.running if r.priority == cls]
+            decodes = [r for r in members if not r.is_prefilling]
+            prefills = [r for r in members if r.is_prefilling]
+            for req in decodes + prefills:
+                if req.status is not RequestStatus.RUNNING or budget[0] <= 0:
+                    continue
+                n = self._chunk_size(req, budget[0])
+                while not self.block_manager.allocate_slots(req, n):
+                    victim = self.running[-1]
+                    self._preempt(victim, scheduled, budget, out)
+                    if victim is req:
+                        break
+                if req.status is RequestStatus.RUNNING:
+                    scheduled[id(req)] = ScheduledChunk(req, n)
+                    budget[0] -= n
+            if not admission_open:
+                continue
+            for req in [r for r in self.waiting if r.priority == cls]:
+                if req in out.preempted:  # not re-admitted in the step that preempted it
+                    admission_open = False
+                    break
+                if budget[0] <= 0:
+                    break
+                admitted, oversize = self._try_admit(req, scheduled, budget, out, oversize_used)
+                oversize_used |= oversize
+                if not admitted:
+                    admission_open = False  # FCFS: nobody behind it jumps the queue this step
+                    break
+        now = time.perf_counter()
+        for chunk in scheduled.values():
+            if chunk.request.metrics.first_scheduled_time is None:
+                chunk.request.metrics.first_scheduled_time = now
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _try_admit(
+        self, req: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput, oversize_used: bool
+    ) -> tuple[bool, bool]:
+        """Admit one waiting request (possibly preempting lower classes). Returns (admitted, used the
+        one oversize slot that non-chunked prefill gets per step)."""
+        while len(self.running) >= self.config.max_num_seqs:
+            if not self._preempt_lower(req, scheduled, budget, out):
+                return False, False
+        cached = self.block_manager.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = len(cached) * self.block_manager.block_size
+            req.metrics.num_cached_tokens = req.num_cached_tokens
+        remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.block_manager.block_size
+        oversize = False
+        if self.config.enable_chunked_prefill:
+            n = min(remaining, budget[0])
+            if self.config.long_prefill_token_threshold:
+                n = min(n, self.config.long_prefill_token_threshold)
+        elif remaining <= budget[0]:
+            n = remaining
+        elif not oversize_used:
+            n, oversize = remaining, True  # without chunking a long prompt runs whole, once per step
+        else:
+            return False, False
+        while not self.block_manager.allocate_slots(req, n, cached):
+            if not self._preempt_lower(req, scheduled, budget, out):
+                return False, False
+        self.waiting.remove(req)
+        req.num_computed_tokens += len(cached) * self.block_manager.block_size
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.sort_key)
+        scheduled[id(req)] = ScheduledChunk(req, n)
+        budget[0] -= n
+        return True, oversize
+
+    def _preempt_lower(self, req: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput) -> bool:
+        """Preempt the last running request if it is of a strictly lower class than ``req``."""
+        if not self.running or self.running[-1].priority <= req.priority:
+            return False
+        self._preempt(self.running[-1], scheduled, budget, out)
+        return True
+
+    def _preempt(self, victim: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput) -> None:
+        chunk = scheduled.pop(id(victim), None)
+        if chunk is not None:
+            budget[0] += chunk.num_tokens
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, victim, key=lambda r: r.sort_key)
+        out.preempted.append(victim)

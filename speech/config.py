@@ -1,0 +1,175 @@
+"""The speech package's configuration: one frozen dataclass per stage, checked when created.
+
+Everything the package needs from outside (model paths, devices, languages) arrives here, so
+``speech`` never has to know where the assistant keeps its models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+VAD_SAMPLE_RATES = (8000, 16000, 32000, 48000)  # the rates webrtcvad accepts
+VAD_FRAME_MS = (10, 20, 30)  # the frame lengths webrtcvad accepts
+TTS_BACKENDS = ("hibari", "coqui", "espeak")
+ASR_BACKENDS = ("faster-whisper",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and what is accepted."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class VADConfig:
+    """Voice activity detection and endpointing (webrtcvad, optionally vetoed by Silero).
+
+    start_ms: voiced audio needed in a row before an utterance starts (speech-start hangover).
+    hangover_ms: unvoiced audio after the last voiced frame before the endpoint is declared.
+    use_silero: a frame counts as voiced only if Silero (the ONNX model shipped in faster-whisper)
+    also hears speech; webrtcvad alone takes steady noise for speech.
+    """
+
+    sample_rate: int = 16000
+    frame_ms: int = 30
+    aggressiveness: int = 3
+    start_ms: int = 90
+    hangover_ms: int = 500
+    use_silero: bool = True
+    silero_threshold: float = 0.5
+    silero_model: Path | None = None  # None: faster_whisper/assets/silero_vad_v6.onnx
+
+    def __post_init__(self) -> None:
+        _check(
+            self.sample_rate in VAD_SAMPLE_RATES,
+            f"VADConfig.sample_rate={self.sample_rate}: webrtcvad accepts {VAD_SAMPLE_RATES} Hz",
+        )
+        _check(
+            self.frame_ms in VAD_FRAME_MS,
+            f"VADConfig.frame_ms={self.frame_ms}: webrtcvad accepts frames of {VAD_FRAME_MS} ms",
+        )
+        _check(
+            self.aggressiveness in (0, 1, 2, 3),
+            f"VADConfig.aggressiveness={self.aggressiveness}: use 0 (least) to 3 (most aggressive)",
+        )
+        _check(self.start_ms > 0, f"VADConfig.start_ms={self.start_ms}: must be > 0")
+        _check(self.hangover_ms > 0, f"VADConfig.hangover_ms={self.hangover_ms}: must be > 0")
+        _check(
+            0.0 < self.silero_threshold < 1.0,
+            f"VADConfig.silero_threshold={self.silero_threshold}: must be in (0, 1)",
+        )
+
+    @property
+    def frame_samples(self) -> int:
+        return self.sample_rate * self.frame_ms // 1000
+
+
+@dataclass(frozen=True)
+class ASRConfig:
+    """Streaming speech recognition: the Whisper model, its decoding, partials and the worker queue.
+
+    language: "auto" (detect), "en", "zh" or any other Whisper language code.
+    partial_interval_s: re-decode the growing utterance this often (None: finals only).
+    queue_size: at most this many partial jobs wait in the shared worker; finals are never dropped.
+    pre_roll_s / post_roll_s: audio kept before the detected start and after ``speech_end``.
+    The three thresholds reject text Whisper makes up on silence or noise (per segment).
+    """
+
+    model_path: Path | None = None
+    backend: str = "faster-whisper"
+    device: str = "cpu"
+    compute_type: str = "int8"
+    cpu_threads: int = 2
+    language: str = "auto"
+    beam_size: int = 1
+    partial_interval_s: float | None = 0.5
+    min_partial_audio_s: float = 1.0
+    queue_size: int = 8
+    pre_roll_s: float = 0.3
+    post_roll_s: float = 0.3
+    no_speech_threshold: float = 0.6
+    log_prob_threshold: float = -1.0
+    compression_ratio_threshold: float = 2.4
+
+    def __post_init__(self) -> None:
+        _check(
+            self.backend in ASR_BACKENDS,
+            f"ASRConfig.backend={self.backend!r}: available backends are {ASR_BACKENDS}",
+        )
+        _check(self.beam_size >= 1, f"ASRConfig.beam_size={self.beam_size}: must be >= 1")
+        _check(self.cpu_threads >= 0, f"ASRConfig.cpu_threads={self.cpu_threads}: must be >= 0")
+        _check(self.queue_size >= 1, f"ASRConfig.queue_size={self.queue_size}: must be >= 1")
+        _check(
+            self.partial_interval_s is None or self.partial_interval_s > 0,
+            f"ASRConfig.partial_interval_s={self.partial_interval_s}: must be > 0 or None",
+        )
+        _check(
+            self.pre_roll_s >= 0 and self.post_roll_s >= 0,
+            "ASRConfig.pre_roll_s and post_roll_s must be >= 0",
+        )
+        _check(
+            bool(self.language) and self.language.strip() == self.language,
+            f"ASRConfig.language={self.language!r}: use 'auto', 'en', 'zh' or a Whisper code",
+        )
+
+    @property
+    def whisper_language(self) -> str | None:
+        """The language passed to Whisper: None asks it to detect."""
+        return None if self.language == "auto" else self.language
+
+
+@dataclass(frozen=True)
+class TTSConfig:
+    """Speech synthesis: which backend and its options.
+
+    model_path: hibari: an ONNX voice file or the hibari package directory (None: the voice inside
+    the installed package); coqui: the checkpoint directory (config.json + model.pth; required).
+    voice: hibari voice name (default "heart") or espeak-ng voice (default from ``language``).
+    speaker / speaker_wav: coqui multi-speaker name, or reference audio for XTTS voice cloning.
+    """
+
+    backend: str = "hibari"
+    language: str = "en"
+    speed: float = 1.0
+    model_path: Path | None = None
+    voice: str | None = None
+    speaker: str | None = None
+    speaker_wav: Path | None = None
+    device: str = "cpu"
+    threads: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.backend in TTS_BACKENDS,
+            f"TTSConfig.backend={self.backend!r}: available backends are {TTS_BACKENDS}",
+        )
+        _check(0.25 <= self.speed <= 4.0, f"TTSConfig.speed={self.speed}: use 0.25 to 4.0")
+        _check(self.threads >= 1, f"TTSConfig.threads={self.threads}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ChunkerConfig:
+    """Cutting LLM text into speakable pieces.
+
+    Lengths are in Latin-character equivalents: a CJK character counts as ``cjk_weight`` (one
+    syllable is worth about three letters of speech). A clause boundary (comma, semicolon, colon,
+    ，；：、) is used only once the piece reaches ``min_chars``; sentence ends and line breaks always
+    cut. A piece longer than ``max_chars`` is cut at the last space (or between CJK characters).
+    """
+
+    min_chars: int = 16
+    max_chars: int = 160
+    cjk_weight: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.min_chars >= 1, f"ChunkerConfig.min_chars={self.min_chars}: must be >= 1")
+        _check(
+            self.max_chars >= 2 * self.min_chars,
+            f"ChunkerConfig.max_chars={self.max_chars}: must be >= 2 * min_chars ({self.min_chars})",
+        )
+        _check(self.cjk_weight >= 1, f"ChunkerConfig.cjk_weight={self.cjk_weight}: must be >= 1")
