@@ -116,11 +116,6 @@ class ASRConfig:
             f"ASRConfig.language={self.language!r}: use 'auto', 'en', 'zh' or a Whisper code",
         )
 
-    @property
-    def whisper_language(self) -> str | None:
-        """The language passed to Whisper: None asks it to detect."""
-        return None if self.language == "auto" else self.language
-
 
 @dataclass(frozen=True)
 class TTSConfig:

@@ -1,0 +1,53 @@
+"""HF transformers' ``LlamaForCausalLM`` holding the same weights as an engine model.
+
+The baseline for benchmarks and the reference for parity tests: same architecture code path as
+everyone else's, same numbers in, so any difference is the engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import LlamaForCausalLM
+
+
+def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Split the engine's fused q|k|v and gate|up weights back into HF names (views, no copies)."""
+    cfg = model.config
+    q, kv, ff = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.self_attn.qkv_proj.weight
+        out[p + "self_attn.q_proj.weight"] = qkv[:q]
+        out[p + "self_attn.k_proj.weight"] = qkv[q : q + kv]
+        out[p + "self_attn.v_proj.weight"] = qkv[q + kv :]
+        out[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
+        gate_up = layer.mlp.gate_up_proj.weight
+        out[p + "mlp.gate_proj.weight"] = gate_up[:ff]
+        out[p + "mlp.up_proj.weight"] = gate_up[ff:]
+        out[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight
+        out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    return out
+
+
+def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):
+    """A ``transformers.LlamaForCausalLM`` on the same device/dtype with copies of the weights."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    weight = model.embed_tokens.weight
+    config = LlamaConfig(**model.config.to_hf_dict(), attn_implementation=attn_implementation)
+    config.pad_token_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    with torch.device(weight.device):
+        hf = HFLlama(config).to(weight.dtype)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.lm_head is None)]
+    if missing or unexpected:
+        raise RuntimeError(f"HF reference mismatch: missing {missing}, unexpected {unexpected}")
+    if model.lm_head is None:
+        hf.tie_weights()
+    return hf.eval().requires_grad_(False)

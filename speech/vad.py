@@ -1,0 +1,196 @@
+"""Voice activity detection and endpointing.
+
+webrtcvad classifies each 10/20/30 ms frame; optionally the Silero model that ships inside
+faster-whisper must agree (webrtcvad alone takes steady noise for speech). A run of ``start_ms``
+voiced audio starts an utterance; ``hangover_ms`` of unvoiced audio after the last voiced frame
+ends it. Two instants are reported apart: ``speech_end_s`` (end of the last voiced frame, when the
+user stopped) and ``endpoint_s`` (when the hangover elapsed, i.e. when we decided).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import webrtcvad
+
+from speech.audio import AudioFormatError, Resampler, split_frames, to_float32, to_pcm16
+from speech.config import VADConfig
+from speech.messages import SpeechEnded, SpeechStarted
+
+VADEvent = SpeechStarted | SpeechEnded
+
+
+class SileroVAD:
+    """Streaming speech probabilities from the Silero ONNX model, one per 32 ms of 16 kHz audio."""
+
+    SAMPLE_RATE = 16000
+    WINDOW = 512
+    CONTEXT = 64
+
+    def __init__(self, model_path: Path | None = None) -> None:
+        import onnxruntime
+
+        if model_path is None:
+            from faster_whisper.utils import get_assets_path
+
+            model_path = Path(get_assets_path()) / "silero_vad_v6.onnx"
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        self._session = onnxruntime.InferenceSession(
+            str(model_path), options, providers=["CPUExecutionProvider"]
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        self._h = np.zeros((1, 1, 128), np.float32)
+        self._c = np.zeros((1, 1, 128), np.float32)
+        self._context = np.zeros(self.CONTEXT, np.float32)
+        self._pending = np.zeros(0, np.float32)
+
+    def process(self, samples: np.ndarray) -> np.ndarray:
+        """Probabilities for the windows completed by these 16 kHz samples (maybe none)."""
+        windows, self._pending = split_frames(np.concatenate([self._pending, samples]), self.WINDOW)
+        if not len(windows):
+            return np.zeros(0, np.float32)
+        contexts = np.vstack([self._context, windows[:-1, -self.CONTEXT :]])
+        batch = np.ascontiguousarray(np.hstack([contexts, windows]), dtype=np.float32)
+        probs, self._h, self._c = self._session.run(
+            None, {"input": batch, "h": self._h, "c": self._c}
+        )
+        self._context = windows[-1, -self.CONTEXT :].copy()
+        return np.asarray(probs, np.float32).reshape(-1)
+
+
+class VoiceActivityDetector:
+    """Turns a stream of audio into ``SpeechStarted`` / ``SpeechEnded`` events with stream times.
+
+    Feed any number of samples per call at ``config.sample_rate``; frames are cut internally, so
+    the events do not depend on how the stream was chunked.
+    """
+
+    def __init__(self, config: VADConfig | None = None) -> None:
+        self.config = config or VADConfig()
+        self._silero = SileroVAD(self.config.silero_model) if self.config.use_silero else None
+        self._frame = self.config.frame_samples
+        self._start_frames = -(-self.config.start_ms // self.config.frame_ms)
+        self._hangover = self.config.hangover_ms * self.config.sample_rate // 1000
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream: times restart at 0 and any utterance in progress is dropped."""
+        self._webrtc = webrtcvad.Vad(self.config.aggressiveness)  # it adapts to the stream
+        self._pending = np.zeros(0, np.int16)
+        self._received = 0  # samples received
+        self._decided = 0  # samples whose frames have been decided
+        self._webrtc_votes: deque[bool] = deque()  # frames classified by webrtcvad, not decided
+        self._silero_windows: deque[tuple[int, bool]] = deque()  # (end, in speech) at 16 kHz
+        self._silero_end = 0  # 16 kHz samples Silero has scored
+        self._silero_on = False
+        self._to16k = None
+        if self._silero is not None:
+            self._silero.reset()
+            if self.config.sample_rate != SileroVAD.SAMPLE_RATE:
+                self._to16k = Resampler(self.config.sample_rate, SileroVAD.SAMPLE_RATE)
+        self._utterance = 0
+        self._in_speech = False
+        self._run_start = 0  # first sample of the current voiced run
+        self._run_frames = 0
+        self._start = 0
+        self._last_voiced_end = 0
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    @property
+    def position_s(self) -> float:
+        """Stream time up to which frames have been decided."""
+        return self._decided / self.config.sample_rate
+
+    def process(self, samples: bytes | np.ndarray) -> list[VADEvent]:
+        """Feed audio (PCM16 bytes, int16 or float) and return the events it completes."""
+        pcm = to_pcm16(samples)
+        self._received += len(pcm)
+        frames, self._pending = split_frames(np.concatenate([self._pending, pcm]), self._frame)
+        rate = self.config.sample_rate
+        for frame in frames:
+            try:
+                self._webrtc_votes.append(self._webrtc.is_speech(frame.tobytes(), rate))
+            except webrtcvad.Error as exc:  # config is validated, so this is a library fault
+                raise AudioFormatError(f"webrtcvad rejected a frame: {exc}") from exc
+        if self._silero is not None:
+            self._score_silero(to_float32(pcm))
+        return self._decide()
+
+    def commit(self) -> SpeechEnded | None:
+        """End the utterance in progress now (a client "commit"); None if there is none."""
+        if not self._in_speech:
+            return None
+        return self._end(endpoint=self._received, committed=True)
+
+    def _score_silero(self, floats: np.ndarray) -> None:
+        audio16k = floats if self._to16k is None else self._to16k.process(floats)
+        high, low = self.config.silero_threshold, self.config.silero_threshold - 0.15
+        for prob in self._silero.process(audio16k):
+            self._silero_on = prob >= high or (self._silero_on and prob >= low)
+            self._silero_end += SileroVAD.WINDOW
+            self._silero_windows.append((self._silero_end, self._silero_on))
+
+    def _decide(self) -> list[VADEvent]:
+        events: list[VADEvent] = []
+        while self._webrtc_votes:
+            start, end = self._decided, self._decided + self._frame
+            voiced = self._webrtc_votes[0]
+            if self._silero is not None:
+                scale = SileroVAD.SAMPLE_RATE / self.config.sample_rate
+                if self._silero_end < end * scale:
+                    break  # wait until Silero has heard this whole frame
+                while self._silero_windows and self._silero_windows[0][0] <= start * scale:
+                    self._silero_windows.popleft()
+                voiced = voiced and any(
+                    on
+                    for w_end, on in self._silero_windows
+                    if w_end - SileroVAD.WINDOW < end * scale
+                )
+            self._webrtc_votes.popleft()
+            self._decided = end
+            event = self._step(voiced, start, end)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _step(self, voiced: bool, start: int, end: int) -> VADEvent | None:
+        if voiced:
+            if self._run_frames == 0:
+                self._run_start = start
+            self._run_frames += 1
+            self._last_voiced_end = end
+        else:
+            self._run_frames = 0
+        if not self._in_speech:
+            if self._run_frames >= self._start_frames:
+                self._in_speech = True
+                self._start = self._run_start
+                rate = self.config.sample_rate
+                return SpeechStarted(self._utterance, self._run_start / rate, end / rate)
+            return None
+        if end - self._last_voiced_end >= self._hangover:
+            return self._end(endpoint=end, committed=False)
+        return None
+
+    def _end(self, endpoint: int, committed: bool) -> SpeechEnded:
+        rate = self.config.sample_rate
+        event = SpeechEnded(
+            utterance=self._utterance,
+            start_s=self._start / rate,
+            speech_end_s=self._last_voiced_end / rate,
+            endpoint_s=endpoint / rate,
+            committed=committed,
+        )
+        self._in_speech = False
+        self._run_frames = 0
+        self._utterance += 1
+        return event
