@@ -5,12 +5,12 @@ Knows tokens, not speech. Offline use: :class:`LLM`; online use: :class:`AsyncEn
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.engine_core import EngineCore, RequestError
+from engine.engine_core import EngineCore, LoadedModel, RequestError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingError, SamplingParams
 
 __all__ = [
-    "LLM", "AsyncEngine", "EngineCore", "EngineConfig", "ModelConfig", "SamplingParams",
+    "LLM", "AsyncEngine", "EngineCore", "LoadedModel", "EngineConfig", "ModelConfig", "SamplingParams",
     "RequestOutput", "CompletionOutput", "ConfigError", "RequestError", "SamplingError", "EngineDeadError",
 ]

@@ -10,17 +10,19 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import load_model, model_kind
+from engine.loader import has_tokenizer, load_model
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.metrics import EngineStats
+from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -52,16 +54,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+@dataclass
+class LoadedModel:
+    """Weights and tokenizer, loaded once; several engines (e.g. benchmark variants) may share it."""
+
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "LoadedModel":
+        config.validate()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model, model_config = load_model(config, device, dtype)
+        tokenizer = None
+        if config.tokenizer or has_tokenizer(config):
+            tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
+        return cls(model, model_config, tokenizer, device, dtype)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = loaded or LoadedModel.load(config)
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
+        self.loaded = loaded
         self.memory = MemoryLedger(str(self.device))
-        self.model, self.model_config = load_model(config, self.device, self.dtype)
         self.memory.record("weights", tensor_bytes(self.model))
-        self.tokenizer = self._load_tokenizer()
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -98,10 +122,6 @@ class EngineCore:
         self.generation_tokens_total = 0
 
     # ---- setup helpers ------------------------------------------------------------------------
-    def _load_tokenizer(self) -> Tokenizer | None:
-        source = self.config.tokenizer or (None if model_kind(self.config) == "dummy" else self.config.model)
-        return None if source is None else Tokenizer.load(source, self.config.cache_dir)
-
     def _kv_budget(self, spec: KVCacheSpec) -> int:
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
@@ -176,8 +196,9 @@ class EngineCore:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        outputs = [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
         if sched.is_empty:
-            return []
+            return outputs
         inputs = self.runner.prepare(sched.chunks)
         logits = self.runner.execute(inputs)
         rows = [
@@ -192,7 +213,6 @@ class EngineCore:
             self.prompt_tokens_total += max(0, min(c.start + c.num_tokens, req.num_prompt_tokens) - c.start)
             req.num_computed_tokens += c.num_tokens
             self.block_manager.cache_full_blocks(req)
-        outputs = []
         for i, c in enumerate(inputs.sampled_chunks):
             outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], now))
         return outputs
@@ -234,6 +254,19 @@ class EngineCore:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_generated_tokens=len(req.output_token_ids),
             metrics=req.metrics if status is not None else None,
+        )
+
+    def _finish_out_of_capacity(self, req: Request) -> RequestOutput:
+        """The scheduler stopped a request the KV pool cannot hold: report it as 'length'."""
+        log.warning("request %s needs more KV blocks than the pool has; stopped at %d tokens", req.request_id, req.num_tokens)
+        detok = self._detok.get(req.request_id)
+        req.stop_reason = "kv_cache_full"
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
+        return RequestOutput(
+            request_id=req.request_id, text=detok.take_delta(finished=True) if detok else "", token_ids=[],
+            finished=True, finish_reason="length", stop_reason="kv_cache_full",
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_generated_tokens=len(req.output_token_ids), metrics=req.metrics,
         )
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

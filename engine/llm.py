@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, LoadedModel
 from engine.metrics import EngineStats
 from engine.outputs import CompletionOutput
 from engine.sampling import SamplingParams
@@ -26,12 +26,15 @@ def make_config(model: str, **kwargs: Any) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, loaded: LoadedModel | None = None, **kwargs: Any
+    ) -> None:
+        """``LLM(path, **EngineConfig fields)``; pass ``loaded`` to reuse already loaded weights."""
         if config is None:
             if model is None:
                 raise ConfigError("LLM needs a model path or an EngineConfig")
             config = make_config(model, **kwargs)
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, loaded)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -51,6 +51,14 @@ def model_kind(config: EngineConfig) -> str:
     )
 
 
+def has_tokenizer(config: EngineConfig) -> bool:
+    """GGUF files embed one; HF directories may ship one; dummy weights have none."""
+    kind = model_kind(config)
+    if kind == "gguf":
+        return True
+    return kind == "hf" and any((Path(config.model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 # ---- GGUF -----------------------------------------------------------------------------------
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)

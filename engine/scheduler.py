@@ -50,6 +50,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that alone need more KV blocks than the whole pool: finished ("length").
+    out_of_capacity: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,6 +106,11 @@ class Scheduler:
                 n = self._chunk_size(req, budget[0])
                 while not self.block_manager.allocate_slots(req, n):
                     victim = self.running[-1]
+                    if victim is req and len(self.running) == 1:
+                        # Nothing else holds blocks: the pool is too small for this request.
+                        self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                        out.out_of_capacity.append(req)
+                        break
                     self._preempt(victim, scheduled, budget, out)
                     if victim is req:
                         break
@@ -161,8 +168,12 @@ class Scheduler:
         else:
             return False, False
         while not self.block_manager.allocate_slots(req, n, cached):
-            if not self._preempt_lower(req, scheduled, budget, out):
-                return False, False
+            if self._preempt_lower(req, scheduled, budget, out):
+                continue
+            if not self.running:  # nobody else holds blocks: the pool can never hold this request
+                self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                out.out_of_capacity.append(req)
+            return False, False
         self.waiting.remove(req)
         req.num_computed_tokens += len(cached) * self.block_manager.block_size
         req.status = RequestStatus.RUNNING

@@ -1,0 +1,82 @@
+"""Test helpers: requests built directly, a model-free engine loop, and raw prompt logits."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+_seq = itertools.count()
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, start_token: int = 1) -> Request:
+    prompt = [(start_token + i) % 1000 for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority, arrival_seq=next(_seq))
+
+
+class SimulatedEngine:
+    """Scheduler + block manager driven like the real engine, with a fake model that emits
+    token 7 for every completed chunk. Checks invariants after every step."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, **sched) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=sched.pop("prefix", True))
+        self.scheduler = Scheduler(SchedulerConfig(**sched), self.bm)
+        self.finished: list[Request] = []
+        self.steps = 0
+
+    def add(self, req: Request) -> Request:
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self):
+        out = self.scheduler.schedule()
+        self.finished += out.out_of_capacity
+        assert out.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens or not self.scheduler.config.enable_chunked_prefill
+        assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
+        for c in out.chunks:
+            req = c.request
+            assert req.status is RequestStatus.RUNNING
+            assert len(req.block_ids) * self.bm.block_size >= req.num_computed_tokens + c.num_tokens
+            done = c.completes_prompt
+            req.num_computed_tokens += c.num_tokens
+            self.bm.cache_full_blocks(req)
+            if done:
+                req.output_token_ids.append(7)
+                if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                    self.finished.append(req)
+        self.steps += 1
+        assert all(c >= 0 for c in self.bm.ref_cnt)
+        return out
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.scheduler.has_work:
+            self.step()
+            assert self.steps < max_steps, "requests starved"
+
+    def assert_idle_and_clean(self) -> None:
+        assert not self.scheduler.has_work
+        assert self.bm.num_free_blocks == self.bm.num_usable_blocks
+        assert all(c == 0 for c in self.bm.ref_cnt)
+
+
+def prompt_logits(core, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, computed by the engine's model over its paged cache."""
+    req = Request("logits-probe", list(token_ids), SamplingParams(max_tokens=1))
+    assert core.block_manager.allocate_slots(req, len(token_ids))
+    req.status = RequestStatus.RUNNING
+    try:
+        inputs = core.runner.prepare([ScheduledChunk(req, len(token_ids))])
+        with torch.inference_mode():
+            hidden = core.model(inputs.input_ids, inputs.positions, core.runner.backend, inputs.meta, core.runner.kv_layers)
+            return core.model.compute_logits(hidden)
+    finally:
+        core.block_manager.free(req)
