@@ -85,6 +85,13 @@ class BlockManager:
         reclaimed = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
         return max(need, 0) + reclaimed <= self.num_free_blocks
 
+    def free_token_capacity(self, req: Request, cached_blocks: list[int] = ()) -> int:
+        """How many more tokens ``req`` could take now (its partial last block + free blocks)."""
+        held = (len(req.block_ids) + len(cached_blocks)) * self.block_size
+        used = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        reclaimed = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        return held - used + max(0, self.num_free_blocks - reclaimed) * self.block_size
+
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give ``req`` the cached blocks (taking references) and enough fresh blocks for
         ``num_new_tokens`` more tokens. All or nothing: False leaves everything unchanged."""

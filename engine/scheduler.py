@@ -161,6 +161,8 @@ class Scheduler:
             n = min(remaining, budget[0])
             if self.config.long_prefill_token_threshold:
                 n = min(n, self.config.long_prefill_token_threshold)
+            # A first chunk that fits the free blocks beats waiting for the whole chunk's worth.
+            n = max(1, min(n, self.block_manager.free_token_capacity(req, cached)))
         elif remaining <= budget[0]:
             n = remaining
         elif not oversize_used:

@@ -1,1 +1,4 @@
-"""Speech: audio utilities, VAD endpointing, streaming ASR, streaming TTS, text chunking. Knows audio, not LLMs."""
+"""Speech: audio utilities, VAD endpointing, streaming ASR and TTS, text chunking.
+
+Knows audio, not LLMs: never imports ``engine`` or ``assistant``; models come in its configs.
+"""

@@ -9,7 +9,8 @@
 - ``ASRSession``: one user's stream. VAD endpointing; while the user speaks, the growing utterance
   is re-decoded every ``partial_interval_s`` and only the stable prefix is emitted (a word is
   stable once two decodes in a row agree on it; it is then forced as the decoder prefix of every
-  later decode, so each partial is a prefix of the later ones and of the final).
+  later decode, so each partial is a prefix of the later ones and of the final). No partials are
+  decoded while the speaker pauses, so the worker is free when the final comes.
 - ``AsyncASRSession``: the same for asyncio code (``async for event in session``,
   ``await session.final()``).
 """
@@ -38,6 +39,7 @@ from speech.vad import VoiceActivityDetector
 log = logging.getLogger(__name__)
 
 ASR_SAMPLE_RATE = 16000
+PARTIAL_MAX_SILENCE_S = 0.15  # no partial decodes once the speaker pauses: nothing new to hear
 
 
 class ASRError(RuntimeError):
@@ -69,7 +71,9 @@ class ASRBackend(ABC):
             )
 
     @abstractmethod
-    def transcribe(self, audio: np.ndarray, prefix: str = "", language: str | None = None) -> Decoded:
+    def transcribe(
+        self, audio: np.ndarray, prefix: str = "", language: str | None = None
+    ) -> Decoded:
         """Transcribe ``audio`` (text starting with ``prefix`` if given) in ``language``
         ("auto" detects; None: the backend's configured language)."""
 
@@ -103,7 +107,9 @@ class FasterWhisperBackend(ASRBackend):
         self.supported_languages = tuple(self._model.supported_languages)
         self.check_language(config.language)
 
-    def transcribe(self, audio: np.ndarray, prefix: str = "", language: str | None = None) -> Decoded:
+    def transcribe(
+        self, audio: np.ndarray, prefix: str = "", language: str | None = None
+    ) -> Decoded:
         config = self.config
         language = config.language if language is None else language
         if len(self.supported_languages) == 1:
@@ -243,7 +249,7 @@ class ASRWorker:
             )
 
     def close(self) -> None:
-        """Stop: queued partials are dropped, queued finals are still decoded, then the thread ends."""
+        """Stop: queued partials are dropped, queued finals still decoded, then the thread ends."""
         with self._cond:
             if self._closed:
                 return
@@ -425,6 +431,8 @@ class ASRSession:
                 return
             if self._total - self._speech_start < self.asr.min_partial_audio_s * ASR_SAMPLE_RATE:
                 return
+            if self._vad.silence_s > PARTIAL_MAX_SILENCE_S:
+                return  # keeps the worker free for the final that may follow
             self._last_partial = self._total
             job = self._job(self._utterance, False, self._total)
         self._worker.submit(job)

@@ -58,7 +58,9 @@ def to_float32(samples: bytes | bytearray | memoryview | np.ndarray) -> np.ndarr
     if samples.dtype in (np.float32, np.float64):
         if not np.isfinite(samples).all():
             bad = int(np.count_nonzero(~np.isfinite(samples)))
-            raise AudioFormatError(f"audio has {bad} NaN or infinite samples; samples must be finite")
+            raise AudioFormatError(
+                f"audio has {bad} NaN or infinite samples; samples must be finite"
+            )
         return samples.astype(np.float32, copy=False)
     raise AudioFormatError(
         f"audio dtype {samples.dtype} is not supported; use int16 PCM or float32/float64 in [-1, 1]"

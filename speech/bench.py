@@ -37,7 +37,8 @@ from speech.tts import TTSUnavailable, load_tts
 UTTERANCES = [
     "How many days of annual leave do I get per year?",
     "How quickly must I report a security incident, and which form do I submit?",
-    "To apply for annual leave, open PeopleHub, choose a leave request, and submit it to your manager.",
+    "To apply for annual leave, open PeopleHub, choose a leave request, and submit it to your "
+    "manager.",
     "If you are sick for more than three days, send a doctor's note to your manager and record "
     "the absence in PeopleHub on the same day.",
 ]
@@ -119,7 +120,8 @@ def bench_asr(name: str, path: Path, clips: list[np.ndarray], threads: int, bar:
                     without["latency"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
                 Row("ASR", name,
                     f"final latency after endpoint, {length}, "
-                    f"partials every {config.partial_interval_s} s ({with_partials['partials']:.0f})",
+                    f"partials every {config.partial_interval_s} s "
+                    f"({with_partials['partials']:.0f})",
                     with_partials["latency"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
             ]  # fmt: skip
             bar.update()
@@ -187,7 +189,9 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(prog="python -m speech.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m speech.bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--asr-model", action="append", default=[], metavar="NAME=DIR",
                         help="a CTranslate2 Whisper directory to measure (repeatable)")
     parser.add_argument("--coqui-checkpoint", type=Path,
@@ -202,7 +206,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     voice = load_tts(TTSConfig(backend="hibari", seed=0))
     pad = np.zeros(RATE // 2, np.float32)
     clips = [
-        np.concatenate([pad, resample(voice.synthesize(text).pcm, voice.sample_rate, RATE), pad, pad])
+        np.concatenate(
+            [pad, resample(voice.synthesize(text).pcm, voice.sample_rate, RATE), pad, pad]
+        )
         for text in UTTERANCES
     ]
     rows: list[Row] = []
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for row in rows:
         value = f"{row.value:.3f} x" if row.unit == "x" else f"{row.value:.0f} {row.unit}"
         table.add_row(row.stage, row.subject, row.metric, value, row.reference)
-    Console().print(table)
+    Console(width=160).print(table)
     if args.json:
         payload = {"versions": versions(), "machine": platform.processor() or platform.machine(),
                    "rows": [asdict(r) for r in rows]}  # fmt: skip

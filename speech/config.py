@@ -165,6 +165,7 @@ class ChunkerConfig:
         _check(self.min_chars >= 1, f"ChunkerConfig.min_chars={self.min_chars}: must be >= 1")
         _check(
             self.max_chars >= 2 * self.min_chars,
-            f"ChunkerConfig.max_chars={self.max_chars}: must be >= 2 * min_chars ({self.min_chars})",
+            f"ChunkerConfig.max_chars={self.max_chars}: must be >= 2 * min_chars "
+            f"({self.min_chars})",
         )
         _check(self.cjk_weight >= 1, f"ChunkerConfig.cjk_weight={self.cjk_weight}: must be >= 1")

@@ -13,7 +13,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SpeechStarted:
-    """An utterance began: ``start_s`` is its first voiced frame, ``detected_s`` when VAD was sure."""
+    """An utterance began: ``start_s`` is its first voiced frame; ``detected_s``, when VAD knew."""
 
     utterance: int
     start_s: float

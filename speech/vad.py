@@ -106,6 +106,13 @@ class VoiceActivityDetector:
         return self._in_speech
 
     @property
+    def silence_s(self) -> float:
+        """How long the utterance in progress has been silent (0 when none is in progress)."""
+        if not self._in_speech:
+            return 0.0
+        return (self._decided - self._last_voiced_end) / self.config.sample_rate
+
+    @property
     def position_s(self) -> float:
         """Stream time up to which frames have been decided."""
         return self._decided / self.config.sample_rate

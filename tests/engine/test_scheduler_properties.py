@@ -17,7 +17,7 @@ event = st.tuples(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     events=st.lists(event, min_size=1, max_size=25),
     num_blocks=st.integers(12, 60),

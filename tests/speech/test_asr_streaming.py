@@ -186,6 +186,21 @@ def test_queue_bound_holds_under_a_burst(question_clips, whisper_tiny) -> None:
     assert all(texts[s] for s in (100, 1, 5))
 
 
+def test_no_partials_are_decoded_once_the_speaker_pauses(question_clips, whisper_tiny, tiny_config) -> None:
+    """With a 2 s hangover, partials every 0.25 s would go on for 2 s of silence; they stop."""
+    clip = question_clips[1]
+    audio = np.concatenate([clip.audio, np.zeros(3 * clip.sample_rate, np.float32)])
+    config = replace(tiny_config, partial_interval_s=0.25)
+    with ASRWorker(whisper_tiny) as worker:
+        events = transcribe(
+            worker, config, audio, clip.sample_rate, vad=VADConfig(hangover_ms=2000)
+        )
+        submitted = worker.stats.submitted_partials
+    speech = events[1].speech_end_s - events[0].start_s
+    assert events[1].endpoint_s - events[1].speech_end_s == pytest.approx(2.0, abs=0.031)
+    assert 1 <= submitted <= (speech - config.min_partial_audio_s) / 0.25 + 2
+
+
 def test_silence_and_white_noise_give_no_transcript(whisper_base, base_config) -> None:
     with ASRWorker(whisper_base) as worker:
         for audio in (np.zeros(3 * 16000, np.float32), white_noise(3, 0.05), white_noise(3, 0.3)):

@@ -1,0 +1,71 @@
+"""Greedy output does not depend on batching, chunking, prefix caching or preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+SYSTEM = (
+    "You are the handbook assistant of Northwind Robotics. Employees get 20 days of annual leave, "
+    "request it with form HR-01 in PeopleHub, and give 10 working days' notice. Expenses are "
+    "claimed within 30 days with form FIN-02."
+)
+QUESTIONS = ["How do I apply for annual leave?", "How long do I have to claim expenses?", "What is PeopleHub?", "Tell me a joke."]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm):
+    return [smollm.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, llm_gguf_path, prompts):
+    """Each prompt alone, whole-prompt prefill, no prefix cache."""
+    llm = LLM(str(llm_gguf_path), loaded=smollm, enable_prefix_caching=False, enable_chunked_prefill=False, num_kv_blocks=64)
+    return [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
+
+
+VARIANTS = {
+    "batched": dict(),
+    "chunk7": dict(long_prefill_token_threshold=7),
+    "chunk64": dict(max_num_batched_tokens=64),
+    "no-chunking": dict(enable_chunked_prefill=False),
+    "prefix-off": dict(enable_prefix_caching=False),
+    "tiny-pool-preemption": dict(num_kv_blocks=31, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_variants_match_the_reference(variant, smollm, llm_gguf_path, prompts, reference):
+    options = {"num_kv_blocks": 128, **VARIANTS[variant]}
+    llm = LLM(str(llm_gguf_path), loaded=smollm, **options)
+    results = llm.generate(prompts, PARAMS)
+    assert [r.token_ids for r in results] == reference
+    if variant == "tiny-pool-preemption":
+        assert llm.stats().num_preemptions > 0  # the pool really forced recomputation
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_cache_hit_gives_the_same_output_as_the_miss(smollm, llm_gguf_path, prompts, reference):
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    first = llm.generate(prompts[:1], PARAMS)[0]
+    second = llm.generate(prompts[:1], PARAMS)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+    assert first.token_ids == second.token_ids == reference[0]
+
+
+def test_staggered_arrivals_change_nothing(smollm, llm_gguf_path, prompts, reference):
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_num_batched_tokens=48)
+    core = llm.core
+    reqs, outputs = [], {}
+    for p in prompts:
+        reqs.append(core.add_request(p, PARAMS))
+        for _ in range(3):
+            for d in core.step():
+                outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    while core.has_unfinished_requests():
+        for d in core.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [outputs[r.request_id] for r in reqs] == reference
