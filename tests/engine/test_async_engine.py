@@ -1,0 +1,144 @@
+"""The online API: streaming, abort, client going away, priorities, a free event loop, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineCore, RequestError, SamplingError, SamplingParams
+from engine.llm import make_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture
+def engine(smollm, llm_gguf_path):
+    eng = AsyncEngine(core=EngineCore(make_config(str(llm_gguf_path), num_kv_blocks=256, max_num_seqs=4), smollm))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, params=GREEDY, **kw):
+    deltas = [d async for d in engine.generate(prompt, params, **kw)]
+    return deltas
+
+
+async def wait_idle(engine, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
+            return s
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+async def test_stream_matches_offline_generation(engine, smollm, llm_gguf_path):
+    prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    deltas = await collect(engine, prompt)
+    offline = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=64).generate([prompt], GREEDY)[0]
+    assert "".join(d.text for d in deltas) == offline.text
+    assert [t for d in deltas for t in d.token_ids] == offline.token_ids
+    assert deltas[-1].finished and deltas[-1].metrics.ttft is not None
+    assert sum(1 for d in deltas if d.text) > 1
+
+
+async def test_abort_ends_the_stream_and_frees_every_block(engine):
+    stream = engine.generate(list(range(10, 60)), SamplingParams(max_tokens=500, ignore_eos=True), request_id="long")
+    got = []
+    async for d in stream:
+        got.append(d)
+        if len(got) == 3:
+            engine.abort("long")
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    await wait_idle(engine)
+
+
+async def test_client_that_goes_away_aborts_its_request(engine):
+    async def consume_two():
+        async for d in engine.generate(list(range(10, 60)), SamplingParams(max_tokens=500, ignore_eos=True)):
+            if d.num_generated_tokens >= 2:
+                break  # the generator is closed: like a disconnected client
+
+    await consume_two()
+    await wait_idle(engine)
+
+
+async def test_event_loop_is_never_blocked(engine):
+    gaps = []
+
+    async def ticker(stop):
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    stop = asyncio.Event()
+    tick = asyncio.create_task(ticker(stop))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(collect(engine, list(range(5 + i, 300 + i)), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(4)))
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    await tick
+    assert elapsed > 0.5  # real work happened meanwhile
+    assert max(gaps) < min(0.25, elapsed / 4)
+
+
+async def test_interactive_request_preempts_background_work(engine):
+    background = [
+        asyncio.create_task(collect(engine, list(range(100 + i, 140 + i)), SamplingParams(max_tokens=80, ignore_eos=True), priority=10))
+        for i in range(4)
+    ]
+    while engine.stats().num_running < 4:
+        await asyncio.sleep(0.01)
+    voice = await collect(engine, list(range(500, 530)), SamplingParams(max_tokens=4, ignore_eos=True), priority=0)
+    assert voice[-1].finished
+    assert not all(t.done() for t in background)  # answered while the background batch still runs
+    assert engine.stats().num_preemptions >= 1
+    await asyncio.gather(*background)
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], GREEDY, "empty"),
+        (list(range(9000)), GREEDY, "context"),
+        ([1, 2, 10**9], GREEDY, "token ids"),
+        ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2, 3], SamplingParams(top_p=0.0), "top_p"),
+    ],
+)
+async def test_bad_requests_raise_before_scheduling_and_others_continue(engine, prompt, params, message):
+    good = asyncio.create_task(collect(engine, list(range(20, 50)), SamplingParams(max_tokens=8, ignore_eos=True)))
+    with pytest.raises(RequestError, match=message):
+        await collect(engine, prompt, params)
+    deltas = await good
+    assert deltas[-1].finished and deltas[-1].num_generated_tokens == 8
+    await wait_idle(engine)
+
+
+def test_unknown_sampling_parameter_is_an_error():
+    with pytest.raises(SamplingError, match="unknown"):
+        SamplingParams.from_dict({"max_tokens": 4, "beam_width": 3})
+
+
+def test_offline_batch_with_one_bad_prompt_schedules_nothing(smollm, llm_gguf_path):
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=64)
+    with pytest.raises(RequestError):
+        llm.generate([[1, 2, 3], []], GREEDY)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+async def test_duplicate_request_id_is_rejected(engine):
+    first = engine.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")
+    await first.__anext__()
+    with pytest.raises(RequestError, match="already in use"):
+        await collect(engine, [5, 6, 7], request_id="same")
+    await first.aclose()
+    await wait_idle(engine)
