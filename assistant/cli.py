@@ -68,6 +68,8 @@ async def ask(answerer, question: str, history: list[dict[str, str]], timings: b
 async def run(args: argparse.Namespace) -> int:
     from assistant.answerer import Answerer
     from assistant.docs import DocumentError
+    from assistant.models import ModelNotAvailable
+    from engine import ConfigError
 
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -76,8 +78,11 @@ async def run(args: argparse.Namespace) -> int:
     print("Loading the model and the handbook...", file=sys.stderr, flush=True)
     try:
         answerer = Answerer.create(config)
-    except (DocumentError, FileNotFoundError) as e:
+    except (DocumentError, FileNotFoundError, ConfigError) as e:
         return fail(str(e))
+    except ModelNotAvailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         if args.question is not None:
             if not args.question.strip():

@@ -174,3 +174,32 @@ def _assemble_whisper_base() -> Path:
     os.replace(tmp, model)
     stamp.write_text("ok\n")
     return target
+
+
+def prepare() -> None:
+    """Resolve every default model once (joins split parts, converts the GGUF tokenizer), with progress."""
+    from tqdm import tqdm
+
+    steps = [("llm", None), ("asr", None), ("asr-tiny", None), ("tts", None), ("llm tokenizer", "tokenizer")]
+    with tqdm(steps, desc="Preparing embedded models", unit="step") as bar:
+        for role, kind in bar:
+            bar.set_postfix_str(role)
+            if kind == "tokenizer":
+                from engine.tokenizer import Tokenizer
+
+                Tokenizer.load(resolve("llm"))
+            else:
+                resolve(role)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["prepare"]:
+        print("usage: python -m assistant.models prepare", file=sys.stderr)
+        sys.exit(2)
+    try:
+        prepare()
+    except ModelNotAvailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
