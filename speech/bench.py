@@ -96,7 +96,9 @@ def stream_once(worker: ASRWorker, config: ASRConfig, audio: np.ndarray) -> dict
     return {"latency": marks["final"] - marks["endpoint"], "partials": marks["partials"]}
 
 
-def bench_asr(name: str, path: Path, clips: list[np.ndarray], threads: int, bar: tqdm) -> list[Row]:
+def bench_asr(
+    name: str, path: Path, clips: list[np.ndarray], threads: int, repeats: int, bar: tqdm
+) -> list[Row]:
     config = ASRConfig(model_path=path, language="en", cpu_threads=threads)
     backend = FasterWhisperBackend(config)
     backend.transcribe(clips[0])  # warm-up
@@ -106,33 +108,39 @@ def bench_asr(name: str, path: Path, clips: list[np.ndarray], threads: int, bar:
             speech = speech_seconds(audio)
             length = f"{speech:.1f} s"
             decodes = []
-            for _ in range(3):
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 backend.transcribe(audio)
                 decodes.append(time.perf_counter() - t0)
             decode = statistics.median(decodes)
-            with_partials = stream_once(worker, config, audio)
-            without = stream_once(worker, replace(config, partial_interval_s=None), audio)
+            streamed = {
+                label: [stream_once(worker, cfg, audio) for _ in range(repeats)]
+                for label, cfg in (
+                    ("without", replace(config, partial_interval_s=None)),
+                    ("with", config),
+                )
+            }
+            latency = {k: statistics.median(r["latency"] for r in v) for k, v in streamed.items()}
+            partials = statistics.median(r["partials"] for r in streamed["with"])
             rows += [
                 Row("ASR", name, f"RTF, {length} utterance", decode / speech, "x",
                     "1.0 = real time"),
                 Row("ASR", name, f"final latency after endpoint, {length}, no partials",
-                    without["latency"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
+                    latency["without"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
                 Row("ASR", name,
                     f"final latency after endpoint, {length}, "
-                    f"partials every {config.partial_interval_s} s "
-                    f"({with_partials['partials']:.0f})",
-                    with_partials["latency"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
+                    f"partials every {config.partial_interval_s} s ({partials:.0f} emitted)",
+                    latency["with"] * 1e3, "ms", f"plain decode {decode * 1e3:.0f} ms"),
             ]  # fmt: skip
             bar.update()
     return rows
 
 
-def bench_tts(config: TTSConfig, label: str, bar: tqdm) -> list[Row]:
+def bench_tts(config: TTSConfig, label: str, repeats: int, bar: tqdm) -> list[Row]:
     tts = load_tts(config)
     tts.synthesize("Warm up.")
     firsts, rtfs = [], []
-    for _ in range(3):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         first, audio_s = None, 0.0
         for chunk in tts.stream(ANSWER):
@@ -172,7 +180,7 @@ def random_vits(directory: Path) -> Path:
         characters=characters, add_blank=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    torch.save({"model": Vits.init_from_config(config).state_dict()}, directory / "model.pth")
+    torch.save({"model": Vits(config).state_dict()}, directory / "model.pth")
     config.save_json(str(directory / "config.json"))
     return directory
 
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--coqui-checkpoint", type=Path,
                         help="a coqui checkpoint directory (default: a random-weight VITS)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for Whisper")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     models = [tuple(spec.split("=", 1)) for spec in args.asr_model]
@@ -216,13 +225,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
         total=len(models) * len(clips) + 3, desc="speech bench", unit="step"
     ) as bar:
         for name, path in models:
-            rows += bench_asr(name, Path(path), clips, args.threads, bar)
-        rows += bench_tts(TTSConfig(backend="hibari"), "hibari (bundled voice)", bar)
-        rows += bench_tts(TTSConfig(backend="espeak"), "espeak-ng", bar)
+            rows += bench_asr(name, Path(path), clips, args.threads, args.repeats, bar)
+        rows += bench_tts(TTSConfig(backend="hibari"), "hibari (bundled voice)", args.repeats, bar)
+        rows += bench_tts(TTSConfig(backend="espeak"), "espeak-ng", args.repeats, bar)
         try:
             checkpoint = args.coqui_checkpoint or random_vits(Path(tmp))
             label = "coqui" if args.coqui_checkpoint else "coqui, random small VITS (noise)"
-            rows += bench_tts(TTSConfig(backend="coqui", model_path=checkpoint), label, bar)
+            rows += bench_tts(
+                TTSConfig(backend="coqui", model_path=checkpoint), label, args.repeats, bar
+            )
         except (ImportError, TTSUnavailable):
             bar.write("coqui-tts is not installed: pip install 'handbook-voice-assistant[coqui]'")
 

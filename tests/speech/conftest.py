@@ -207,7 +207,7 @@ def coqui_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         add_blank=False,
     )
     torch.manual_seed(0)
-    model = Vits.init_from_config(config)
+    model = Vits(config)
     directory = tmp_path_factory.mktemp("coqui-vits-random")
     torch.save({"model": model.state_dict()}, directory / "model.pth")
     config.save_json(str(directory / "config.json"))

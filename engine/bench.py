@@ -1,0 +1,385 @@
+"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked]``.
+
+Every figure is printed next to a ceiling or a baseline measured in the same run:
+device copy bandwidth (bytes read + written) and a large matmul give the ceilings; HF
+transformers on the same weights gives the baseline. Speed does not depend on weight values,
+so ``--load-format dummy`` with ``engine/configs/llama-3.1-8b.json`` benchmarks the 8B shape
+with random weights (the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, LoadedModel
+from engine.sampling import SamplingParams
+
+SUITES = ("latency", "prefill", "throughput", "prefix", "chunked")  # plus "serve": engine/bench_serve.py
+
+
+@dataclass
+class Row:
+    figure: str
+    value: float
+    unit: str
+    reference: str = ""
+    ref_value: float | None = None
+    higher_is_better: bool = True
+
+    @property
+    def ratio(self) -> float | None:
+        """value / reference (a fraction of a ceiling, or a multiple of a baseline)."""
+        if not self.ref_value:
+            return None
+        return self.value / self.ref_value
+
+    def verdict(self) -> str:
+        r = self.ratio
+        if r is None:
+            return ""
+        if not self.higher_is_better and r < 1:
+            return f"{1 / r:.1f}x lower"
+        return f"{r:.2f}x"
+
+
+@dataclass
+class Sizes:
+    """Workload sizes; CPU defaults are small enough for a 2-core machine."""
+
+    decode_prompt: int
+    decode_tokens: int
+    prefill_batch: int
+    prefill_len: int
+    throughput_requests: int
+    throughput_in: tuple[int, int]
+    throughput_out: tuple[int, int]
+    prefix_len: int
+    question_len: int
+    prefix_runs: int
+    chunked_streams: int
+    chunked_long: int
+    chunked_budget: int
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "Sizes":
+        if device.type == "cuda":
+            return cls(512, 128, 8, 2048, 1000, (128, 1024), (128, 512), 32000, 30, 10, 32, 32000, 512)
+        return cls(128, 48, 2, 256, 32, (64, 192), (32, 64), 2000, 30, 5, 8, 1500, 64)
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy (rotating buffers)."""
+    n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
+    bufs = [torch.randn(n, device=device) for _ in range(3)]
+    out = torch.empty_like(bufs[0])
+    i = [0]
+
+    def run():
+        out.copy_(bufs[i[0] % 3])
+        i[0] += 1
+
+    return 2 * n * 4 / timed(run, device, 10)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timed(lambda: a @ b, device, 10)
+
+
+def decode_step_bytes(core: EngineCore, context: int) -> int:
+    """Bytes one batch-1 decode step must read: weights (the embedding table is only indexed
+    unless tied to the head) plus the request's KV."""
+    mc = core.model_config
+    elem = torch.empty((), dtype=core.dtype).element_size()
+    weights = mc.num_parameters * elem
+    if not mc.tie_word_embeddings:
+        weights -= mc.vocab_size * mc.hidden_size * elem
+    return weights + mc.kv_bytes_per_token(elem) * context
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+
+def run_to_completion(core: EngineCore) -> None:
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def engine_decode(core: EngineCore, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(ttft s, tpot s) of one request alone."""
+    req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    run_to_completion(core)
+    return req.metrics.ttft, req.metrics.tpot
+
+
+def hf_decode(hf, prompt: list[int], tokens: int, device: torch.device) -> tuple[float, float]:
+    x = torch.tensor([prompt], device=device)
+    gen = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(x, max_new_tokens=2, min_new_tokens=2, **gen)  # warm-up
+        t1 = timed(lambda: hf.generate(x, max_new_tokens=1, min_new_tokens=1, **gen), device, 2)
+        tn = timed(lambda: hf.generate(x, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **gen), device, 1)
+    return t1, (tn - t1) / tokens
+
+
+def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
+    prompt = random_prompt(rng, sizes.decode_prompt, core.model_config.vocab_size)
+    engine_decode(core, prompt, 4)  # warm-up
+    core.block_manager.reset_prefix_cache()
+    ttft, tpot = engine_decode(core, prompt, sizes.decode_tokens)
+    ceiling = bw / decode_step_bytes(core, sizes.decode_prompt + sizes.decode_tokens // 2)
+    rows = [Row(f"decode batch 1 (prompt {sizes.decode_prompt})", 1 / tpot, "tok/s", "bandwidth ceiling (bytes/step / copy bw)", ceiling)]
+    results.update(decode_bs1_tok_s=1 / tpot, decode_bs1_roofline_frac=(1 / tpot) / ceiling, decode_bs1_ceiling_tok_s=ceiling)
+    if hf is not None:
+        _, hf_tpot = hf_decode(hf, prompt, sizes.decode_tokens, core.device)
+        rows.append(Row("decode batch 1 vs HF generate()", 1 / tpot, "tok/s", "HF generate() same model", 1 / hf_tpot))
+        results.update(hf_decode_bs1_tok_s=1 / hf_tpot)
+    return rows
+
+
+def bench_prefill(core, hf, sizes, rng, flops, results) -> list[Row]:
+    vocab = core.model_config.vocab_size
+    prompts = [random_prompt(rng, sizes.prefill_len, vocab) for _ in range(sizes.prefill_batch)]
+    saved = core.scheduler.config.max_num_batched_tokens
+    core.scheduler.config.max_num_batched_tokens = sizes.prefill_batch * sizes.prefill_len
+
+    def once():
+        core.block_manager.reset_prefix_cache()
+        for p in prompts:
+            core.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+        run_to_completion(core)
+
+    seconds = timed(once, core.device, 3)
+    core.scheduler.config.max_num_batched_tokens = saved
+    tokens = sizes.prefill_batch * sizes.prefill_len
+    ours = tokens / seconds
+    ceiling = flops / (2 * core.model_config.num_parameters)
+    rows = [Row(f"prefill {sizes.prefill_batch} x {sizes.prefill_len}", ours, "tok/s", "matmul ceiling (2 FLOP/param/token)", ceiling)]
+    results.update(prefill_tok_s=ours)
+    if hf is not None:
+        x = torch.tensor(prompts, device=core.device)
+        with torch.inference_mode():
+            hf_seconds = timed(lambda: hf(x, logits_to_keep=1), core.device, 3)
+        rows.append(Row(f"prefill {sizes.prefill_batch} x {sizes.prefill_len} vs HF forward", ours, "tok/s", "HF forward same batch", tokens / hf_seconds))
+        results.update(hf_prefill_tok_s=tokens / hf_seconds)
+    return rows
+
+
+def bench_throughput(core, sizes, rng, results) -> list[Row]:
+    vocab = core.model_config.vocab_size
+    core.block_manager.reset_prefix_cache()
+    reqs = []
+    t = time.perf_counter()
+    for _ in range(sizes.throughput_requests):
+        prompt = random_prompt(rng, rng.randint(*sizes.throughput_in), vocab)
+        out_len = rng.randint(*sizes.throughput_out)
+        reqs.append(core.add_request(prompt, SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)))
+    run_to_completion(core)
+    seconds = time.perf_counter() - t
+    out_tokens = sum(len(r.output_token_ids) for r in reqs)
+    tput = out_tokens / seconds
+    results.update(throughput_output_tok_s=tput, throughput_requests=len(reqs))
+    ref = results.get("hf_decode_bs1_tok_s")
+    return [Row(f"throughput, {len(reqs)} requests at once", tput, "out tok/s", "HF generate() batch 1" if ref else "", ref)]
+
+
+def bench_prefix(core, sizes, rng, results) -> list[Row]:
+    vocab = core.model_config.vocab_size
+    prefix = random_prompt(rng, sizes.prefix_len, vocab)
+
+    def ttft(question):
+        req = core.add_request(prefix + question, SamplingParams(max_tokens=1, ignore_eos=True))
+        run_to_completion(core)
+        return req.metrics.ttft
+
+    core.block_manager.reset_prefix_cache()
+    ttft(random_prompt(rng, sizes.question_len, vocab))  # warm: the prefix is now cached
+    cached = [ttft(random_prompt(rng, sizes.question_len, vocab)) for _ in range(sizes.prefix_runs)]
+    uncached = []
+    for _ in range(max(2, sizes.prefix_runs // 2)):
+        core.block_manager.reset_prefix_cache()
+        uncached.append(ttft(random_prompt(rng, sizes.question_len, vocab)))
+    c50, u50 = statistics.median(cached) * 1e3, statistics.median(uncached) * 1e3
+    results.update(prefix_ttft_p50_ms=c50, uncached_ttft_p50_ms=u50)
+    return [Row(f"TTFT, {sizes.question_len}-token question after a cached {sizes.prefix_len}-token prefix", c50, "ms p50",
+                "same question, prefix not cached", u50, higher_is_better=False)]
+
+
+def bench_chunked(core, sizes, rng, results) -> list[Row]:
+    """ITL of running streams while a long prompt arrives, with chunked prefill on and off."""
+    vocab = core.model_config.vocab_size
+    cfg = core.scheduler.config
+    saved = (cfg.enable_chunked_prefill, cfg.max_num_batched_tokens)
+    rows = []
+
+    def phase(long_prompt: bool, chunked: bool) -> tuple[float, float | None]:
+        cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = chunked, sizes.chunked_budget
+        core.block_manager.reset_prefix_cache()
+        streams = [core.add_request(random_prompt(rng, 64, vocab), SamplingParams(max_tokens=10_000, ignore_eos=True))
+                   for _ in range(sizes.chunked_streams)]
+        while any(len(r.output_token_ids) < 3 for r in streams):
+            core.step()
+        start = [len(r.metrics.token_times) for r in streams]
+        long_req = None
+        if long_prompt:
+            long_req = core.add_request(random_prompt(rng, sizes.chunked_long, vocab), SamplingParams(max_tokens=4, ignore_eos=True))
+            while long_req.metrics.first_token_time is None:
+                core.step()
+        else:
+            for _ in range(16):
+                core.step()
+        for _ in range(3):
+            core.step()
+        itl = [g for r, s in zip(streams, start) for g in r.metrics.inter_token_latencies[s:]]
+        for r in streams:
+            core.abort_request(r.request_id)
+        if long_req is not None and not long_req.status.finished:
+            core.abort_request(long_req.request_id)
+        itl.sort()
+        p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))]
+        return p99, long_req.metrics.ttft if long_req is not None else None
+
+    base, _ = phase(False, True)
+    with_chunk, ttft_chunk = phase(True, True)
+    no_chunk, ttft_whole = phase(True, False)
+    cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = saved
+    results.update(chunked_itl_p99_ratio=with_chunk / base, unchunked_itl_p99_ratio=no_chunk / base,
+                   long_prompt_ttft_chunked_ms=ttft_chunk * 1e3, long_prompt_ttft_unchunked_ms=ttft_whole * 1e3)
+    label = f"{sizes.chunked_streams} streams, {sizes.chunked_long}-token prompt arrives"
+    rows.append(Row(f"ITL p99, {label}, chunked ({sizes.chunked_budget}/step)", with_chunk * 1e3, "ms", "ITL p99 without the long prompt", base * 1e3, False))
+    rows.append(Row(f"ITL p99, {label}, not chunked", no_chunk * 1e3, "ms", "ITL p99 without the long prompt", base * 1e3, False))
+    rows.append(Row("long prompt TTFT, chunked", ttft_chunk * 1e3, "ms", "not chunked", ttft_whole * 1e3, False))
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'figure':<78} {'value':>12} {'unit':<10} {'ceiling / baseline':<44} {'ref':>12} {'ratio':>11}"]
+    for r in rows:
+        ref = f"{r.ref_value:,.2f}" if r.ref_value is not None else ""
+        lines.append(f"{r.figure:<78} {r.value:>12,.2f} {r.unit:<10} {r.reference:<44} {ref:>12} {r.verdict():>11}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the load generator against an OpenAI-compatible server
+        from engine.bench_serve import main as serve_main
+
+        return serve_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", nargs="?", default="all", choices=("all", *SUITES))
+    p.add_argument("--model", help="model path, or a config.json with --load-format dummy (default: embedded SmolLM2)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from importlib.util import find_spec
+
+        if find_spec("assistant") is None:
+            p.error("--model is required")
+        from assistant.models import resolve
+
+        model = str(resolve("llm"))
+    config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
+    loaded = LoadedModel.load(config)
+    device = loaded.device
+    sizes = Sizes.for_device(device)
+    config.max_num_seqs = args.max_num_seqs or (256 if device.type == "cuda" else max(32, sizes.throughput_requests))
+    config.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+    config.max_model_len = max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096)
+    core = EngineCore(config, loaded)
+    rng = random.Random(args.seed)
+    results: dict[str, float] = {}
+    print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
+          f"{core.dtype}, {'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
+    bw = copy_bandwidth(device)
+    flops = matmul_flops(device, core.dtype)
+    rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
+    results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    hf = None
+    if not args.no_hf and ({"latency", "prefill"} & set(suites)):
+        from engine.hf_reference import build_hf_model
+
+        hf = build_hf_model(core.model)
+    for suite in suites:
+        print(f"... {suite}", file=sys.stderr, flush=True)
+        if suite == "latency":
+            rows += bench_latency(core, hf, sizes, rng, bw, results)
+        elif suite == "prefill":
+            rows += bench_prefill(core, hf, sizes, rng, flops, results)
+        elif suite == "throughput":
+            rows += bench_throughput(core, sizes, rng, results)
+        elif suite == "prefix":
+            rows += bench_prefix(core, sizes, rng, results)
+        elif suite == "chunked":
+            rows += bench_chunked(core, sizes, rng, results)
+    del hf
+    print(format_table(rows))
+    print("\nmemory:\n" + core.memory.format())
+    if args.json:
+        record = {
+            "gpu" if device.type == "cuda" else "device": device_name(device),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m engine.bench " + " ".join(argv),
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "model": Path(model).name, "random_weights": args.load_format == "dummy",
+            "sizes": asdict(sizes), "results": results, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+            "memory": dict(core.memory.rows()),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
