@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stats = core.stats()
+        self._finish_listeners: list[Callable[[RequestOutput], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -122,6 +123,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop ``request_id``; its stream ends with finish_reason 'abort'."""
         self._commands.put(_Abort(request_id))
+
+    def add_finish_listener(self, listener: Callable[[RequestOutput], None]) -> None:
+        """Call ``listener(output)`` on the engine thread with every request's final output
+        (stopped, length or aborted), e.g. to observe its metrics; it must be quick."""
+        self._finish_listeners.append(listener)
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine thread has stopped (shut down or crashed)."""
+        return self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the last engine step (safe from any thread)."""
@@ -183,6 +194,12 @@ class AsyncEngine:
         self._stats = self.core.stats()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput) and item.finished:
+            for listener in self._finish_listeners:
+                try:
+                    listener(item)
+                except Exception:  # an observer's bug must not stop the engine
+                    log.exception("finish listener failed")
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is None:

@@ -37,6 +37,7 @@ class Row:
     reference: str = ""
     ref_value: float | None = None
     higher_is_better: bool = True
+    is_check: bool = False  # a pass/fail bound, not a comparison
 
     @property
     def ratio(self) -> float | None:
@@ -49,6 +50,8 @@ class Row:
         r = self.ratio
         if r is None:
             return ""
+        if self.is_check:
+            return "pass" if self.value <= self.ref_value else "FAIL"
         if not self.higher_is_better and r < 1:
             return f"{1 / r:.1f}x lower"
         return f"{r:.2f}x"
@@ -154,6 +157,27 @@ def hf_decode(hf, prompt: list[int], tokens: int, device: torch.device) -> tuple
         t1 = timed(lambda: hf.generate(x, max_new_tokens=1, min_new_tokens=1, **gen), device, 2)
         tn = timed(lambda: hf.generate(x, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **gen), device, 1)
     return t1, (tn - t1) / tokens
+
+
+def check_against_hf(core: EngineCore, hf, rng: random.Random, results: dict) -> Row:
+    """Correctness before speed: the engine's log-probs of its own greedy tokens (prefill, then
+    decode steps: CUDA graphs on the GPU) against HF's forward over the same token sequence."""
+    prompt = random_prompt(rng, 61, core.model_config.vocab_size)
+    req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    logprobs = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            logprobs += [lp[t] for lp, t in zip(out.logprobs or [], out.token_ids)]
+    tokens = req.output_token_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + tokens], device=core.device)).logits[0].float(), -1)
+    ref_lp = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    err = max(abs(a - b) for a, b in zip(logprobs, ref_lp))
+    tolerance = 0.1 if core.dtype != torch.float32 else 1e-3
+    results.update(check_max_abs_logprob_diff=err)
+    if err > tolerance:
+        raise SystemExit(f"correctness check failed: max |logprob diff| vs HF = {err:.4f} > {tolerance}")
+    return Row(f"correctness: max |logprob diff| vs HF over {len(tokens)} tokens", err, "nats", "tolerance", tolerance, False, is_check=True)
 
 
 def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
@@ -316,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="KV pool sizing; leaves room for the HF baseline")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -329,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         from assistant.models import resolve
 
         model = str(resolve("llm"))
-    config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
+    config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
     sizes = Sizes.for_device(device)
@@ -347,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
     suites = SUITES if args.suite == "all" else (args.suite,)
     hf = None
-    if not args.no_hf and ({"latency", "prefill"} & set(suites)):
+    if not args.no_hf:
         from engine.hf_reference import build_hf_model
 
         hf = build_hf_model(core.model)
+        rows.append(check_against_hf(core, hf, rng, results))
     for suite in suites:
         print(f"... {suite}", file=sys.stderr, flush=True)
         if suite == "latency":
@@ -363,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
-    del hf
+    hf = None
     print(format_table(rows))
     print("\nmemory:\n" + core.memory.format())
     if args.json:

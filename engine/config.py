@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
-
-from platformdirs import user_cache_dir
 
 
 class ConfigError(ValueError):
@@ -106,7 +104,11 @@ class ModelConfig:
 
 def default_cache_dir() -> Path:
     """Where the engine keeps converted artifacts (tokenizers from GGUF files)."""
-    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path(user_cache_dir("handbook-assistant")) / "engine")
+    if os.environ.get("ENGINE_CACHE_DIR"):
+        return Path(os.environ["ENGINE_CACHE_DIR"])
+    from platformdirs import user_cache_dir  # only needed when something is cached
+
+    return Path(user_cache_dir("handbook-assistant")) / "engine"
 
 
 @dataclass
@@ -137,7 +139,7 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-    cache_dir: Path = field(default_factory=default_cache_dir)
+    cache_dir: Path | None = None  # None: default_cache_dir()
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad setting."""

@@ -109,6 +109,11 @@ class EngineCore:
         )
         backend = select_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
+        if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
+            before = torch.cuda.memory_reserved(self.device)
+            self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -42,8 +42,10 @@ def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):
     weight = model.embed_tokens.weight
     config = LlamaConfig(**model.config.to_hf_dict(), attn_implementation=attn_implementation)
     config.pad_token_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    with torch.device(weight.device):
-        hf = HFLlama(config).to(weight.dtype)
+    from engine.loader import default_dtype
+
+    with torch.device(weight.device), default_dtype(weight.dtype):  # never a float32 copy of an 8B model
+        hf = HFLlama(config)
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.lm_head is None)]
     if missing or unexpected:

@@ -201,7 +201,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Create parameters directly in ``dtype`` (an 8B model never exists in float32)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -222,7 +222,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     else:
         model_config, named = read_hf_dir(path)
     max_len = config.max_model_len or model_config.max_position_embeddings
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(model_config, max_positions=max(max_len, 1))
     if named is None:
         init_dummy_weights(model, config.seed)

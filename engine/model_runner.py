@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
+from engine.cuda_graph import CudaGraphRunner
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
@@ -37,6 +38,13 @@ class ModelRunner:
         self.block_manager = block_manager
         self.device = device
         self.block_size = block_manager.block_size
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
+        self.graphs = CudaGraphRunner(
+            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), self.device
+        )
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
@@ -94,5 +102,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.backend, inputs.meta, self.kv_layers)
+        meta = inputs.meta
+        bucket = self.graphs.bucket(meta.num_requests) if self.graphs and meta.num_decodes == meta.num_requests else None
+        if bucket is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers)
         return self.model.compute_logits(hidden[inputs.sample_rows])

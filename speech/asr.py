@@ -140,11 +140,12 @@ class FasterWhisperBackend(ASRBackend):
         return Decoded("".join(kept).strip(), info.language, rejected)
 
 
+BACKENDS: dict[str, type[ASRBackend]] = {"faster-whisper": FasterWhisperBackend}
+
+
 def load_backend(config: ASRConfig) -> ASRBackend:
-    """The ASR backend named by ``config.backend``, with its model loaded."""
-    if config.backend == "faster-whisper":
-        return FasterWhisperBackend(config)
-    raise ConfigError(f"unknown ASR backend {config.backend!r}")  # config validation stops this
+    """The ASR backend named by ``config.backend`` (one of ``ASR_BACKENDS``), model loaded."""
+    return BACKENDS[config.backend](config)
 
 
 JobCallback = Callable[["ASRJob", "Decoded | Exception", float, float], None]

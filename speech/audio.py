@@ -14,7 +14,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-SUPPORTED_RATES = (8000, 16000, 24000, 32000, 44100, 48000)
+SUPPORTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # 22050: espeak-ng, VITS
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 

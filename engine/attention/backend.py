@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     num_decodes: int
     max_seq_len: int
+    scratch: dict = field(default_factory=dict)  # per-step values a backend derives once, not per layer
 
     @property
     def num_requests(self) -> int:
@@ -31,20 +32,21 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Writes this step's K/V into the paged cache, then attends each query to its context."""
+    """Puts this step's K/V into the paged cache (after RoPE), then attends each query to its
+    request's context. One instance serves every layer."""
 
     name = "base"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        scale: float,
+    def rope_and_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], cache (k, v) each [blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+        """Rotate q and k by their positions (``cos_sin`` table [positions, head_dim]: cos | sin),
+        write k and v to ``meta.slot_mapping``; return the rotated q."""
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D] against cache (k, v) each [blocks, page, Hkv, D] -> [T, Hq, D]."""
         raise NotImplementedError
 
 
@@ -56,10 +58,12 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchReferenceAttention()
     if device.type != "cuda":
         raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
-    try:
-        from engine.attention.triton_paged import TritonPagedAttention
-    except ImportError as e:  # pragma: no cover - depends on the install
+    from engine.kernels.triton_utils import triton_available
+
+    if not triton_available():
         if name == "triton":
-            raise ValueError(f"attention backend 'triton' is not available: {e}") from e
+            raise ValueError("attention backend 'triton' needs the triton package")
         return TorchReferenceAttention()
+    from engine.attention.triton_paged import TritonPagedAttention
+
     return TritonPagedAttention()

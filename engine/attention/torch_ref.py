@@ -64,9 +64,24 @@ def paged_attention_reference(
     return out
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's "rotate_half" layout; cos/sin [T, 1, D/2] broadcast over heads."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class TorchReferenceAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):  # type: ignore[override]
+    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta):  # type: ignore[override]
+        rot = meta.scratch.get("cos_sin")
+        if rot is None:  # gathered once per step, shared by every layer
+            rot = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+            meta.scratch["cos_sin"] = rot
+        cos, sin = rot
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        return q
+
+    def attend(self, q, kv_cache, meta, scale):  # type: ignore[override]
         return paged_attention_reference(q, kv_cache, meta, scale)

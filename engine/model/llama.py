@@ -2,7 +2,8 @@
 
 Tokens of all requests in a step are flattened into one [T] batch (no padding); attention knows
 where each request's tokens start and which KV blocks it owns from :class:`AttentionMetadata`.
-Q/K/V and gate/up projections are fused into one matmul each: fewer kernel launches per layer.
+Q/K/V and gate/up projections are fused into one matmul each, the residual add is fused into
+the next RMSNorm, and RoPE is fused into the KV-cache write: fewer kernel launches per layer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.model.rope import RotaryEmbedding
 
 
@@ -22,8 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, new residual): with a residual, normalises ``x + residual``."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -43,31 +48,29 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
+        q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        q = backend.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta)
+        out = backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,12 +104,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened tokens of one step; writes their KV."""
         h = self.embed_tokens(input_ids)
-        residual = h
+        residual = None
+        cos_sin = self.rope.cos_sin
         for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(residual)
-            residual = residual + layer.self_attn(x, positions, self.rope, backend, meta, kv_caches[i])
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return self.norm(residual)
+            x, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(x, positions, cos_sin, backend, meta, kv_caches[i])
+            x, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(x)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""

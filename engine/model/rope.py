@@ -34,7 +34,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin table indexed by absolute position (no per-step trig)."""
+    """Precomputed cos/sin table indexed by absolute position (no per-step trig); the attention
+    backend applies it (fused with the KV-cache write on the GPU)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -43,13 +44,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(t, inv_freq.float())
         # One table [max_positions, head_dim]: cos in the first half, sin in the second.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their positions (HF "rotate_half" layout)."""
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from speech.config import ConfigError, TTSConfig
+import importlib
+
+from speech.config import TTSConfig
 from speech.tts.base import TTSBackend
+
+BACKENDS = {  # name -> (module, class); imported on demand: coqui pulls in torch
+    "hibari": ("speech.tts.hibari", "HibariTTS"),
+    "coqui": ("speech.tts.coqui", "CoquiTTS"),
+    "espeak": ("speech.tts.espeak", "EspeakTTS"),
+}
 
 
 def load_tts(config: TTSConfig | None = None) -> TTSBackend:
     """The configured backend, loaded; raises TTSUnavailable naming what to install if missing."""
     config = config or TTSConfig()
-    if config.backend == "hibari":
-        from speech.tts.hibari import HibariTTS
-
-        return HibariTTS(config)
-    if config.backend == "coqui":
-        from speech.tts.coqui import CoquiTTS
-
-        return CoquiTTS(config)
-    if config.backend == "espeak":
-        from speech.tts.espeak import EspeakTTS
-
-        return EspeakTTS(config)
-    raise ConfigError(f"unknown TTS backend {config.backend!r}")  # TTSConfig validation stops this
+    module, name = BACKENDS[config.backend]  # TTSConfig only accepts these names
+    return getattr(importlib.import_module(module), name)(config)

@@ -44,10 +44,6 @@ class Clip:
     speech_start_s: float
     speech_end_s: float
 
-    @property
-    def duration_s(self) -> float:
-        return len(self.audio) / self.sample_rate
-
 
 def speech_bounds(audio: np.ndarray, sample_rate: int) -> tuple[float, float]:
     """First and last instant the 10 ms RMS envelope is within 40 dB of its peak."""
@@ -145,12 +141,6 @@ def wer():
         return sum(e for e, _ in errors) / max(1, sum(n for _, n in errors))
 
     return rate
-
-
-@pytest.fixture(scope="session")
-def bounds():
-    """``bounds(audio, rate) -> (speech_start_s, speech_end_s)`` from the signal's envelope."""
-    return speech_bounds
 
 
 @pytest.fixture(scope="session")

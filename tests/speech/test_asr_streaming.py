@@ -303,8 +303,8 @@ def test_bad_input_raises_and_the_session_carries_on(question_clips, whisper_tin
     events: list = []
     done = threading.Event()
     with ASRWorker(whisper_tiny) as worker:
-        with pytest.raises(AudioFormatError, match=r"unsupported sample rate 22050 Hz"):
-            ASRSession(worker, events.append, tiny_config, input_rate=22050)
+        with pytest.raises(AudioFormatError, match=r"unsupported sample rate 11025 Hz"):
+            ASRSession(worker, events.append, tiny_config, input_rate=11025)
         session = ASRSession(
             worker,
             lambda e: (events.append(e), getattr(e, "is_final", False) and done.set()),

@@ -1,0 +1,177 @@
+"""Triton kernels for attention over the paged KV cache.
+
+Cache layout: K and V each ``[num_blocks, page, kv_heads, head_dim]``; a request's token ``t``
+lives in block ``block_table[t // page]`` at row ``t % page``.
+
+- ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
+  write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
+- ``decode_kernel`` + ``combine_kernel``: split-KV ("flash decoding") attention for one query per
+  request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
+  over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
+  Splitting keeps the GPU busy when few requests have long contexts.
+- ``prefill_kernel``: FlashAttention-style tiles of queries against the paged context with a
+  causal mask offset by the request's cached context: chunked prefill and prefix-cache hits.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_store_kernel(
+    Q, K, V, POS, COS_SIN, K_CACHE, V_CACHE, SLOT,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_cslot, stride_ch,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    slot = tl.load(SLOT + t).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    jm = j < HALF
+    cos = tl.load(COS_SIN + pos * stride_cs + j, mask=jm, other=0.0)[None, :]
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + j, mask=jm, other=0.0)[None, :]
+
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    mq = (hq < HQ) & jm[None, :]
+    q_ptr = Q + t * stride_qt + hq * stride_qh + j[None, :]
+    q1 = tl.load(q_ptr, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + HALF, mask=mq, other=0.0).to(tl.float32)
+    tl.store(q_ptr, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
+    tl.store(q_ptr + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
+
+    hk = tl.arange(0, HKV_PAD)[:, None]
+    mk = (hk < HKV) & jm[None, :]
+    k_ptr = K + t * stride_kt + hk * stride_kh + j[None, :]
+    k1 = tl.load(k_ptr, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + HALF, mask=mk, other=0.0).to(tl.float32)
+    c_ptr = slot * stride_cslot + hk * stride_ch + j[None, :]
+    tl.store(K_CACHE + c_ptr, (k1 * cos - k2 * sin).to(K_CACHE.dtype.element_ty), mask=mk)
+    tl.store(K_CACHE + c_ptr + HALF, (k2 * cos + k1 * sin).to(K_CACHE.dtype.element_ty), mask=mk)
+    v_ptr = V + t * stride_vt + hk * stride_vh + j[None, :]
+    tl.store(V_CACHE + c_ptr, tl.load(v_ptr, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
+    tl.store(V_CACHE + c_ptr + HALF, tl.load(v_ptr + HALF, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def decode_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    qmask = (g < GROUP)[:, None] & (d < D)[None, :]
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for n0 in range(start, end, TILE_N):
+        offs = n0 + tl.arange(0, TILE_N)
+        valid = offs < end
+        page = tl.load(BLOCK_TABLES + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
+        kvmask = valid[:, None] & (d < D)[None, :]
+        k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    omask = (g < GROUP)[:, None] & (d < D)[None, :]
+    tl.store(O_PART + b * stride_ot + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=omask)
+    tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
+
+
+@triton.jit
+def combine_kernel(
+    O_PART, LSE_PART, OUT,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_out_t, stride_out_h,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < NUM_SPLITS
+    lse = tl.load(LSE_PART + b * stride_lt + h * stride_lh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    total = tl.sum(w, 0)
+    o = tl.load(O_PART + b * stride_ot + h * stride_oh + s[:, None] * stride_os + d[None, :],
+                mask=smask[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + b * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def prefill_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
+    scale,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.load(TILE_REQ + tile).to(tl.int64)
+    m0 = tl.load(TILE_START + tile)
+    q_begin = tl.load(QUERY_START + r).to(tl.int64)
+    q_len = tl.load(QUERY_START + r + 1) - q_begin
+    seq_len = tl.load(SEQ_LENS + r)
+    ctx = seq_len - q_len
+    kvh = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    m_valid = offs_m < q_len
+    qmask = m_valid[:, None] & (d < D)[None, :]
+    q = tl.load(Q + (q_begin + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q_pos = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < seq_len
+        page = tl.load(BLOCK_TABLES + r * stride_bt + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        kv = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
+        kvmask = n_valid[:, None] & (d < D)[None, :]
+        k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + (q_begin + offs_m)[:, None] * stride_out_t + h * stride_out_h + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=qmask)

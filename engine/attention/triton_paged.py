@@ -1,0 +1,128 @@
+"""The Triton attention backend: fused RoPE + cache write, split-KV decode, paged prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200: enough splits to fill the GPU
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """Context splits per (request, KV head): a function of the batch shape only, so a CUDA
+    graph captured for a batch size stays valid whatever the context lengths are."""
+    return max(1, min(32, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
+
+
+def rope_and_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    from engine.attention._triton_kernels import rope_store_kernel
+
+    k_cache, v_cache = kv_cache
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    half = dim // 2
+    kc = k_cache.view(-1, hkv, dim)
+    vc = v_cache.view(-1, hkv, dim)
+    rope_store_kernel[(t,)](
+        q, k, v, positions, cos_sin, kc, vc, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        kc.stride(0), kc.stride(1),
+        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=_pow2(hq), HKV_PAD=_pow2(hkv), HALF_PAD=_pow2(half),
+    )
+    return q
+
+
+def decode_attention(
+    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """q [B, Hq, D] (one query per request) -> out [B, Hq, D]."""
+    from engine.attention._triton_kernels import combine_kernel, decode_kernel
+
+    k_cache, v_cache = kv_cache
+    b, hq, dim = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    splits = decode_splits(b, hkv)
+    o_part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    d_pad = _pow2(dim, 16)
+    decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        scale,
+        GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
+        num_warps=4,
+    )
+    combine_kernel[(b, hq)](
+        o_part, lse, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), D=dim, D_PAD=d_pad,
+    )
+    return out
+
+
+def prefill_tiles(query_lens: list[int], first: int, block_m: int = PREFILL_BLOCK_M) -> tuple[list[int], list[int]]:
+    """(request index, first query row) of every BLOCK_M tile of the requests from ``first`` on."""
+    reqs, starts = [], []
+    for i in range(first, len(query_lens)):
+        for m0 in range(0, query_lens[i], block_m):
+            reqs.append(i)
+            starts.append(m0)
+    return reqs, starts
+
+
+def prefill_attention(
+    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """Attention for the prefill requests of the batch (those after the decodes)."""
+    from engine.attention._triton_kernels import prefill_kernel
+
+    k_cache, v_cache = kv_cache
+    hq, dim = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    tiles = meta.scratch.get("prefill_tiles")
+    if tiles is None:
+        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes)
+        tiles = (torch.tensor(reqs, dtype=torch.int32, device=q.device), torch.tensor(starts, dtype=torch.int32, device=q.device))
+        meta.scratch["prefill_tiles"] = tiles
+    tile_req, tile_start = tiles
+    if tile_req.numel() == 0:
+        return out
+    prefill_kernel[(tile_req.numel(), hq)](
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale,
+        GROUP=hq // hkv, D=dim, D_PAD=_pow2(dim, 16), PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
+    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta):  # type: ignore[override]
+        return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
+
+    def attend(self, q, kv_cache, meta, scale):  # type: ignore[override]
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd])
+        if nd < meta.num_requests:
+            prefill_attention(q, kv_cache, meta, scale, out)
+        return out

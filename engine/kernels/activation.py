@@ -1,0 +1,29 @@
+"""SwiGLU's activation: silu(gate) * up on the fused gate|up projection output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.triton_utils import use_triton
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2F] -> [T, F]; one kernel instead of split + silu + mul."""
+    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    from engine.kernels._activation_triton import silu_and_mul_kernel
+
+    rows, two_f = x.shape
+    f = two_f // 2
+    out = torch.empty((rows, f), dtype=x.dtype, device=x.device)
+    block = 1024
+    silu_and_mul_kernel[(rows, -(-f // block))](x, out, f, BLOCK=block)
+    return out

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one engine, with vLLM's names and meanings.
+
+Names carry vLLM's ``vllm:`` prefix on purpose: the server is a drop-in for vLLM's OpenAI
+server, so the Grafana dashboards, alerts and autoscalers written against vLLM work unchanged.
+Only metrics whose meaning matches vLLM's use its names (see docs/serving.md).
+
+Two sources, no global state (each :class:`EngineMetrics` has its own ``CollectorRegistry``):
+- request histograms and finish counters are observed, on the engine thread, from each finished
+  request's :class:`~engine.metrics.RequestMetrics` (every request, HTTP or not);
+- gauges and engine-wide counters are read from :meth:`AsyncEngine.stats` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+
+PREFIX = "vllm:"
+LABELS = ("model_name",)
+
+# vLLM's buckets, so histogram_quantile() over our series compares with vLLM's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's ``build_1_2_5_buckets``)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+class EngineMetrics:
+    """The ``/metrics`` of one engine; subscribes to its finished requests on construction."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = engine
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_GAP_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", TOKEN_GAP_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
+        self.output_len = hist("request_generation_tokens", "Number of generation tokens processed.", token_buckets(max_model_len))
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=self.registry).labels(model_name)
+        self.success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", (*LABELS, "finished_reason"), registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # exported at 0 from the start, as vLLM does
+            self.success.labels(model_name, reason)
+        self.registry.register(_EngineStatsCollector(engine, model_name))
+        engine.add_finish_listener(self.observe)
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record one finished request (called on the engine thread)."""
+        self.success.labels(self.model_name, output.finish_reason or "abort").inc()
+        m = output.metrics
+        if m is None:
+            return
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e), (self.queue, m.queue_time),
+                            (self.prefill, m.prefill_time), (self.decode, m.decode_time)):
+            if value is not None:
+                hist.observe(value)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        if m.first_token_time is not None:  # as vLLM: a prompt counts once its prefill is done
+            self.prompt_tokens.inc(m.num_prompt_tokens)
+            self.prompt_len.observe(m.num_prompt_tokens)
+        self.output_len.observe(m.num_generated_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and cumulative counters read from the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        gauges = (
+            ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
+        )
+        counters = (
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
+            ("num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
+            ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            g.add_metric([self.model_name], value)
+            yield g
+        for name, doc, value in counters:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            c.add_metric([self.model_name], value)
+            yield c

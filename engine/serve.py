@@ -1,0 +1,471 @@
+"""OpenAI-compatible HTTP server: ``python -m engine.serve --model PATH [--port 8000] [engine options]``.
+
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``/v1/models``,
+``/health``, ``/metrics`` (Prometheus). :func:`create_app` builds them around a running
+:class:`AsyncEngine`, so the assistant's server mounts the same app on its own engine.
+
+The event loop never waits on model work: prompts are tokenized in a worker thread, the engine
+steps on its own thread, and each request is checked (:meth:`EngineCore.validate_request` plus the
+context length) before anything is scheduled, so a bad request costs no KV block. A client that
+goes away aborts its request: streamed bodies are closed when Starlette sees the disconnect, and
+whole (non-streamed) answers race a disconnect watcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import socket
+import sys
+import threading
+import time
+import typing
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import ConfigError, EngineConfig
+from engine.engine_core import RequestError
+from engine.openai_protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+    ChatCompletionRequest, ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    Delta, GenerationRequest, ModelCard, ModelList, TokenLogprob, TopLogprob, Usage,
+)
+from engine.outputs import RequestOutput
+from engine.prometheus import EngineMetrics
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    """Everything ``python -m engine.serve`` needs: the engine's config and where to listen."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model``: given, or the model file's stem / directory name."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.engine.model)
+        return path.stem if path.is_file() else path.name
+
+
+# ---- one request ---------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class _TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # the most likely tokens, best first (OpenAI's top_logprobs)
+    alternatives: dict[str, float]  # chosen + top (the legacy completions format)
+
+
+@dataclass
+class _Answer:
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[_TokenLogprob] = field(default_factory=list)
+
+
+class OpenAIServer:
+    """The route handlers' logic for one engine and one served model name."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.core.max_model_len
+        self.metrics = EngineMetrics(engine, model_name, self.max_model_len)
+
+    # ---- validation -----------------------------------------------------------------------------
+    async def prepare(self, body: GenerationRequest) -> _Job:
+        """Check everything and tokenize (in a worker thread); raises :class:`APIError`."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        body.check_supported()
+        chat = isinstance(body, ChatCompletionRequest)
+        prompt_param = "messages" if chat else "prompt"
+        prompt = None if chat else body.single_prompt()  # type: ignore[union-attr]
+        try:
+            ids = await asyncio.to_thread(self._tokenize, body, prompt)
+        except ValueError as e:  # no tokenizer / no chat template
+            raise APIError(400, str(e), param=prompt_param) from e
+        requested = body.requested_max_tokens
+        max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
+        if len(ids) + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_param}, {max_tokens} for the completion). "
+                f"Please reduce the length of the {prompt_param} or max_tokens.",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        params = body.sampling_params(max_tokens, body.engine_logprobs)
+        try:
+            self.engine.core.validate_request(ids, params, None)
+        except RequestError as e:
+            first = str(e).split(" ", 1)[0]
+            param = first if first in SamplingParams.__dataclass_fields__ else prompt_param
+            raise APIError(400, str(e), param=param, code="invalid_value") from e
+        return _Job(
+            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat=chat, prompt_ids=ids,
+            params=params, priority=body.priority, include_usage=body.include_usage,
+        )
+
+    def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, list):
+            return list(prompt)
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): send the prompt as token ids")
+        if isinstance(body, ChatCompletionRequest):
+            return tokenizer.apply_chat_template(body.conversation())
+        return tokenizer.encode(prompt or "")
+
+    # ---- answering --------------------------------------------------------------------------------
+    def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(job.prompt_ids, job.params, priority=job.priority, request_id=job.request_id)
+
+    async def stream(self, job: _Job) -> AsyncIterator[str]:
+        """SSE events of one request. Closing this generator (the client went away) aborts it."""
+        outputs = self._outputs(job)
+        answer = _Answer()
+        try:
+            if job.chat:
+                yield self._chunk(job, Delta(role="assistant", content=""), None, [])
+            async for out in outputs:
+                answer.completion_tokens, answer.cached_tokens = out.num_generated_tokens, out.num_cached_tokens
+                logprobs = self._logprobs(job, out)
+                if out.text or out.finished or logprobs:
+                    yield self._chunk(job, out.text, out, logprobs, offset=len(answer.text))
+                answer.text += out.text
+            if job.include_usage:
+                yield self._usage_chunk(job, answer)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream, as vLLM does
+            yield _sse(_api_error(e).body())
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def answer(self, job: _Job, request: Request) -> BaseModel | Response:
+        """The whole answer; if the client disconnects first, the request is aborted."""
+        collect = asyncio.ensure_future(self._collect(job))
+        watch = asyncio.ensure_future(_until_disconnected(request.receive))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            collect.cancel()  # no-op when done; otherwise the engine aborts the request
+        if collect not in done:
+            return Response(status_code=499)  # nobody is listening
+        try:
+            a = collect.result()
+        except Exception as e:
+            raise _api_error(e) from e
+        usage = Usage.of(len(job.prompt_ids), a.completion_tokens, a.cached_tokens)
+        if job.chat:
+            chat_lp = ChatLogprobs(content=[_chat_logprob(t) for t in a.logprobs]) if job.params.logprobs is not None else None
+            choice = ChatChoice(message=AssistantMessage(content=a.text), logprobs=chat_lp, finish_reason=a.finish_reason, stop_reason=a.stop_reason)
+            return ChatCompletion(id=job.request_id, created=job.created, model=self.model_name, choices=[choice], usage=usage)
+        lp = _completion_logprobs(a.logprobs, 0) if job.params.logprobs is not None else None
+        choice = CompletionChoice(text=a.text, logprobs=lp, finish_reason=a.finish_reason, stop_reason=a.stop_reason)
+        return Completion(id=job.request_id, created=job.created, model=self.model_name, choices=[choice], usage=usage)
+
+    async def _collect(self, job: _Job) -> _Answer:
+        a = _Answer()
+        outputs = self._outputs(job)
+        try:
+            async for out in outputs:
+                a.text += out.text
+                a.logprobs += self._logprobs(job, out)
+                a.completion_tokens, a.cached_tokens = out.num_generated_tokens, out.num_cached_tokens
+                a.finish_reason, a.stop_reason = out.finish_reason, out.stop_reason
+        finally:
+            await outputs.aclose()
+        return a
+
+    # ---- rendering --------------------------------------------------------------------------------
+    def _logprobs(self, job: _Job, out: RequestOutput) -> list[_TokenLogprob]:
+        k = job.params.logprobs
+        if k is None or not out.logprobs:
+            return []
+        entries = []
+        for token, alts in zip(out.token_ids, out.logprobs):
+            ranked = sorted(alts.items(), key=lambda kv: -kv[1])[:k]
+            entries.append(_TokenLogprob(
+                self._token_text(token), alts[token], [(self._token_text(t), lp) for t, lp in ranked],
+                {self._token_text(t): lp for t, lp in alts.items()},
+            ))
+        return entries
+
+    def _token_text(self, token: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok is not None else f"token_id:{token}"
+
+    def _chunk(self, job: _Job, content: str | Delta, out: RequestOutput | None, logprobs: list[_TokenLogprob], offset: int = 0) -> str:
+        finish = out.finish_reason if out is not None and out.finished else None
+        stop = out.stop_reason if finish else None
+        if job.chat:
+            delta = content if isinstance(content, Delta) else Delta(content=content)
+            lp = ChatLogprobs(content=[_chat_logprob(t) for t in logprobs]) if logprobs else None
+            choice = ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish, stop_reason=stop)
+            return _sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name, choices=[choice]))
+        lp = _completion_logprobs(logprobs, offset) if logprobs else None
+        choice = CompletionChoice(text=str(content), logprobs=lp, finish_reason=finish, stop_reason=stop)
+        return _sse(Completion(id=job.request_id, created=job.created, model=self.model_name, choices=[choice]))
+
+    def _usage_chunk(self, job: _Job, a: _Answer) -> str:
+        usage = Usage.of(len(job.prompt_ids), a.completion_tokens, a.cached_tokens)
+        cls = ChatCompletionChunk if job.chat else Completion
+        return _sse(cls(id=job.request_id, created=job.created, model=self.model_name, choices=[], usage=usage))
+
+
+def _chat_logprob(t: _TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()),
+                        top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top])
+
+
+def _completion_logprobs(entries: list[_TokenLogprob], offset: int) -> CompletionLogprobs:
+    lp = CompletionLogprobs()
+    for t in entries:
+        lp.tokens.append(t.token)
+        lp.token_logprobs.append(t.logprob)
+        lp.top_logprobs.append(t.alternatives)
+        lp.text_offset.append(offset)
+        offset += len(t.token)
+    return lp
+
+
+def _sse(obj: BaseModel) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestError):
+        return APIError(400, str(e), code="invalid_value")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), type="server_error", code="engine_dead")
+    log.exception("request failed", exc_info=e)
+    return APIError(500, f"the engine failed this request: {e}", type="server_error")
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    """Return when the client closes the connection (the body has already been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator when the response ends.
+
+    Starlette cancels the streaming task when the client disconnects, but a generator suspended
+    at ``yield`` (rather than inside the engine's stream) would only be closed by the garbage
+    collector; closing it here aborts the engine request at once, whichever way it ended."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+# ---- the app -------------------------------------------------------------------------------------
+def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``."""
+    server = OpenAIServer(engine, model_name)
+    app = FastAPI(title="engine OpenAI-compatible API")
+    app.state.openai_server = server
+
+    async def generate(body: GenerationRequest, request: Request) -> Any:
+        job = await server.prepare(body)
+        if body.stream:
+            return _ClosingStreamingResponse(server.stream(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await server.answer(job, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await generate(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await generate(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=server.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            raise APIError(503, "the engine loop has stopped", type="server_error", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, content_type = server.metrics.render()
+        return Response(content, media_type=content_type)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body().model_dump(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = _validation_error(e.errors())
+        return JSONResponse(err.body().model_dump(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = APIError(e.status_code, str(e.detail), code=None if e.status_code != 404 else "not_found")
+        return JSONResponse(err.body().model_dump(), status_code=e.status_code, headers=e.headers)
+
+    return app
+
+
+def _validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 (never FastAPI's 422) naming the first problem the way OpenAI does."""
+    e = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "no body"}
+    loc = [str(x) for x in e.get("loc", ())][1:]  # drop "body"
+    kind = e.get("type")
+    if kind == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", e.get("msg"))
+        return APIError(400, f"The request body is not valid JSON: {detail}.", code="invalid_json")
+    if not loc:
+        if kind == "missing":
+            return APIError(400, "The request body is missing: send a JSON object.", code="invalid_json")
+        return APIError(400, f"The request body must be a JSON object sent as Content-Type: application/json ({e.get('msg')}).", code="invalid_json")
+    param = loc[0]
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=param, code="unknown_parameter")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{'.'.join(loc)}'.", param=param, code="missing_required_parameter")
+    return APIError(400, f"Invalid value for '{'.'.join(loc)}': {e.get('msg')}.", param=param, code="invalid_type")
+
+
+# ---- running it ----------------------------------------------------------------------------------
+class BackgroundServer:
+    """Serve an app with uvicorn on a thread of its own (tests, or beside another UI's loop).
+
+    The socket is bound at construction, so ``port=0`` picks a free port and :attr:`url` is known
+    before the server starts."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self._socket = socket.create_server((host, port))
+        bound_host, bound_port = self._socket.getsockname()[:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, name="uvicorn", daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per :class:`EngineConfig` field (booleans get ``--no-...``), EngineConfig's defaults."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif typing.get_origin(kind) is typing.Literal:
+            group.add_argument(flag, choices=args, default=argparse.SUPPRESS)
+        elif typing.get_origin(kind) is tuple:
+            group.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=argparse.SUPPRESS, metavar="N,N,...")
+        else:
+            group.add_argument(flag, type=args[0] if args else kind, default=argparse.SUPPRESS)
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
+    """:class:`ServerSettings` from the command line (the embedded SmolLM2 if --model is absent)."""
+    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's file stem)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    _engine_options(p)
+    args = vars(p.parse_args(argv))
+    model = args.pop("model")
+    if model is None:
+        from importlib.util import find_spec
+
+        if find_spec("assistant") is None:
+            p.error("--model is required")
+        from assistant.models import resolve
+
+        model = str(resolve("llm"))
+    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level")}
+    return ServerSettings(engine=EngineConfig(model=model, **args), **server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+        engine = AsyncEngine(settings.engine)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(engine, settings.model_name)
+        print(f"serving {settings.model_name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
