@@ -81,9 +81,11 @@ class ASRBackend(ABC):
 class FasterWhisperBackend(ASRBackend):
     """Whisper through faster-whisper (CTranslate2), with guards against made-up text.
 
-    Each segment is dropped when Whisper itself doubts it: ``no_speech_prob`` above, or
-    ``avg_logprob`` below, or ``compression_ratio`` (repetition) above the configured thresholds.
-    Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
+    faster-whisper skips a window whose ``no_speech_prob`` is above ``no_speech_threshold`` while
+    its ``avg_logprob`` is below ``log_prob_threshold`` (silence, noise). A segment it keeps is
+    still dropped here if its ``avg_logprob`` is below ``log_prob_threshold`` (e.g. babble that is
+    not words) or its ``compression_ratio`` above ``compression_ratio_threshold`` (repetition
+    loops). Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
     """
 
     def __init__(self, config: ASRConfig) -> None:
@@ -130,8 +132,7 @@ class FasterWhisperBackend(ASRBackend):
         kept, rejected = [], 0
         for segment in segments:
             if (
-                segment.no_speech_prob > config.no_speech_threshold
-                or segment.avg_logprob < config.log_prob_threshold
+                segment.avg_logprob < config.log_prob_threshold
                 or segment.compression_ratio > config.compression_ratio_threshold
             ):
                 rejected += 1

@@ -23,8 +23,9 @@ from speech.asr import (
     StablePrefix,
 )
 from speech.audio import AudioFormatError, resample
-from speech.config import ASRConfig, ConfigError, VADConfig
+from speech.config import ASRConfig, ConfigError, TTSConfig, VADConfig
 from speech.messages import SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
+from speech.tts import load_tts
 
 
 def chunks(audio: np.ndarray, rate: int, ms: int = 20) -> list[bytes]:
@@ -229,8 +230,17 @@ def test_silence_and_white_noise_give_no_transcript(whisper_base, base_config) -
         assert [t.text for t in transcripts] == [""] and transcripts[0].is_final
 
 
-def test_guards_remove_what_whisper_makes_up(whisper_base, base_config) -> None:
-    """Unguarded, Whisper base writes words for silence and noise; the guards drop them."""
+def babble(clips, first: int, count: int) -> np.ndarray:
+    """Several questions played backwards at once: speech-like sound that is not words."""
+    parts = [resample(c.audio, c.sample_rate, 16000)[::-1] for c in clips[first : first + count]]
+    n = max(len(p) for p in parts)
+    return (sum(np.pad(p, (0, n - len(p))) for p in parts) / count).astype(np.float32)
+
+
+def test_guards_remove_what_whisper_makes_up(question_clips, whisper_base, base_config) -> None:
+    """Unguarded, Whisper base writes words for silence, noise, babble and Mandarin read as
+    English; guarded, nothing. faster-whisper's no-speech rule catches silence and noise; the
+    segment rules here catch the rest (low log-probability, repetition loops)."""
     unguarded = FasterWhisperBackend(
         replace(
             base_config,
@@ -239,10 +249,20 @@ def test_guards_remove_what_whisper_makes_up(whisper_base, base_config) -> None:
             compression_ratio_threshold=1e9,
         )
     )
-    for audio in (np.zeros(2 * 16000, np.float32), white_noise(2, 0.05)):
-        assert unguarded.transcribe(audio).text != ""
-        decoded = whisper_base.transcribe(audio)
-        assert decoded.text == "" and decoded.rejected_segments >= 0
+    mandarin = load_tts(TTSConfig(backend="espeak", language="zh")).synthesize(
+        "年假怎么申请？请登录人事系统，选择请假类型，然后提交。"
+    )
+    cases = {
+        "silence": (np.zeros(2 * 16000, np.float32), 0),
+        "noise": (white_noise(2, 0.05), 0),
+        "babble of two": (babble(question_clips, 0, 2), 1),
+        "babble of three": (babble(question_clips, 3, 3), 1),
+        "Mandarin as English": (resample(mandarin.pcm, mandarin.sample_rate, 16000), 1),
+    }
+    for name, (audio, rejected_here) in cases.items():
+        assert unguarded.transcribe(audio, language="en").text != "", name
+        decoded = whisper_base.transcribe(audio, language="en")
+        assert decoded.text == "" and decoded.rejected_segments == rejected_here, (name, decoded)
 
 
 # -- languages, rates, commit, errors -----------------------------------------------------------
