@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, LoadedModel
+from engine.metrics import StepTimes
 from engine.sampling import SamplingParams
 
 SUITES = ("latency", "prefill", "throughput", "prefix", "chunked")  # plus "serve": engine/bench_serve.py
@@ -208,6 +209,19 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
     ceiling = bw / decode_step_bytes(core, sizes.decode_prompt + sizes.decode_tokens // 2)
     rows = [Row(f"decode batch 1 (prompt {sizes.decode_prompt})", 1 / tpot, "tok/s", "bandwidth ceiling (bytes/step / copy bw)", ceiling)]
     results.update(decode_bs1_tok_s=1 / tpot, decode_bs1_roofline_frac=(1 / tpot) / ceiling, decode_bs1_ceiling_tok_s=ceiling)
+    graphs = core.runner.graphs
+    if graphs is not None and graphs.bucket(1) == 1:
+        # The device alone: replay the batch-1 graph back to back (last request's buffers).
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.graphs[1].replay()
+        start.record()
+        for _ in range(50):
+            graphs.graphs[1].replay()
+        end.record()
+        torch.cuda.synchronize(core.device)
+        gpu_ms = start.elapsed_time(end) / 50
+        rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
+        results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
     if hf is not None:
         _, hf_tpot = hf_decode(hf, prompt, sizes.decode_tokens, core.device)
         rows.append(Row("decode batch 1 vs HF generate()", 1 / tpot, "tok/s", "HF generate() same model", 1 / hf_tpot))
@@ -308,7 +322,8 @@ def bench_chunked(core, sizes, rng, results) -> list[Row]:
                 core.step()
         for _ in range(3):
             core.step()
-        itl = [g for r, s in zip(streams, start) for g in r.metrics.inter_token_latencies[s:]]
+        # from the gap that ends with the first token after the long prompt arrived
+        itl = [g for r, s in zip(streams, start) for g in r.metrics.inter_token_latencies[s - 1 :]]
         for r in streams:
             core.abort_request(r.request_id)
         if long_req is not None and not long_req.status.finished:
@@ -398,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
 
         hf = build_hf_model(core.model)
         rows.append(check_against_hf(core, hf, rng, results))
+    breakdown: dict[str, dict[str, float]] = {}
     for suite in suites:
         print(f"... {suite}", file=sys.stderr, flush=True)
+        core.step_times = StepTimes()
         if suite == "latency":
             rows += bench_latency(core, hf, sizes, rng, bw, results)
         elif suite == "prefill":
@@ -410,8 +427,12 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
+        breakdown[suite] = core.step_times.per_step_ms() | {"steps": core.step_times.steps}
     hf = None
     print(format_table(rows))
+    print("\nwhere the host time of a step went (ms per step; 'forward' includes waiting for the device):")
+    for suite, b in breakdown.items():
+        print(f"  {suite:<11} " + "  ".join(f"{k} {v:8.3f}" for k, v in b.items() if k != "steps") + f"   ({b['steps']} steps)")
     print("\nmemory:\n" + core.memory.format())
     if args.json:
         record = {
@@ -420,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m engine.bench " + " ".join(argv),
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
             "model": Path(model).name, "random_weights": args.load_format == "dummy",
-            "sizes": asdict(sizes), "results": results, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+            "sizes": asdict(sizes), "results": results, "step_breakdown_ms": breakdown, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
             "memory": dict(core.memory.rows()),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import has_tokenizer, load_model
 from engine.memory import MemoryLedger, tensor_bytes
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, StepTimes
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -123,6 +123,7 @@ class EngineCore:
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.step_times = StepTimes()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -200,30 +201,39 @@ class EngineCore:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs = [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
         if sched.is_empty:
             return outputs
+        t1 = time.perf_counter()
         inputs = self.runner.prepare(sched.chunks)
+        t2 = time.perf_counter()
         logits = self.runner.execute(inputs)
         rows = [
             SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
             for c in inputs.sampled_chunks
         ]
         sampled = self.sampler(logits, rows) if rows else None
+        t3 = time.perf_counter()
         self.num_steps += 1
-        now = time.perf_counter()
         for c in inputs.chunks:
             req = c.request
             self.prompt_tokens_total += max(0, min(c.start + c.num_tokens, req.num_prompt_tokens) - c.start)
             req.num_computed_tokens += c.num_tokens
             self.block_manager.cache_full_blocks(req)
         for i, c in enumerate(inputs.sampled_chunks):
-            outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], now))
+            outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], t3))
+        st = self.step_times
+        st.steps += 1
+        st.schedule += t1 - t0
+        st.prepare += t2 - t1
+        st.forward += t3 - t2
+        st.postprocess += time.perf_counter() - t3
         return outputs
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
-        req.output_token_ids.append(token)
+        req.append_output(token)
         m = req.metrics
         m.token_times.append(now)
         m.num_generated_tokens = len(req.output_token_ids)

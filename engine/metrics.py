@@ -91,3 +91,22 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class StepTimes:
+    """Where the host time of engine steps went (seconds, summed since the last reset).
+
+    ``forward`` covers the model and sampling up to the host having the sampled tokens, so on a
+    GPU it includes waiting for the device; the other phases are pure host work.
+    """
+
+    steps: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    postprocess: float = 0.0
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}

@@ -75,29 +75,29 @@ class ModelRunner:
             if c.completes_prompt:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c)
-        table = [c.request.block_ids + [NULL_BLOCK] * (max_blocks - len(c.request.block_ids)) for c in chunks]
         qsl = [0]
         for q in qlens:
             qsl.append(qsl[-1] + q)
-        dev = self.device
+        # One host->device transfer for every per-step array (int64 views of one buffer).
+        n_tok, n_req, width = len(ids), len(chunks), max_blocks
+        packed = ids + positions + slots + qsl + slens + sample_rows
+        for c in chunks:
+            packed += c.request.block_ids
+            packed += [NULL_BLOCK] * (width - len(c.request.block_ids))
+        buf = torch.tensor(packed, dtype=torch.long, device=self.device)
+        sizes = [n_tok, n_tok, n_tok, n_req + 1, n_req, len(sample_rows), n_req * width]
+        t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_table = buf.split(sizes)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=t_slots,
+            query_start_loc=t_qsl,
+            seq_lens=t_slens,
+            block_tables=t_table.view(n_req, width),
             query_lens_host=qlens,
             seq_lens_host=slens,
             num_decodes=sum(1 for q in qlens if q == 1),
             max_seq_len=max(slens),
         )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
-            chunks=chunks,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sampled_chunks=sampled,
-        )
+        return StepInputs(input_ids=t_ids, positions=t_pos, meta=meta, chunks=chunks, sample_rows=t_rows, sampled_chunks=sampled)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -7,8 +7,9 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole
 The event loop never waits on model work: prompts are tokenized in a worker thread, the engine
 steps on its own thread, and each request is checked (:meth:`EngineCore.validate_request` plus the
 context length) before anything is scheduled, so a bad request costs no KV block. A client that
-goes away aborts its request: streamed bodies are closed when Starlette sees the disconnect, and
-whole (non-streamed) answers race a disconnect watcher.
+goes away aborts its request: for a stream, Starlette (under uvicorn) watches for the disconnect
+and cancels the streaming task, which raises inside the engine's stream, whose ``finally`` aborts
+the request and frees its KV blocks; a whole (non-streamed) answer races a disconnect watcher.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ConfigError, EngineConfig
@@ -292,20 +293,6 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body generator when the response ends.
-
-    Starlette cancels the streaming task when the client disconnects, but a generator suspended
-    at ``yield`` (rather than inside the engine's stream) would only be closed by the garbage
-    collector; closing it here aborts the engine request at once, whichever way it ended."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
 # ---- the app -------------------------------------------------------------------------------------
 def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``."""
@@ -316,7 +303,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def generate(body: GenerationRequest, request: Request) -> Any:
         job = await server.prepare(body)
         if body.stream:
-            return _ClosingStreamingResponse(server.stream(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(server.stream(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await server.answer(job, request)
 
     @app.post("/v1/chat/completions")

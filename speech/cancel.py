@@ -20,10 +20,6 @@ class Generation:
     def current(self) -> int:
         return self._current
 
-    def token(self) -> CancelToken:
-        """A token for the current generation."""
-        return CancelToken(self, self._current)
-
     def advance(self) -> CancelToken:
         """Start a new generation (cancelling the older ones) and return a token for it."""
         with self._lock:

@@ -225,9 +225,11 @@ class Chunker:
         """The last place within ``max_chars`` between words (or CJK characters), preferably not
         right after an abbreviation; None if there is none yet."""
         best = fallback = None
+        so_far = weight(buf[:1], self.config)
         for p in range(1, len(buf)):
-            if weight(buf[:p], self.config) > self.config.max_chars:
+            if so_far > self.config.max_chars:
                 break
+            so_far += weight(buf[p], self.config)
             between_words = buf[p - 1].isspace() and not buf[p].isspace()
             between_cjk = bool(_CJK.match(buf[p - 1]) and _CJK.match(buf[p]))
             if (between_words or between_cjk) and _SPEAKABLE.search(buf[:p]):
@@ -250,7 +252,7 @@ class Chunker:
 _WAIT = object()
 
 
-def _after_space(buf: str, i: int, final: bool) -> int | None | object:
+def _after_space(buf: str, i: int, final: bool) -> int | object:
     """The index after ``buf[i]`` and the whitespace that follows it (waits for a non-space)."""
     j = i + 1
     while j < len(buf) and buf[j].isspace():

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import webrtcvad
 
-from speech.audio import AudioFormatError, Resampler, split_frames, to_float32, to_pcm16
+from speech.audio import Resampler, split_frames, to_float32, to_pcm16
 from speech.config import VADConfig
 from speech.messages import SpeechEnded, SpeechStarted
 
@@ -89,7 +89,7 @@ class VoiceActivityDetector:
         self._silero_windows: deque[tuple[int, bool]] = deque()  # (end, in speech) at 16 kHz
         self._silero_end = 0  # 16 kHz samples Silero has scored
         self._silero_on = False
-        self._to16k = None
+        self._to16k: Resampler | None = None
         if self._silero is not None:
             self._silero.reset()
             if self.config.sample_rate != SileroVAD.SAMPLE_RATE:
@@ -123,11 +123,7 @@ class VoiceActivityDetector:
         self._received += len(pcm)
         frames, self._pending = split_frames(np.concatenate([self._pending, pcm]), self._frame)
         rate = self.config.sample_rate
-        for frame in frames:
-            try:
-                self._webrtc_votes.append(self._webrtc.is_speech(frame.tobytes(), rate))
-            except webrtcvad.Error as exc:  # config is validated, so this is a library fault
-                raise AudioFormatError(f"webrtcvad rejected a frame: {exc}") from exc
+        self._webrtc_votes.extend(self._webrtc.is_speech(f.tobytes(), rate) for f in frames)
         if self._silero is not None:
             self._score_silero(to_float32(pcm))
         return self._decide()

@@ -127,14 +127,19 @@ def combine_kernel(
 
 @triton.jit
 def prefill_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
+    """One program: BLOCK_M queries of one request and head, over one slice of their context.
+    With NUM_SPLITS > 1 the slices' partial results go to O_PART/LSE_PART for combine_kernel
+    (few query tiles over a long cached context: a 30-token question after a 32k prefix)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     r = tl.load(TILE_REQ + tile).to(tl.int64)
     m0 = tl.load(TILE_START + tile)
     q_begin = tl.load(QUERY_START + r).to(tl.int64)
@@ -153,10 +158,13 @@ def prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # causal bound of the whole tile
+    per_split = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, hi)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < seq_len
+        n_valid = offs_n < hi
         page = tl.load(BLOCK_TABLES + r * stride_bt + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
         kv = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
         kvmask = n_valid[:, None] & (d < D)[None, :]
@@ -172,6 +180,12 @@ def prefill_kernel(
         v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(OUT + (q_begin + offs_m)[:, None] * stride_out_t + h * stride_out_h + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=qmask)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    rows = q_begin + offs_m
+    if NUM_SPLITS == 1:
+        tl.store(OUT + rows[:, None] * stride_out_t + h * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=qmask)
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(O_PART + rows[:, None] * stride_ot + h * stride_oh + split * stride_os + d[None, :], out, mask=qmask)
+        tl.store(LSE_PART + rows * stride_lt + h * stride_lh + split, lse, mask=m_valid)

@@ -84,14 +84,21 @@ def prefill_tiles(query_lens: list[int], first: int, block_m: int = PREFILL_BLOC
     return reqs, starts
 
 
+def prefill_splits(num_programs: int, max_context: int) -> int:
+    """Split the context when too few (tile, head) programs would fill the GPU."""
+    if num_programs >= TARGET_PROGRAMS // 2 or max_context < 4 * PREFILL_BLOCK_N:
+        return 1
+    return max(1, min(32, -(-TARGET_PROGRAMS // num_programs), max_context // (4 * PREFILL_BLOCK_N)))
+
+
 def prefill_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, out: torch.Tensor,
 ) -> torch.Tensor:
     """Attention for the prefill requests of the batch (those after the decodes)."""
-    from engine.attention._triton_kernels import prefill_kernel
+    from engine.attention._triton_kernels import combine_kernel, prefill_kernel
 
     k_cache, v_cache = kv_cache
-    hq, dim = q.shape[1], q.shape[2]
+    t, hq, dim = q.shape
     hkv = k_cache.shape[2]
     tiles = meta.scratch.get("prefill_tiles")
     if tiles is None:
@@ -101,14 +108,29 @@ def prefill_attention(
     tile_req, tile_start = tiles
     if tile_req.numel() == 0:
         return out
-    prefill_kernel[(tile_req.numel(), hq)](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out,
+    splits = prefill_splits(tile_req.numel() * hq, meta.max_seq_len)
+    d_pad = _pow2(dim, 16)
+    if splits > 1:
+        o_part = torch.empty((t, hq, splits, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse = out, out  # unused
+    prefill_kernel[(tile_req.numel(), hq, splits)](
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out, o_part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1),
         scale,
-        GROUP=hq // hkv, D=dim, D_PAD=_pow2(dim, 16), PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        num_warps=4, num_stages=2,
+        GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        NUM_SPLITS=splits, num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        first = meta.num_decodes  # decode rows come first, one token each
+        combine_kernel[(t - first, hq)](
+            o_part[first:], lse[first:], out[first:],
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), D=dim, D_PAD=d_pad,
+        )
     return out
 
 

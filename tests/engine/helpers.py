@@ -46,7 +46,7 @@ class SimulatedEngine:
             req.num_computed_tokens += c.num_tokens
             self.bm.cache_full_blocks(req)
             if done:
-                req.output_token_ids.append(7)
+                req.append_output(7)
                 if len(req.output_token_ids) >= req.sampling_params.max_tokens:
                     self.scheduler.finish_request(req, RequestStatus.FINISHED_LENGTH)
                     self.finished.append(req)

@@ -170,8 +170,16 @@ def test_usage_counts_cached_prompt_tokens(client, engine):
     assert second.usage.prompt_tokens == 70
 
 
-async def test_concurrent_clients_each_get_their_own_answer(aclient, offline):
+async def test_concurrent_clients_each_get_their_own_answer_and_the_loop_stays_free(aclient, offline, server):
     expected = [o.text for o in offline.chat([user(q) for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=10))]
+    latencies = []
+
+    async def ping(http: httpx.AsyncClient, done: asyncio.Event) -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            assert (await http.get("/health")).status_code == 200
+            latencies.append(time.perf_counter() - t)
+            await asyncio.sleep(0.02)
 
     async def ask(i: int) -> str:
         if i % 2:
@@ -180,7 +188,14 @@ async def test_concurrent_clients_each_get_their_own_answer(aclient, offline):
         stream = await aclient.chat.completions.create(model=MODEL, messages=user(QUESTIONS[i]), max_tokens=10, temperature=0, stream=True)
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-    assert await asyncio.gather(*(ask(i) for i in range(len(QUESTIONS)))) == expected
+    done = asyncio.Event()
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        pinger = asyncio.create_task(ping(http, done))
+        answers = await asyncio.gather(*(ask(i) for i in range(len(QUESTIONS))))
+        done.set()
+        await pinger
+    assert answers == expected
+    assert len(latencies) > 10 and max(latencies) < 0.5  # handlers never wait on model work
 
 
 # ---- clients that go away ------------------------------------------------------------------------

@@ -124,3 +124,20 @@ def test_fused_norm_and_activation_match_reference():
     assert rel(only, torch.nn.functional.rms_norm(x, (72,), w, 1e-5)) < TOL
     g = torch.randn(5, 2 * 1500, device=DEVICE, dtype=DTYPE)
     assert rel(silu_and_mul_triton(g), silu_and_mul_ref(g)) < TOL
+
+
+def test_short_chunk_after_a_long_context_splits_the_context():
+    """A question after a long cached prefix: few query tiles, so the context is split."""
+    from engine.attention.triton_paged import prefill_splits
+
+    seed = random.randrange(1 << 30)
+    query_lens, ctx_lens = [1, 5, 9], [20, 900, 700]
+    cache, meta = build_batch(query_lens, ctx_lens, 2, 16, 16, seed)
+    assert prefill_splits(2 * 4, meta.max_seq_len) > 1
+    q = torch.randn(sum(query_lens), 4, 16, device=DEVICE, dtype=DTYPE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q[:1], cache, meta.block_tables[:1], meta.seq_lens[:1], 0.25, out[:1])
+    prefill_attention(q, cache, meta, 0.25, out)
+    ref = paged_attention_reference(q, cache, meta, 0.25)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL, f"seed {seed}"

@@ -382,6 +382,19 @@ def test_closed_worker_decodes_queued_finals_and_refuses_new_jobs(question_clips
         worker.submit(ASRJob(9, 0, True, audio, "", "en", 1.0, lambda *a: None))
 
 
+def test_worker_from_config_and_a_closed_session(question_clips, tiny_config) -> None:
+    """``from_config`` loads the backend with the configured bound; a closed session is silent."""
+    clip = question_clips[0]
+    events: list = []
+    with ASRWorker.from_config(replace(tiny_config, queue_size=3)) as worker:
+        assert worker.queue_size == 3 and isinstance(worker.backend, FasterWhisperBackend)
+        session = ASRSession(worker, events.append, tiny_config, input_rate=clip.sample_rate)
+        session.close()
+        for chunk in chunks(clip.audio, clip.sample_rate):
+            session.feed(chunk)
+    assert worker.stats.processed_finals == 1 and events == []
+
+
 def test_bad_asr_settings_are_rejected(tmp_path: Path, whisper_tiny) -> None:
     with pytest.raises(ConfigError, match="model_path is not set"):
         FasterWhisperBackend(ASRConfig())

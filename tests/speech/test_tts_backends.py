@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from speech.cancel import CancelToken, Generation
-from speech.config import ConfigError, TTSConfig
+from speech.config import TTS_BACKENDS, ConfigError, TTSConfig
 from speech.tts import TTSBackend, TTSUnavailable, load_tts
 from speech.tts.espeak import EspeakTTS
+from speech.tts.factory import BACKENDS
 
 ENGLISH = "How do I apply for annual leave?"
 CHINESE = "年假怎么申请？请登录人事系统。"
@@ -126,6 +127,7 @@ def test_bad_tts_settings_give_clear_errors(config: dict, message: str) -> None:
 def test_unknown_backend_is_rejected_by_the_config() -> None:
     with pytest.raises(ConfigError, match=r"available backends are \('hibari', 'coqui', 'espeak'\)"):
         TTSConfig(backend="festival")
+    assert tuple(BACKENDS) == TTS_BACKENDS  # every name the config accepts can be loaded
 
 
 def test_missing_espeak_program_says_what_to_install() -> None:
