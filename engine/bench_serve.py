@@ -400,7 +400,7 @@ def write_plot(path: Path, cfg: BenchConfig, run: dict[str, Any]) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g} req/s"
-    fig.suptitle(f"{run['model']}: {cfg.num_prompts} requests, rate {rate}, max concurrency {cfg.max_concurrency or '-'}")
+    fig.suptitle(f"{run['model']}: {cfg.num_prompts} requests, rate {rate}, max concurrency {cfg.max_concurrency or 'unlimited'}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -27,9 +27,26 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 def extend_block_hashes(
     hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
 ) -> None:
-    """Append the hashes of full blocks of ``token_ids`` not hashed yet (incremental)."""
-    for i in range(len(hashes), len(token_ids) // block_size):
-        hashes.append(hash_block(hashes[i - 1] if i else None, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
+    """Append the hashes of full blocks of ``token_ids`` not hashed yet (incremental).
+
+    Same values as :func:`hash_block`, computed over one byte buffer: a 32k-token prompt is
+    2,000 blocks, hashed in about a millisecond instead of several.
+    """
+    first, last = len(hashes), len(token_ids) // block_size
+    if first >= last:
+        return
+    data = array("q", token_ids[first * block_size : last * block_size]).tobytes()
+    width = 8 * block_size
+    extra = repr(extra_keys).encode() if extra_keys else b""
+    parent = hashes[-1] if hashes else b"\0"
+    sha256 = hashlib.sha256
+    for i in range(last - first):
+        h = sha256(parent)
+        h.update(data[i * width : (i + 1) * width])
+        if extra:
+            h.update(extra)
+        parent = h.digest()
+        hashes.append(parent)
 
 
 @dataclass

@@ -53,14 +53,14 @@ def rope_store_kernel(
     tl.store(V_CACHE + c_ptr + HALF, tl.load(v_ptr + HALF, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -103,11 +103,11 @@ def decode_kernel(
     tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def combine_kernel(
     O_PART, LSE_PART, OUT,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_out_t, stride_out_h,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -125,14 +125,14 @@ def combine_kernel(
     tl.store(OUT + b * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def prefill_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
 ):
     """One program: BLOCK_M queries of one request and head, over one slice of their context.
     With NUM_SPLITS > 1 the slices' partial results go to O_PART/LSE_PART for combine_kernel
@@ -183,7 +183,7 @@ def prefill_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     rows = q_begin + offs_m
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1:  # a runtime branch: split counts never trigger a recompile
         tl.store(OUT + rows[:, None] * stride_out_t + h * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=qmask)
     else:
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -9,7 +9,9 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
+PREFILL_WARPS, PREFILL_STAGES = 4, 2
 TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200: enough splits to fill the GPU
+MAX_SPLITS = 32  # split counts are runtime values padded to this: no recompiles as contexts grow
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -19,7 +21,7 @@ def _pow2(n: int, at_least: int = 1) -> int:
 def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
     """Context splits per (request, KV head): a function of the batch shape only, so a CUDA
     graph captured for a batch size stays valid whatever the context lengths are."""
-    return max(1, min(32, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
 
 
 def rope_and_store(
@@ -69,7 +71,7 @@ def decode_attention(
     combine_kernel[(b, hq)](
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), D=dim, D_PAD=d_pad,
+        NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad,
     )
     return out
 
@@ -88,7 +90,7 @@ def prefill_splits(num_programs: int, max_context: int) -> int:
     """Split the context when too few (tile, head) programs would fill the GPU."""
     if num_programs >= TARGET_PROGRAMS // 2 or max_context < 4 * PREFILL_BLOCK_N:
         return 1
-    return max(1, min(32, -(-TARGET_PROGRAMS // num_programs), max_context // (4 * PREFILL_BLOCK_N)))
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_context // (4 * PREFILL_BLOCK_N)))
 
 
 def prefill_attention(
@@ -122,14 +124,14 @@ def prefill_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1),
         scale,
         GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        NUM_SPLITS=splits, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
     )
     if splits > 1:
         first = meta.num_decodes  # decode rows come first, one token each
         combine_kernel[(t - first, hq)](
             o_part[first:], lse[first:], out[first:],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), D=dim, D_PAD=d_pad,
+            NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad,
         )
     return out
 

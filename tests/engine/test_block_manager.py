@@ -107,3 +107,17 @@ def test_reset_prefix_cache_forgets_content():
     bm.free(a)
     bm.reset_prefix_cache()
     assert bm.find_cached_prefix(make_request("b", 6)) == []
+
+
+def test_incremental_block_hashes_equal_the_hash_chain():
+    from engine.prefix_cache import extend_block_hashes
+
+    tokens = list(range(1000, 1037))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens[:9], 4, ("v1",))  # two blocks now, more later
+    extend_block_hashes(hashes, tokens, 4, ("v1",))
+    expected, parent = [], None
+    for i in range(len(tokens) // 4):
+        parent = hash_block(parent, tokens[4 * i : 4 * i + 4], ("v1",))
+        expected.append(parent)
+    assert hashes == expected
