@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 64
-PREFILL_WARPS, PREFILL_STAGES = 4, 2
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape of the paged prefill kernel (measured by ``python -m engine.kernel_bench``)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+PREFILL = PrefillConfig()
 TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200: enough splits to fill the GPU
 MAX_SPLITS = 32  # split counts are runtime values padded to this: no recompiles as contexts grow
 
@@ -76,7 +88,7 @@ def decode_attention(
     return out
 
 
-def prefill_tiles(query_lens: list[int], first: int, block_m: int = PREFILL_BLOCK_M) -> tuple[list[int], list[int]]:
+def prefill_tiles(query_lens: list[int], first: int, block_m: int) -> tuple[list[int], list[int]]:
     """(request index, first query row) of every BLOCK_M tile of the requests from ``first`` on."""
     reqs, starts = [], []
     for i in range(first, len(query_lens)):
@@ -88,13 +100,14 @@ def prefill_tiles(query_lens: list[int], first: int, block_m: int = PREFILL_BLOC
 
 def prefill_splits(num_programs: int, max_context: int) -> int:
     """Split the context when too few (tile, head) programs would fill the GPU."""
-    if num_programs >= TARGET_PROGRAMS // 2 or max_context < 4 * PREFILL_BLOCK_N:
+    if num_programs >= TARGET_PROGRAMS // 2 or max_context < 256:
         return 1
-    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_context // (4 * PREFILL_BLOCK_N)))
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_context // 256))
 
 
 def prefill_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    config: PrefillConfig = PREFILL,
 ) -> torch.Tensor:
     """Attention for the prefill requests of the batch (those after the decodes)."""
     from engine.attention._triton_kernels import combine_kernel, prefill_kernel
@@ -104,7 +117,7 @@ def prefill_attention(
     hkv = k_cache.shape[2]
     tiles = meta.scratch.get("prefill_tiles")
     if tiles is None:
-        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes)
+        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes, config.block_m)
         tiles = (torch.tensor(reqs, dtype=torch.int32, device=q.device), torch.tensor(starts, dtype=torch.int32, device=q.device))
         meta.scratch["prefill_tiles"] = tiles
     tile_req, tile_start = tiles
@@ -123,8 +136,8 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1),
         scale,
-        GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        NUM_SPLITS=splits, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+        GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         first = meta.num_decodes  # decode rows come first, one token each

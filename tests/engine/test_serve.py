@@ -51,6 +51,11 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = user("hi")
+
+
 async def wait_idle(engine: AsyncEngine, timeout: float = 30.0):
     """Until nothing runs or waits and every KV block is free again."""
     end = time.monotonic() + timeout
@@ -111,6 +116,19 @@ def test_completions_text_and_token_id_prompts_agree(client, offline):
     expected = offline.generate(ids, SamplingParams(temperature=0, max_tokens=6))[0]
     assert by_text.choices[0].text == by_ids.choices[0].text == expected.text
     assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_developer_role_text_parts_max_completion_tokens_and_default_model(server, offline):
+    messages = [{"role": "developer", "content": "Answer in one word."},
+                {"role": "user", "content": [{"type": "text", "text": "What colour is the sky?"}]}]
+    expected = offline.chat([{"role": "system", "content": "Answer in one word."}, user("What colour is the sky?")],
+                            SamplingParams(temperature=0, max_tokens=5))[0]
+    resp = httpx.post(server.url + CHAT, json={"messages": messages, "max_completion_tokens": 5, "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["model"] == MODEL
+    assert body["choices"][0]["message"]["content"] == expected.text
+    assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
 
 
 def test_max_tokens_and_ignore_eos(client):
@@ -236,11 +254,6 @@ async def test_non_streaming_client_that_times_out_aborts_its_request(server, en
 
 
 # ---- bad requests --------------------------------------------------------------------------------
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-HI = user("hi")
-
-
 @pytest.mark.parametrize(
     "route, body, status, code, param, message",
     [
@@ -267,6 +280,15 @@ HI = user("hi")
         (CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_value", "tools", "tools"),
         (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "unsupported_value", "prompt", "batch of 2"),
         (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "unsupported_value", "echo", "echo"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400, "unsupported_value", "suffix", "suffix"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "unsupported_value", "best_of", "best_of=3"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "unsupported_value", "logit_bias", "logit_bias"),
+        (CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400, "unsupported_value", "response_format", "text"),
+        (CHAT, {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "unsupported_value", "tool_choice", "no tools"),
+        (CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, None, "top_logprobs", "requires logprobs"),
+        (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400, None, "stream_options", "only allowed when stream"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_type", "messages", "role"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_type", "messages", "content"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_schedule_nothing(server, engine, route, body, status, code, param, message):
