@@ -427,12 +427,15 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
-        breakdown[suite] = core.step_times.per_step_ms() | {"steps": core.step_times.steps}
+        st = core.step_times
+        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps}
+        print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
     hf = None
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' includes waiting for the device):")
     for suite, b in breakdown.items():
-        print(f"  {suite:<11} " + "  ".join(f"{k} {v:8.3f}" for k, v in b.items() if k != "steps") + f"   ({b['steps']} steps)")
+        print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k)
+              + f"   ({b['steps']} steps, {b['graph_steps']} from graphs)")
     print("\nmemory:\n" + core.memory.format())
     if args.json:
         record = {

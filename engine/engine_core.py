@@ -224,12 +224,9 @@ class EngineCore:
             self.block_manager.cache_full_blocks(req)
         for i, c in enumerate(inputs.sampled_chunks):
             outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], t3))
-        st = self.step_times
-        st.steps += 1
-        st.schedule += t1 - t0
-        st.prepare += t2 - t1
-        st.forward += t3 - t2
-        st.postprocess += time.perf_counter() - t3
+        self.step_times.record(
+            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_used_graph, len(inputs.chunks), len(inputs.input_ids)
+        )
         return outputs
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

@@ -106,7 +106,24 @@ class StepTimes:
     prepare: float = 0.0
     forward: float = 0.0
     postprocess: float = 0.0
+    graph_steps: int = 0  # decode-only steps replayed from CUDA graphs
+    graph_forward: float = 0.0
+    slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
+
+    def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, graph: bool, requests: int, tokens: int) -> None:
+        self.steps += 1
+        self.schedule += t1 - t0
+        self.prepare += t2 - t1
+        self.forward += t3 - t2
+        self.postprocess += t4 - t3
+        if graph:
+            self.graph_steps += 1
+            self.graph_forward += t3 - t2
+        self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        return {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}
+        out = {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}
+        out["graph_forward"] = 1e3 * self.graph_forward / max(self.graph_steps, 1)
+        out["eager_forward"] = 1e3 * (self.forward - self.graph_forward) / max(self.steps - self.graph_steps, 1)
+        return out

@@ -39,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.graphs: CudaGraphRunner | None = None
+        self.last_step_used_graph = False
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
@@ -104,6 +105,7 @@ class ModelRunner:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
         meta = inputs.meta
         bucket = self.graphs.bucket(meta.num_requests) if self.graphs and meta.num_decodes == meta.num_requests else None
+        self.last_step_used_graph = bucket is not None
         if bucket is not None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)
         else:

@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -115,6 +116,8 @@ class OpenAIServer:
     # ---- validation -----------------------------------------------------------------------------
     async def prepare(self, body: GenerationRequest) -> _Job:
         """Check everything and tokenize (in a worker thread); raises :class:`APIError`."""
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine loop has stopped", type="server_error", code="engine_dead")
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
@@ -124,7 +127,7 @@ class OpenAIServer:
         prompt = None if chat else body.single_prompt()  # type: ignore[union-attr]
         try:
             ids = await asyncio.to_thread(self._tokenize, body, prompt)
-        except ValueError as e:  # no tokenizer / no chat template
+        except (ValueError, TemplateError) as e:  # no tokenizer, no chat template, or the template refuses the messages
             raise APIError(400, str(e), param=prompt_param) from e
         requested = body.requested_max_tokens
         max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
@@ -298,7 +301,6 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``."""
     server = OpenAIServer(engine, model_name)
     app = FastAPI(title="engine OpenAI-compatible API")
-    app.state.openai_server = server
 
     async def generate(body: GenerationRequest, request: Request) -> Any:
         job = await server.prepare(body)

@@ -1,5 +1,8 @@
 """Triton kernels for attention over the paged KV cache.
 
+Strides and split counts that change from step to step are not specialised on
+(``do_not_specialize``): a new value must never trigger a JIT compile in the middle of serving.
+
 Cache layout: K and V each ``[num_blocks, page, kv_heads, head_dim]``; a request's token ``t``
 lives in block ``block_table[t // page]`` at row ``t % page``.
 
@@ -53,7 +56,7 @@ def rope_store_kernel(
     tl.store(V_CACHE + c_ptr + HALF, tl.load(v_ptr + HALF, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -103,7 +106,7 @@ def decode_kernel(
     tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
+@triton.jit(do_not_specialize=["stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def combine_kernel(
     O_PART, LSE_PART, OUT,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_out_t, stride_out_h,
@@ -125,7 +128,7 @@ def combine_kernel(
     tl.store(OUT + b * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def prefill_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,

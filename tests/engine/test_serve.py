@@ -121,7 +121,7 @@ def test_completions_text_and_token_id_prompts_agree(client, offline):
 def test_developer_role_text_parts_max_completion_tokens_and_default_model(server, offline):
     messages = [{"role": "developer", "content": "Answer in one word."},
                 {"role": "user", "content": [{"type": "text", "text": "What colour is the sky?"}]}]
-    expected = offline.chat([{"role": "system", "content": "Answer in one word."}, user("What colour is the sky?")],
+    expected = offline.chat([{"role": "system", "content": "Answer in one word."}, *user("What colour is the sky?")],
                             SamplingParams(temperature=0, max_tokens=5))[0]
     resp = httpx.post(server.url + CHAT, json={"messages": messages, "max_completion_tokens": 5, "temperature": 0}, timeout=60)
     assert resp.status_code == 200, resp.text
@@ -324,8 +324,10 @@ async def test_health_reports_a_stopped_engine(smollm, llm_gguf_path):
         async with httpx.AsyncClient(base_url=srv.url) as http:
             assert (await http.get("/health")).status_code == 200
             await asyncio.to_thread(eng.shutdown)
-            resp = await http.get("/health")
-    assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
+            health = await http.get("/health")
+            chat = await http.post(CHAT, json={"messages": HI})
+    for resp in (health, chat):
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
 
 
 def test_command_line_settings(llm_gguf_path):
