@@ -12,8 +12,9 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
   request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
   over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
   Splitting keeps the GPU busy when few requests have long contexts.
-- ``prefill_kernel``: FlashAttention-style tiles of queries against the paged context with a
-  causal mask offset by the request's cached context: chunked prefill and prefix-cache hits.
+- ``prefill_kernel``: FlashAttention-style tiles of (query, head) rows of one GQA group against
+  the paged context, with a causal mask offset by the request's cached context: chunked prefill
+  and prefix-cache hits.
 """
 
 import triton
@@ -137,31 +138,35 @@ def prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
 ):
-    """One program: BLOCK_M queries of one request and head, over one slice of their context.
-    With NUM_SPLITS > 1 the slices' partial results go to O_PART/LSE_PART for combine_kernel
-    (few query tiles over a long cached context: a 30-token question after a 32k prefix)."""
+    """One program: BLOCK_M rows of one request and one KV head, over one slice of the context.
+    Rows pack the GQA group: row m is query ``m // GROUP`` of query head ``kvh*GROUP + m % GROUP``,
+    so every K/V tile loaded serves all heads that share it. With NUM_SPLITS > 1 the slices'
+    partial results go to O_PART/LSE_PART for combine_kernel (a short question after a long
+    cached prefix has few rows, so the context is what gets spread over the GPU)."""
     tile = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     r = tl.load(TILE_REQ + tile).to(tl.int64)
-    m0 = tl.load(TILE_START + tile)
+    row0 = tl.load(TILE_START + tile)
     q_begin = tl.load(QUERY_START + r).to(tl.int64)
     q_len = tl.load(QUERY_START + r + 1) - q_begin
     seq_len = tl.load(SEQ_LENS + r)
     ctx = seq_len - q_len
-    kvh = h // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
     d = tl.arange(0, D_PAD)
-    m_valid = offs_m < q_len
+    m_valid = qi < q_len
     qmask = m_valid[:, None] & (d < D)[None, :]
-    q = tl.load(Q + (q_begin + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
-    q_pos = ctx + offs_m
+    tok = q_begin + qi
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q_pos = ctx + qi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # causal bound of the whole tile
+    hi = tl.minimum(seq_len, ctx + (row0 + BLOCK_M - 1) // GROUP + 1)  # causal bound of the whole tile
     per_split = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, hi)
@@ -185,10 +190,9 @@ def prefill_kernel(
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    rows = q_begin + offs_m
     if NUM_SPLITS == 1:  # a runtime branch: split counts never trigger a recompile
-        tl.store(OUT + rows[:, None] * stride_out_t + h * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=qmask)
+        tl.store(OUT + tok[:, None] * stride_out_t + head[:, None] * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=qmask)
     else:
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(O_PART + rows[:, None] * stride_ot + h * stride_oh + split * stride_os + d[None, :], out, mask=qmask)
-        tl.store(LSE_PART + rows * stride_lt + h * stride_lh + split, lse, mask=m_valid)
+        tl.store(O_PART + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=qmask)
+        tl.store(LSE_PART + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)

@@ -88,11 +88,12 @@ def decode_attention(
     return out
 
 
-def prefill_tiles(query_lens: list[int], first: int, block_m: int) -> tuple[list[int], list[int]]:
-    """(request index, first query row) of every BLOCK_M tile of the requests from ``first`` on."""
+def prefill_tiles(query_lens: list[int], first: int, block_m: int, group: int) -> tuple[list[int], list[int]]:
+    """(request index, first row) of every BLOCK_M tile of (query, head-in-group) rows of the
+    requests from ``first`` on."""
     reqs, starts = [], []
     for i in range(first, len(query_lens)):
-        for m0 in range(0, query_lens[i], block_m):
+        for m0 in range(0, query_lens[i] * group, block_m):
             reqs.append(i)
             starts.append(m0)
     return reqs, starts
@@ -117,24 +118,23 @@ def prefill_attention(
     hkv = k_cache.shape[2]
     tiles = meta.scratch.get("prefill_tiles")
     if tiles is None:
-        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes, config.block_m)
+        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes, config.block_m, hq // hkv)
         tiles = (torch.tensor(reqs, dtype=torch.int32, device=q.device), torch.tensor(starts, dtype=torch.int32, device=q.device))
         meta.scratch["prefill_tiles"] = tiles
     tile_req, tile_start = tiles
     if tile_req.numel() == 0:
         return out
-    splits = prefill_splits(tile_req.numel() * hq, meta.max_seq_len)
+    splits = prefill_splits(tile_req.numel() * hkv, meta.max_seq_len)
     d_pad = _pow2(dim, 16)
-    if splits > 1:
-        o_part = torch.empty((t, hq, splits, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((t, hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse = out, out  # unused
-    prefill_kernel[(tile_req.numel(), hq, splits)](
+    # float32 partials in both cases: same kernel signature, so one compiled kernel for both
+    shape = (t, hq, splits, dim) if splits > 1 else (1, 1, 1, 1)
+    o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
+    prefill_kernel[(tile_req.numel(), hkv, splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out, o_part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale,
         GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
