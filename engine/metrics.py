@@ -108,9 +108,13 @@ class StepTimes:
     postprocess: float = 0.0
     graph_steps: int = 0  # decode-only steps replayed from CUDA graphs
     graph_forward: float = 0.0
+    decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
+    decode_only_time: float = 0.0
+    decode_only_tokens: int = 0
     slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, graph: bool, requests: int, tokens: int) -> None:
+        """Account one step: phase boundaries t0..t4, whether a graph ran, batch shape."""
         self.steps += 1
         self.schedule += t1 - t0
         self.prepare += t2 - t1
@@ -119,7 +123,16 @@ class StepTimes:
         if graph:
             self.graph_steps += 1
             self.graph_forward += t3 - t2
+        if requests == tokens:
+            self.decode_only_steps += 1
+            self.decode_only_time += t4 - t0
+            self.decode_only_tokens += tokens
         self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second over decode-only steps (the steady state of a running batch)."""
+        return self.decode_only_tokens / self.decode_only_time if self.decode_only_time else 0.0
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)

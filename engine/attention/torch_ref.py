@@ -20,6 +20,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, tor
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor, rows: int) -> torch.Tensor:
+    """Blocks ``table`` (flat, ``rows`` requests) of a [blocks, page, H, D] cache as
+    [rows, tokens, H, D]. ``index_select`` on whole blocks copies contiguous rows, several
+    times faster on the CPU than advanced indexing."""
+    page, heads, dim = cache.shape[1:]
+    flat = cache.view(cache.shape[0], -1).index_select(0, table.to(torch.long))
+    return flat.view(rows, -1, heads, dim)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -34,9 +43,9 @@ def paged_attention_reference(
     if nd:
         max_len = max(meta.seq_lens_host[:nd])
         nblocks = -(-max_len // block_size)
-        table = meta.block_tables[:nd, :nblocks]
-        keys = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
-        values = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        table = meta.block_tables[:nd, :nblocks].reshape(-1)
+        keys = gather_blocks(k_cache, table, nd)[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
+        values = gather_blocks(v_cache, table, nd)[:, :max_len].transpose(1, 2)
         lens = meta.seq_lens[:nd].to(torch.long)
         mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
         o = F.scaled_dot_product_attention(
@@ -49,8 +58,8 @@ def paged_attention_reference(
         qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
         nblocks = -(-slen // block_size)
         table = meta.block_tables[i, :nblocks]
-        keys = k_cache[table].flatten(0, 1)[:slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        values = v_cache[table].flatten(0, 1)[:slen].transpose(0, 1).unsqueeze(0)
+        keys = gather_blocks(k_cache, table, 1)[0, :slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        values = gather_blocks(v_cache, table, 1)[0, :slen].transpose(0, 1).unsqueeze(0)
         qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
         if qlen == slen:
             o = F.scaled_dot_product_attention(qi, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
