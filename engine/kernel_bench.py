@@ -56,11 +56,46 @@ def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
     return flops, kv + qo
 
 
+def profile_decode_step(model_config: str, batch: int, context: int) -> None:
+    """Where the device time of one eager decode step goes, kernel by kernel (torch.profiler),
+    for the model in ``model_config`` with random weights."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.sampling import SamplingParams
+
+    core = EngineCore(EngineConfig(model=model_config, load_format="dummy", enable_cuda_graphs=False,
+                                   gpu_memory_utilization=0.5, max_model_len=context + 64))
+    rng = random.Random(0)
+    for _ in range(batch):
+        core.add_request([rng.randrange(100, 1000) for _ in range(context)], SamplingParams(max_tokens=64, ignore_eos=True))
+    while any(len(r.output_token_ids) < 2 for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    for _ in range(3):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        core.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    print(f"decode step, batch {batch}, context {context}: {total / 1e3:.3f} ms of kernel time")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
+        print(f"  {e.device_time_total / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}%  x{e.count:<4} {e.key[:90]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     p = argparse.ArgumentParser(prog="python -m engine.kernel_bench", description=__doc__)
-    p.parse_args(argv)
+    p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=512)
+    args = p.parse_args(argv)
+    if args.profile_decode:
+        profile_decode_step(args.profile_decode, args.batch, args.context)
+        return 0
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm = 2 * 8192**3 / (triton.testing.do_bench(lambda: a @ a, return_mode="median") * 1e-3)
