@@ -144,11 +144,13 @@ class Sampler:
         if any(p > 0.0 for p in min_p):
             mp = torch.tensor(min_p, device=device, dtype=probs.dtype)
             probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Exponential race (equivalent to a categorical draw): argmax(p / E), E ~ Exp(1),
-        # drawn per row from the request's own generator for reproducibility.
-        noise = torch.empty_like(probs)
+        # Exponential race (equivalent to a categorical draw): argmax(p / E), E ~ Exp(1).
+        # Seeded requests draw their row from their own generator (reproducible whatever the
+        # batch); all other rows share one draw (one kernel, not one per row).
+        noise = torch.empty_like(probs).exponential_(generator=self.default_generator)
         for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator or self.default_generator)
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         if greedy.any():
