@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 
 import torch
 
@@ -80,3 +82,14 @@ def prompt_logits(core, token_ids: list[int]) -> torch.Tensor:
             return core.model.compute_logits(hidden)
     finally:
         core.block_manager.free(req)
+
+
+async def wait_idle(engine, timeout: float = 30.0):
+    """Wait until an AsyncEngine has nothing running or waiting and every KV block is free."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
+            return s
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.stats()}")

@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineCore, RequestError, SamplingError, SamplingParams
 from engine.llm import make_config
+from tests.engine.helpers import wait_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -25,14 +26,6 @@ async def collect(engine, prompt, params=GREEDY, **kw):
     return deltas
 
 
-async def wait_idle(engine, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
-            return s
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
 async def test_stream_matches_offline_generation(engine, smollm, llm_gguf_path):

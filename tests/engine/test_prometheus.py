@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ from engine import AsyncEngine, EngineCore
 from engine.llm import make_config
 from engine.prometheus import EngineMetrics, token_buckets
 from engine.serve import BackgroundServer, create_app
+from tests.engine.helpers import wait_idle
 
 MODEL = "smollm2-metrics"
 
@@ -50,14 +50,6 @@ def scrape(server) -> dict[str, float]:
     return samples
 
 
-async def wait_idle(engine: AsyncEngine, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
-            return s
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
 async def test_counters_and_histograms_move_by_the_known_traffic(server, engine, aclient):

@@ -13,6 +13,7 @@ import pytest
 from engine import LLM, AsyncEngine, EngineCore, SamplingParams
 from engine.llm import make_config
 from engine.serve import BackgroundServer, create_app, parse_settings
+from tests.engine.helpers import wait_idle
 
 MODEL = "smollm2-test"
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello in Spanish.",
@@ -56,15 +57,6 @@ COMPLETIONS = "/v1/completions"
 HI = user("hi")
 
 
-async def wait_idle(engine: AsyncEngine, timeout: float = 30.0):
-    """Until nothing runs or waits and every KV block is free again."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
-            return s
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
 
 
 # ---- routes ----------------------------------------------------------------------------------------
