@@ -1,19 +1,27 @@
-"""Answers handbook questions with the engine: shared documents prefix, streamed deltas.
+"""Answers handbook questions with the engine: shared documents prefix, streamed deltas, citations.
 
 One :class:`Answerer` per process holds the engine and one prompt builder per handbook language;
-every session's prompt starts with the same prefix token ids, so its KV is computed once.
+every session's prompt starts with the same prefix token ids, so its KV is computed once. The
+documents are reloaded when their files change (checked before each answer, or on ``reload()``);
+each request carries the documents' version as an extra prefix-cache key, so KV computed for one
+version is never reused for another.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, AssistantConfig
-from assistant.docs import DocumentSet, detect_language, load_library
-from assistant.prompt import Message, PromptBuilder
+from assistant.conversation import Conversation
+from assistant.docs import DocumentError, DocumentSet, detect_language, load_library
+from assistant.prompt import ContextBudget, Message, PromptBuilder
+from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
 
 INTERACTIVE = 0  # engine priority of a live conversation turn
 
@@ -28,6 +36,10 @@ class AnswerDelta:
     generated_tokens: int = 0
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
+    # set on the final delta only:
+    citation: Citation | None = None  # the handbook section the answer is attributed to
+    mode: str | None = None  # "whole-context" or "retrieval"
+    docs_version: str | None = None  # the documents version the answer was given from
 
 
 def default_model_path() -> str:
@@ -40,14 +52,11 @@ class Answerer:
     def __init__(self, config: AssistantConfig, engine: AsyncEngine, library: dict[str, DocumentSet]) -> None:
         self.config = config
         self.engine = engine
-        self.library = library
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
+        if engine.tokenizer is None:
             raise ValueError("the model has no tokenizer; the assistant needs text")
-        self.builders = {
-            lang: PromptBuilder(tokenizer, SYSTEM_PROMPT_ZH if lang == "zh" else SYSTEM_PROMPT, docs)
-            for lang, docs in library.items()
-        }
+        self.budget = ContextBudget(engine.core.max_model_len, config.max_tokens, config.conversation_tokens)
+        self.library = library
+        self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
 
     @classmethod
     def create(cls, config: AssistantConfig) -> "Answerer":
@@ -61,8 +70,25 @@ class Answerer:
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
+            max_model_len=opts.max_model_len,
         )
-        return cls(config, AsyncEngine(engine_config), library)
+        engine = AsyncEngine(engine_config)
+        try:
+            return cls(config, engine, library)
+        except BaseException:
+            engine.shutdown()
+            raise
+
+    def _builder(self, lang: str, docs: DocumentSet) -> PromptBuilder:
+        system_prompt = SYSTEM_PROMPT_ZH if lang == "zh" else SYSTEM_PROMPT
+        builder = PromptBuilder(self.engine.tokenizer, system_prompt, docs, budget=self.budget, language=lang)
+        log.info("handbook %s: %s", lang, builder.summary())
+        return builder
+
+    @property
+    def modes(self) -> dict[str, str]:
+        """Per handbook language, the prompt mode in use: "whole-context" or "retrieval"."""
+        return {lang: builder.mode for lang, builder in self.builders.items()}
 
     def language_for(self, question: str) -> str:
         if "any" in self.builders:
@@ -70,24 +96,81 @@ class Answerer:
         lang = self.config.language if self.config.language != "auto" else detect_language(question)
         return lang if lang in self.builders else next(iter(self.builders))
 
-    def prompt_ids(self, question: str, history: list[Message]) -> list[int]:
-        return self.builders[self.language_for(question)].build(history, question)
+    def prompt_ids(self, question: str, history: list[Message] | Conversation) -> list[int]:
+        messages = history.messages() if isinstance(history, Conversation) else history
+        return self.builders[self.language_for(question)].build(messages, question)
+
+    def reload(self) -> bool:
+        """Re-read the documents folder now; rebuild the prefix of each language whose content changed.
+
+        Returns True if any version changed. Raises DocumentError (and keeps serving the old
+        documents) if the folder cannot be loaded.
+        """
+        library = load_library(self.config.docs_dir)
+        builders, changed = {}, False
+        for lang, docs in library.items():
+            old = self.builders.get(lang)
+            if old is not None and old.docs.version == docs.version:
+                builders[lang] = old
+                continue
+            builders[lang] = self._builder(lang, docs)
+            changed = True
+            log.info("documents %s changed: version %s -> %s", lang, old.docs.version if old else "none", docs.version)
+        changed = changed or set(builders) != set(self.builders)
+        self.library, self.builders = library, builders
+        return changed
+
+    def refresh(self) -> bool:
+        """Reload if a document file was added, removed or edited (a cheap stat check); True if reloaded."""
+        if not any(docs.changed_on_disk() for docs in self.library.values()):
+            return False
+        try:
+            return self.reload()
+        except DocumentError as e:
+            log.warning("documents changed on disk but cannot be loaded; still answering from the old ones: %s", e)
+            return False
 
     async def answer(
-        self, question: str, history: list[Message] | None = None, *, priority: int = INTERACTIVE, request_id: str | None = None
+        self,
+        question: str,
+        history: list[Message] | Conversation | None = None,
+        *,
+        priority: int = INTERACTIVE,
+        request_id: str | None = None,
     ) -> AsyncIterator[AnswerDelta]:
-        """Stream the answer to ``question`` after ``history`` (alternating user/assistant)."""
+        """Stream the answer to ``question`` after ``history``.
+
+        ``history`` is a list of alternating user/assistant messages, or a :class:`Conversation`,
+        which this call keeps: turns that no longer fit are dropped from it, and the finished
+        (not aborted) turn is added to it before the final delta is yielded.
+        """
         if not question.strip():
             raise ValueError("the question is empty")
-        ids = self.prompt_ids(question, history or [])
+        if self.config.auto_reload:
+            self.refresh()
+        builder = self.builders[self.language_for(question)]
+        conversation = history if isinstance(history, Conversation) else None
+        prompt = builder.prompt(conversation.messages() if conversation else list(history or []), question)
+        if conversation is not None:
+            conversation.drop_oldest(prompt.dropped_turns)
         params = SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature)
         start = time.perf_counter()
-        async for out in self.engine.generate(ids, params, priority=priority, request_id=request_id):
+        text = []
+        async for out in self.engine.generate(
+            prompt.token_ids, params, priority=priority, request_id=request_id, extra_keys=(builder.docs.version,)
+        ):
             delta = AnswerDelta(out.text, out.finished, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_generated_tokens)
-            if out.finished and out.metrics is not None:
-                m = out.metrics
-                delta.ttft_s = m.ttft if m.ttft is not None else time.perf_counter() - start
-                delta.decode_tokens_per_s = (1.0 / m.tpot) if m.tpot else None
+            text.append(out.text)
+            if out.finished:
+                if out.metrics is not None:
+                    m = out.metrics
+                    delta.ttft_s = m.ttft if m.ttft is not None else time.perf_counter() - start
+                    delta.decode_tokens_per_s = (1.0 / m.tpot) if m.tpot else None
+                answer = "".join(text)
+                delta.citation = builder.index.cite(question, answer)
+                delta.mode, delta.docs_version = builder.mode, builder.docs.version
+                if conversation is not None and out.finish_reason != "abort":
+                    conversation.add(question, answer)
             yield delta
 
     def shutdown(self) -> None:

@@ -28,6 +28,7 @@ class EngineOptions:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None  # None: the model's own context length
 
 
 @dataclass
@@ -37,11 +38,66 @@ class AssistantConfig:
     max_tokens: int = 160
     temperature: float = 0.0
     engine: EngineOptions = field(default_factory=EngineOptions)
+    conversation_tokens: int = 1024  # context kept for question + history; documents above it switch to retrieval
+    auto_reload: bool = True  # before each answer, reload the documents if their files changed
 
     def validate(self) -> None:
         if self.language not in ("auto", "en", "zh"):
             raise ValueError(f"language must be auto, en or zh, got {self.language!r}")
+        if self.max_tokens < 1 or self.conversation_tokens < 1:
+            raise ValueError(f"max_tokens and conversation_tokens must be >= 1, got {self.max_tokens}, {self.conversation_tokens}")
         if not self.docs_dir.is_dir():
             raise FileNotFoundError(f"documents folder not found: {self.docs_dir}")
         if self.engine.model is not None and not self.engine.model.exists():
             raise FileNotFoundError(f"model not found: {self.engine.model}")
+
+
+@dataclass
+class VoiceConfig:
+    """The voice pipeline: hearing (VAD + Whisper), speaking (TTS), turn-taking and audio out.
+
+    asr_model: a CTranslate2 Whisper directory (None: the embedded Whisper base).
+    start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
+    partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
+    output_lead_ms: answer audio is sent at real-time pace, at most this far ahead of playback,
+    so a barge-in has little audio on the wire to take back.
+    early_prefill: on each partial transcript, prefill the prompt so far (a max_tokens=1 request)
+    so the final's prompt finds it in the prefix cache.
+    """
+
+    asr_model: Path | None = None
+    asr_language: str = "en"
+    asr_threads: int = 2
+    partial_interval_s: float | None = 0.5
+    start_ms: int = 60
+    hangover_ms: int = 500
+    tts_backend: str = "hibari"
+    tts_model: Path | None = None
+    tts_voice: str | None = None
+    sample_rate: int = 24000
+    output_chunk_ms: int = 100
+    output_lead_ms: int = 500
+    early_prefill: bool = False
+
+
+@dataclass
+class ServerConfig:
+    """``python -m assistant serve``: where to listen, the session limits, and the parts it runs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the name clients send as `model` (default: the model file's stem)
+    max_sessions: int = 16
+    max_message_bytes: int = 1 << 20  # a larger client event gets an `error`; the session lives on
+    max_errors: int = 32  # this many invalid client events in a row close the socket (1008)
+    assistant: AssistantConfig = field(default_factory=AssistantConfig)
+    voice: VoiceConfig = field(default_factory=VoiceConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range (the speech configs check theirs)."""
+        for name in ("max_sessions", "max_message_bytes", "max_errors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
+            raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
+        self.assistant.validate()

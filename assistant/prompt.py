@@ -4,15 +4,71 @@ The prefix is tokenized once and its token ids are reused verbatim at the start 
 prompt, so the engine's prefix cache computes its KV once for all sessions. The conversation
 that follows is rendered with the model's own chat template and tokenized separately; the
 template's end-of-turn special token after the system message keeps the boundary clean.
+
+Two modes, chosen from the context budget (the model's context minus room for the answer and
+for the conversation):
+
+- whole-context: all documents are in the prefix; every prompt is prefix + history + question.
+- retrieval: the documents do not fit. The prefix is the system prompt and a table of contents
+  (still byte-stable, still cached for everyone); the sections that best match the question
+  (BM25, ``assistant.retrieval``) go into the last user message, in front of the question. So
+  only the stable part and the earlier turns are shared in the cache; the sections vary.
+
+History beyond the budget is dropped a whole turn at a time, oldest first; never the prefix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from assistant.docs import DocumentSet
+from assistant.conversation import Message, oldest_first_cuts
+from assistant.docs import DocumentError, DocumentSet, Section
+from assistant.retrieval import SectionIndex
 
-Message = dict[str, str]
+WHOLE = "whole-context"
+RETRIEVAL = "retrieval"
+CONTENTS_SHARE = 4  # the table of contents may take at most 1/4 of the prompt limit
+
+
+class PromptTooLong(ValueError):
+    """The question alone does not fit the context after the prefix and the answer's room."""
+
+
+@dataclass(frozen=True)
+class ContextBudget:
+    """How a model's context is shared out.
+
+    max_model_len: the engine's context length; max_tokens: room kept for the answer;
+    conversation_tokens: room kept for the question and history before the documents may take
+    the rest (whole-context mode needs prefix + conversation_tokens + max_tokens to fit).
+    """
+
+    max_model_len: int
+    max_tokens: int
+    conversation_tokens: int
+
+    @property
+    def prompt_limit(self) -> int:
+        """The most prompt tokens that still leave ``max_tokens`` to answer."""
+        return self.max_model_len - self.max_tokens
+
+
+@dataclass(frozen=True)
+class Labels:
+    """The few words the prompt itself says, in the handbook's language (with its punctuation)."""
+
+    contents: str  # heads the table of contents
+    sections: str  # heads the retrieved sections
+    question: str  # precedes the question after them
+
+
+LABELS_EN = Labels(
+    "The handbook's documents and sections are listed below; the sections that answer a question are given with it.",
+    "Handbook sections:",
+    "Question: ",
+)
+LABELS_ZH = Labels("手册的文件和章节如下；与问题相关的章节随问题一起给出。", "手册相关章节：", "问题：")
 
 
 @dataclass(frozen=True)
@@ -23,20 +79,112 @@ class PromptPrefix:
     docs_version: str
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One request's prompt and how it was made."""
+
+    token_ids: list[int]
+    sections: tuple[Section, ...]  # retrieval mode: the sections sent with the question, best first
+    dropped_turns: int  # oldest history turns left out to fit the context
+
+
 class PromptBuilder:
-    """Builds token ids of ``prefix + history + question`` for one tokenizer."""
+    """Builds token ids of ``prefix + history + question`` for one tokenizer and document set.
 
-    def __init__(self, tokenizer, system_prompt: str, docs: DocumentSet) -> None:
+    Without a ``budget`` the documents are always whole and history is never trimmed.
+    """
+
+    def __init__(
+        self, tokenizer, system_prompt: str, docs: DocumentSet, *, budget: ContextBudget | None = None, language: str = "en"
+    ) -> None:
         self.tokenizer = tokenizer
-        system_text = f"{system_prompt}\n\n{docs.render()}"
-        rendered = tokenizer.render_chat([{"role": "system", "content": system_text}], add_generation_prompt=False)
-        self.prefix = PromptPrefix(system_text, tuple(tokenizer.hf(rendered, add_special_tokens=False)["input_ids"]), rendered, docs.version)
+        self.docs = docs
+        self.budget = budget
+        self.labels = LABELS_ZH if language == "zh" else LABELS_EN
+        self.index = SectionIndex(docs.sections)
+        whole = self._prefix(f"{system_prompt}\n\n{docs.render()}")
+        if budget is None or len(whole.token_ids) + budget.conversation_tokens <= budget.prompt_limit:
+            self.mode, self.prefix, self.section_budget = WHOLE, whole, 0
+            return
+        self.mode = RETRIEVAL
+        contents = self._contents(docs.table_of_contents(), budget.prompt_limit // CONTENTS_SHARE)
+        self.prefix = self._prefix(f"{system_prompt}\n\n{self.labels.contents}\n{contents}")
+        self.section_budget = budget.prompt_limit - budget.conversation_tokens - len(self.prefix.token_ids)
+        if self.section_budget <= 0:
+            raise DocumentError(
+                f"the context ({budget.max_model_len} tokens) cannot hold the system prompt and contents "
+                f"({len(self.prefix.token_ids)} tokens), {budget.conversation_tokens} tokens of conversation "
+                f"and a {budget.max_tokens}-token answer"
+            )
+        excerpts = [self._excerpt(s) for s in self.index.sections]
+        counts = tokenizer.hf(excerpts, add_special_tokens=False)["input_ids"] if excerpts else []
+        self._excerpt_tokens = {s: len(ids) for s, ids in zip(self.index.sections, counts)}
 
-    def build(self, history: list[Message], question: str) -> list[int]:
-        """Token ids for the next answer: the cached prefix, earlier turns, then the question."""
-        messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": question}]
+    def _prefix(self, system_text: str) -> PromptPrefix:
+        rendered = self.tokenizer.render_chat([{"role": "system", "content": system_text}], add_generation_prompt=False)
+        ids = tuple(self.tokenizer.hf(rendered, add_special_tokens=False)["input_ids"])
+        return PromptPrefix(system_text, ids, rendered, self.docs.version)
+
+    def _contents(self, lines: list[str], limit: int) -> str:
+        """The table of contents, cut (deterministically) to about ``limit`` tokens."""
+        lengths = self.tokenizer.hf(lines, add_special_tokens=False)["input_ids"]
+        kept, used = [], 0
+        for line, ids in zip(lines, lengths):
+            if used + len(ids) + 1 > limit:
+                kept.append(f"- … ({len(lines) - len(kept)} more documents)")
+                break
+            kept.append(line)
+            used += len(ids) + 1
+        return "\n".join(kept)
+
+    @staticmethod
+    def _excerpt(section: Section) -> str:
+        return f"[{section.label}]\n{section.text}"
+
+    def summary(self) -> str:
+        """One line saying which mode is in use and what the prefix holds (for logs and the CLI)."""
+        line = f"{self.mode} mode · {len(self.docs.documents)} documents · prefix {len(self.prefix.token_ids)} tokens"
+        if self.mode == RETRIEVAL:
+            line += f" · up to {self.section_budget} tokens of sections per question"
+        return f"{line} · version {self.docs.version}"
+
+    def select(self, question: str) -> tuple[Section, ...]:
+        """Retrieval mode: the best-matching sections that fit the section budget, best first."""
+        chosen, used = [], 0
+        for hit in self.index.search(question):
+            cost = self._excerpt_tokens[hit.section] + 2
+            if used + cost <= self.section_budget:
+                chosen.append(hit.section)
+                used += cost
+        return tuple(chosen)
+
+    def _user_content(self, question: str, sections: Sequence[Section]) -> str:
+        if not sections:
+            return question
+        excerpts = "\n\n".join(self._excerpt(s) for s in sections)
+        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.question}{question}"
+
+    def _ids(self, history: list[Message], content: str) -> list[int]:
+        messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": content}]
         full = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         if not full.startswith(self.prefix.rendered):
             raise ValueError("the chat template does not render the system message as a stable prefix")
         rest = full[len(self.prefix.rendered) :]
         return list(self.prefix.token_ids) + list(self.tokenizer.hf(rest, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, history: list[Message], question: str) -> Prompt:
+        """The prompt for the next answer: prefix, as many recent turns as fit, (sections +) question."""
+        sections = self.select(question) if self.mode == RETRIEVAL else ()
+        content = self._user_content(question, sections)
+        for kept, dropped in oldest_first_cuts(history):
+            ids = self._ids(kept, content)
+            if self.budget is None or len(ids) <= self.budget.prompt_limit:
+                return Prompt(ids, sections, dropped)
+        raise PromptTooLong(
+            f"the question needs {len(ids) - len(self.prefix.token_ids)} tokens after the {len(self.prefix.token_ids)}-token "
+            f"prefix; at most {self.budget.prompt_limit - len(self.prefix.token_ids)} fit"
+        )
+
+    def build(self, history: list[Message], question: str) -> list[int]:
+        """Token ids for the next answer: the cached prefix, earlier turns, then the question."""
+        return self.prompt(history, question).token_ids

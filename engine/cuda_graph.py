@@ -19,6 +19,15 @@ from engine.model import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+def graph_bucket(batch_sizes: list[int], num_seqs: int) -> int | None:
+    """The smallest captured batch size (sorted ascending) that holds ``num_seqs`` decodes;
+    None when the batch is larger than every graph (it then runs eagerly)."""
+    for bs in batch_sizes:
+        if bs >= num_seqs:
+            return bs
+    return None
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -68,11 +77,7 @@ class CudaGraphRunner:
         )
 
     def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured batch size that holds ``num_seqs`` decodes."""
-        for bs in self.batch_sizes:
-            if bs >= num_seqs:
-                return bs
-        return None
+        return graph_bucket(self.batch_sizes, num_seqs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:
         """Copy one decode batch into the persistent buffers, replay, return hidden [n, H]."""

@@ -24,7 +24,7 @@ import threading
 import time
 import typing
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
@@ -51,6 +52,8 @@ from engine.prometheus import EngineMetrics
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+ChatPrompt = Callable[[list[dict[str, str]]], list[int]]
 
 
 @dataclass
@@ -107,9 +110,10 @@ class _Answer:
 class OpenAIServer:
     """The route handlers' logic for one engine and one served model name."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_prompt: ChatPrompt | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.chat_prompt = chat_prompt
         self.max_model_len = engine.core.max_model_len
         self.metrics = EngineMetrics(engine, model_name, self.max_model_len)
 
@@ -158,6 +162,8 @@ class OpenAIServer:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights): send the prompt as token ids")
         if isinstance(body, ChatCompletionRequest):
+            if self.chat_prompt is not None:
+                return self.chat_prompt(body.conversation())
             return tokenizer.apply_chat_template(body.conversation())
         return tokenizer.encode(prompt or "")
 
@@ -297,9 +303,18 @@ async def _until_disconnected(receive: Receive) -> None:
 
 
 # ---- the app -------------------------------------------------------------------------------------
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``."""
-    server = OpenAIServer(engine, model_name)
+def create_app(
+    engine: AsyncEngine, model_name: str, *, chat_prompt: ChatPrompt | None = None, collectors: Sequence[Collector] = ()
+) -> FastAPI:
+    """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``.
+
+    ``chat_prompt`` turns a chat's messages into prompt token ids instead of the model's chat
+    template (the assistant grounds chats in its documents; a ValueError is a 400); ``collectors``
+    add their series to ``/metrics``.
+    """
+    server = OpenAIServer(engine, model_name, chat_prompt)
+    for collector in collectors:
+        server.metrics.registry.register(collector)
     app = FastAPI(title="engine OpenAI-compatible API")
 
     async def generate(body: GenerationRequest, request: Request) -> Any:

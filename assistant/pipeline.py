@@ -1,0 +1,807 @@
+"""The voice pipeline of one session: audio in -> VAD -> ASR -> LLM -> chunker -> TTS -> audio out.
+
+Shared by every session (:class:`VoiceServices`): the answerer (one engine, the documents prefix),
+one Whisper model behind the speech package's :class:`~speech.asr.ASRWorker`, and one TTS backend
+behind a :class:`TTSWorker` thread (the first piece of a reply goes before later pieces). Per
+session (:class:`VoicePipeline`): an ASR session (VAD + partials/final), the conversation, at most
+one reply in flight, and the :class:`Outbox` that writes events to the client in order, paces
+answer audio at real time (``output_lead_ms`` ahead) and drops audio of a cancelled reply.
+
+Nothing here blocks the event loop: VAD runs in a worker thread, Whisper in the ASR worker, TTS
+in its thread and the engine in its own. Stages talk through typed events (below).
+
+Barge-in: speech that starts while a reply is in flight advances the session's generation
+counter (the reply's :class:`~speech.cancel.CancelToken` turns cancelled: TTS stops between
+pieces, queued audio is dropped), aborts the engine request, cancels the reply's task and sends
+``ResponseFinished`` with status "cancelled" at once, ahead of any paced audio.
+
+Early prefill (``VoiceConfig.early_prefill``): each partial transcript sends the prompt so far as
+a max_tokens=1 request, so when the final arrives the start of the question is already in the
+prefix cache and only the tail is prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from assistant.answerer import INTERACTIVE, Answerer
+from assistant.config import VoiceConfig
+from assistant.models import resolve
+from assistant.timeline import BargeIn, StreamClock, Timeline, TimelineMetrics
+from engine import SamplingParams
+from speech.asr import ASRJob, ASRWorker, AsyncASRSession, Decoded
+from speech.audio import AudioFormatError, Resampler, to_float32, to_pcm16
+from speech.cancel import CancelToken, Generation
+from speech.chunker import Chunker
+from speech.config import ASRConfig, TTSConfig, VADConfig
+from speech.messages import AudioChunk, SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
+from speech.tts import TTSBackend, load_tts
+
+log = logging.getLogger(__name__)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+# ---- shared services --------------------------------------------------------------------------
+@dataclass(order=True)
+class _TTSJob:
+    priority: int
+    seq: int
+    text: str = field(compare=False)
+    cancel: CancelToken = field(compare=False)
+    deliver: Callable[[object], None] = field(compare=False)
+
+
+_DONE = object()
+
+
+class TTSWorker:
+    """One thread owns the shared TTS backend and serves every session, most urgent job first.
+
+    A reply's first piece (priority 0) goes before later pieces (1) of other replies: the first
+    audio of a turn is latency-critical, the rest only has to stay ahead of playback.
+    """
+
+    def __init__(self, backend: TTSBackend) -> None:
+        self.backend = backend
+        self.sample_rate = backend.sample_rate
+        self._cond = threading.Condition()
+        self._jobs: list[_TTSJob] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tts-worker", daemon=True)
+        self._thread.start()
+
+    async def stream(self, text: str, cancel: CancelToken, first: bool) -> AsyncIterator[tuple[AudioChunk, float]]:
+        """The audio of ``text`` as (chunk, perf_counter when it was ready); stops when cancelled."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+
+        def deliver(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
+
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the TTS worker is closed")
+            heapq.heappush(self._jobs, _TTSJob(0 if first else 1, next(self._seq), text, cancel, deliver))
+            self._cond.notify()
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = heapq.heappop(self._jobs)
+            try:
+                for chunk in self.backend.stream(job.text, job.cancel):
+                    job.deliver((chunk, time.perf_counter()))
+                job.deliver(_DONE)
+            except Exception as exc:  # delivered to the reply; the worker keeps serving
+                log.exception("TTS failed")
+                job.deliver(exc)
+
+
+@dataclass
+class VoiceServices:
+    """What every session shares: the answerer (engine + documents), ASR worker and TTS worker."""
+
+    answerer: Answerer
+    asr: ASRWorker
+    asr_config: ASRConfig
+    tts: TTSWorker
+    config: VoiceConfig
+
+    @classmethod
+    def load(cls, answerer: Answerer, config: VoiceConfig) -> VoiceServices:
+        """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice."""
+        asr_config = ASRConfig(
+            model_path=config.asr_model or resolve("asr"), language=config.asr_language,
+            cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
+        )  # fmt: skip
+        tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice)
+        backend = load_tts(tts_config)
+        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker(backend), config)
+
+    def warm_up(self) -> None:
+        """Run each model once (documents prefix per handbook language, Whisper, TTS), so the
+        first caller pays no one-off costs. Call it outside any running event loop."""
+
+        async def run() -> None:
+            seen: set[tuple[int, ...]] = set()
+            for sample in ("Hello.", "你好。"):
+                ids = self.answerer.prompt_ids(sample, [])
+                if tuple(ids) not in seen:
+                    seen.add(tuple(ids))
+                    async for _ in self.answerer.engine.generate(ids, SamplingParams(max_tokens=1)):
+                        pass
+            speech = np.concatenate([c.pcm async for c, _ in self.tts.stream("Hello, how are you?", CancelToken(), True)])
+            self._transcribe(Resampler(self.tts.sample_rate, 16000).process(speech))
+
+        asyncio.run(run())
+
+    def _transcribe(self, audio16k: np.ndarray) -> Decoded | Exception:
+        done = threading.Event()
+        result: list[Decoded | Exception] = []
+
+        def on_done(job: ASRJob, out: Decoded | Exception, queue_s: float, decode_s: float) -> None:
+            result.append(out)
+            done.set()
+
+        self.asr.submit(ASRJob(self.asr.new_session_id(), 0, True, audio16k, "", self.asr_config.language,
+                               len(audio16k) / 16000, on_done))  # fmt: skip
+        done.wait()
+        return result[0]
+
+    def close(self) -> None:
+        self.tts.close()
+        self.asr.close()
+
+
+# ---- session settings and the events a session sends ---------------------------------------------
+@dataclass(frozen=True)
+class TurnDetection:
+    """Server VAD: silence that ends a turn, audio kept before speech, Silero threshold, and
+    whether a finished turn gets an answer and whether speech interrupts a reply."""
+
+    silence_duration_ms: int = 500
+    prefix_padding_ms: int = 300
+    threshold: float = 0.5
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What a client may change during a session. ``turn_detection=None``: the VAD still cuts
+    utterances, but the server neither answers nor interrupts on its own."""
+
+    output_modalities: tuple[str, ...] = ("audio",)
+    max_output_tokens: int | None = None
+    language: str = "en"
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+
+
+@dataclass(frozen=True)
+class UserSpeechStarted:
+    item_id: str
+    audio_start_ms: int
+
+
+@dataclass(frozen=True)
+class UserSpeechStopped:
+    item_id: str
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class UserAudioCommitted:
+    item_id: str
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
+class UserTranscriptDelta:
+    item_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class UserTranscriptDone:
+    item_id: str
+    transcript: str
+    audio_s: float
+
+
+@dataclass(frozen=True)
+class UserTranscriptFailed:
+    item_id: str
+    error: str
+
+
+@dataclass
+class Reply:
+    """One response in flight: its ids, cancellation token, timeline and what was sent."""
+
+    id: str
+    item_id: str
+    request_id: str
+    token: CancelToken
+    timeline: Timeline
+    modalities: tuple[str, ...]
+    max_output_tokens: int | None
+    metadata: dict[str, str] | None = None
+    status: str = "in_progress"  # completed | incomplete | cancelled | failed
+    reason: str | None = None  # turn_detected | client_cancelled | max_output_tokens
+    error: str | None = None
+    text: str = ""  # generated so far
+    sent_text: str = ""  # text deltas written to the client
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    audio_sent_s: float = 0.0
+    play_start: float | None = None
+    finish_queued: bool = False
+    delivered: bool = False
+    task: asyncio.Task[None] | None = None
+    pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class ResponseTextDelta:
+    """Answer text (the audio transcript, or the text of a text-only reply)."""
+
+    reply: Reply
+    delta: str
+
+
+@dataclass(frozen=True)
+class ResponseAudioDelta:
+    """PCM16 mono answer audio at ``VoiceConfig.sample_rate``."""
+
+    reply: Reply
+    pcm: bytes
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class ResponseFinished:
+    """The reply ended; read its status, text, usage and timeline when this is sent."""
+
+    reply: Reply
+
+
+PipelineEvent = (
+    UserSpeechStarted | UserSpeechStopped | UserAudioCommitted | UserTranscriptDelta | UserTranscriptDone
+    | UserTranscriptFailed | ResponseStarted | ResponseTextDelta | ResponseAudioDelta | ResponseFinished
+)  # fmt: skip
+_REPLY_EVENTS = (ResponseStarted, ResponseTextDelta, ResponseAudioDelta, ResponseFinished)
+
+
+class TurnError(Exception):
+    """A client request that the session's state does not allow (an ``error`` event, not a crash)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---- audio out ------------------------------------------------------------------------------------
+class Outbox:
+    """Writes events to the client in order, one writer per connection.
+
+    Two lanes: control events (anything not part of a reply) go out at once; reply events keep
+    their order, and a reply's audio is paced at real time, at most ``lead_s`` ahead of playback.
+    Text and audio deltas of a cancelled reply are dropped unsent.
+    """
+
+    def __init__(self, send: Callable[[object], Awaitable[None]], lead_s: float) -> None:
+        self._send = send
+        self._lead_s = lead_s
+        self._control: deque[object] = deque()
+        self._replies: deque[object] = deque()
+        self._wake = asyncio.Event()
+
+    def put(self, event: object) -> None:
+        (self._replies if isinstance(event, _REPLY_EVENTS) else self._control).append(event)
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Drop the queued deltas of cancelled replies and wake the writer."""
+        self._replies = deque(e for e in self._replies if not _stale(e))
+        self._wake.set()
+
+    async def sync(self) -> None:
+        """Wait until every control event queued so far has been sent."""
+        sent = asyncio.get_running_loop().create_future()
+        self._control.append(sent)
+        self._wake.set()
+        await sent
+
+    async def run(self) -> None:
+        """Send events until cancelled (or until sending fails: the client is gone)."""
+        while True:
+            self._wake.clear()
+            if self._control:
+                event = self._control.popleft()
+                if isinstance(event, asyncio.Future):
+                    event.set_result(None)
+                else:
+                    await self._send(event)
+                continue
+            if self._replies:
+                event = self._replies[0]
+                if _stale(event):
+                    self._replies.popleft()
+                    continue
+                delay = self._due(event) - time.perf_counter()
+                if delay <= 0:
+                    self._replies.popleft()
+                    await self._send(event)
+                    continue
+                timeout: float | None = delay
+            else:
+                timeout = None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _due(self, event: object) -> float:
+        if not isinstance(event, ResponseAudioDelta) or event.reply.play_start is None:
+            return 0.0
+        return event.reply.play_start + event.reply.audio_sent_s - self._lead_s
+
+
+def _stale(event: object) -> bool:
+    return isinstance(event, (ResponseTextDelta, ResponseAudioDelta)) and event.reply.token.cancelled
+
+
+# ---- one session ------------------------------------------------------------------------------------
+@dataclass
+class _Item:
+    """A conversation item: a user utterance or typed message, or an assistant answer."""
+
+    id: str
+    role: str
+    text: str | None  # None: a user utterance whose final transcript has not arrived
+
+
+@dataclass
+class _Utterance:
+    item_id: str
+    partial: str = ""
+    timeline: Timeline | None = None
+
+
+class VoicePipeline:
+    """One session's pipeline. Create it inside the serving event loop, then ``await start()``.
+
+    ``send`` writes one event to the client (called by the outbox, in order). Methods that a
+    client's state does not allow raise :class:`TurnError`; bad audio raises ``AudioFormatError``.
+    """
+
+    def __init__(
+        self, services: VoiceServices, send: Callable[[object], Awaitable[None]],
+        metrics: TimelineMetrics | None = None, session_id: str | None = None,
+    ) -> None:  # fmt: skip
+        self.services = services
+        self.config = services.config
+        self.id = session_id or new_id("sess")
+        self.settings = SessionSettings(language=services.asr_config.language, turn_detection=TurnDetection(
+            silence_duration_ms=self.config.hangover_ms, prefix_padding_ms=round(services.asr_config.pre_roll_s * 1000)))
+        self.metrics = metrics
+        self.clock = StreamClock()
+        self.outbox = Outbox(self._deliver, self.config.output_lead_ms / 1000)
+        self.prefills = 0  # early-prefill requests completed
+        self._client_send = send
+        self._generation = Generation()
+        self._items: list[_Item] = []
+        self._utterances: dict[int, _Utterance] = {}
+        self._speaking = False
+        self._reply: Reply | None = None
+        self._asr: AsyncASRSession | None = None
+        self._asr_offset_s = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._prefill_task: asyncio.Task[None] | None = None
+        self._prefill_next: str | None = None
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._spawn(self.outbox.run())
+        self._open_asr()
+
+    async def close(self) -> None:
+        """End the session: the reply in flight is cancelled (its engine request aborted)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._interrupt("client_cancelled")
+        if self._asr is not None:
+            self._asr.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def active_reply(self) -> Reply | None:
+        """The reply being generated or still being sent, if any."""
+        return self._reply if self._reply is not None and not self._reply.delivered else None
+
+    # ---- client requests ------------------------------------------------------------------------
+    async def configure(self, settings: SessionSettings) -> None:
+        """Apply new settings; a change of VAD or language restarts listening (an utterance in
+        progress is dropped)."""
+        old, self.settings = self.settings, settings
+        if (old.turn_detection, old.language) != (settings.turn_detection, settings.language):
+            self._open_asr()
+
+    async def feed(self, pcm16: bytes) -> None:
+        """Take the next piece of input audio (PCM16 mono at ``VoiceConfig.sample_rate``)."""
+        to_float32(pcm16)  # raises AudioFormatError before anything changes
+        self.clock.received(len(pcm16) / 2 / self.config.sample_rate, time.perf_counter())
+        assert self._asr is not None
+        await asyncio.to_thread(self._asr.feed, pcm16)
+
+    def commit(self) -> None:
+        """End the utterance in progress now (the client says the turn is over)."""
+        assert self._asr is not None
+        if self._asr.commit() is None:
+            raise TurnError("input_audio_buffer_commit_empty", "there is no speech in the input audio buffer to commit")
+
+    def clear(self) -> None:
+        """Forget buffered input audio (an utterance in progress is dropped)."""
+        self._open_asr()
+
+    def add_item(self, role: str, text: str, item_id: str | None = None) -> str:
+        """Add a typed message to the conversation; returns its item id."""
+        if role not in ("user", "assistant"):
+            raise TurnError("unsupported_value", f"items with role {role!r} are not supported (user, assistant)")
+        if item_id is not None and any(i.id == item_id for i in self._items):
+            raise TurnError("item_id_in_use", f"the conversation already has an item {item_id!r}")
+        item = _Item(item_id or new_id("item"), role, text)
+        self._items.append(item)
+        return item.id
+
+    @property
+    def last_item_id(self) -> str | None:
+        return self._items[-1].id if self._items else None
+
+    def create_response(
+        self, modalities: tuple[str, ...] | None = None, max_output_tokens: int | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> Reply:  # fmt: skip
+        """Answer the user's pending message(s) now (a typed turn, or a committed utterance)."""
+        if self.active_reply is not None:
+            raise TurnError("conversation_already_has_active_response",
+                            f"response {self.active_reply.id} is in progress; cancel it or wait for response.done")
+        now = time.perf_counter()
+        timeline = Timeline("text", self._hangover_ms, early_prefill=self.config.early_prefill)
+        for stage in ("speech_end", "endpoint", "asr_final"):
+            timeline.mark(stage, now)
+        return self._start_reply(timeline, modalities, max_output_tokens, metadata)
+
+    def cancel_response(self, response_id: str | None = None) -> None:
+        reply = self.active_reply
+        if reply is None or (response_id is not None and response_id != reply.id):
+            raise TurnError("response_cancel_not_active", f"no active response{' ' + response_id if response_id else ''} to cancel")
+        self._interrupt("client_cancelled")
+
+    # ---- listening ------------------------------------------------------------------------------
+    @property
+    def _hangover_ms(self) -> int:
+        td = self.settings.turn_detection
+        return td.silence_duration_ms if td else self.config.hangover_ms
+
+    def _open_asr(self) -> None:
+        if self._asr is not None:
+            self._asr.close()
+        td = self.settings.turn_detection or TurnDetection(silence_duration_ms=self.config.hangover_ms)
+        vad = VADConfig(start_ms=self.config.start_ms, hangover_ms=td.silence_duration_ms, silero_threshold=td.threshold)
+        asr = replace(self.services.asr_config, language=self.settings.language, pre_roll_s=td.prefix_padding_ms / 1000)
+        self._asr = AsyncASRSession(self.services.asr, asr, vad, input_rate=self.config.sample_rate)
+        self._asr_offset_s = self.clock.position_s
+        self._utterances.clear()
+        self._speaking = False
+        self._spawn(self._listen(self._asr))
+
+    async def _listen(self, asr: AsyncASRSession) -> None:
+        async for event in asr:
+            if asr is not self._asr:
+                return
+            if isinstance(event, SpeechStarted):
+                self._on_speech_started(event)
+            elif isinstance(event, SpeechEnded):
+                self._on_speech_ended(event)
+            elif isinstance(event, Transcript):
+                self._on_transcript(event)
+            elif isinstance(event, TranscriptionFailed):
+                self._on_failed(event)
+
+    def _on_speech_started(self, event: SpeechStarted) -> None:
+        detected = self.clock.at(self._asr_offset_s + event.detected_s)
+        item_id = new_id("item")
+        self._utterances[event.utterance] = _Utterance(item_id)
+        self._speaking = True
+        td = self.settings.turn_detection
+        if td is not None and td.interrupt_response and self.active_reply is not None:
+            self._interrupt("turn_detected", speech_start=self.clock.at(self._asr_offset_s + event.start_s), detected=detected)
+        self.outbox.put(UserSpeechStarted(item_id, round((self._asr_offset_s + event.start_s) * 1000)))
+
+    def _on_speech_ended(self, event: SpeechEnded) -> None:
+        now = time.perf_counter()
+        self._speaking = False
+        utterance = self._utterances.setdefault(event.utterance, _Utterance(new_id("item")))
+        timeline = Timeline("voice", self._hangover_ms, early_prefill=self.config.early_prefill)
+        timeline.mark("speech_end", min(self.clock.at(self._asr_offset_s + event.speech_end_s), now))
+        timeline.mark("endpoint", now)
+        utterance.timeline = timeline
+        previous = self.last_item_id
+        self._items.append(_Item(utterance.item_id, "user", None))
+        if not event.committed:
+            self.outbox.put(UserSpeechStopped(utterance.item_id, round((self._asr_offset_s + event.speech_end_s) * 1000)))
+        self.outbox.put(UserAudioCommitted(utterance.item_id, previous))
+
+    def _on_transcript(self, event: Transcript) -> None:
+        utterance = self._utterances.get(event.utterance)
+        if utterance is None:
+            return
+        if not event.is_final:
+            delta, utterance.partial = event.text[len(utterance.partial) :], event.text
+            if delta:
+                self.outbox.put(UserTranscriptDelta(utterance.item_id, delta))
+            if self.config.early_prefill:
+                self._prefill(event.text)
+            return
+        timeline = utterance.timeline
+        assert timeline is not None
+        timeline.mark("asr_final")
+        self._utterances.pop(event.utterance, None)
+        for item in self._items:
+            if item.id == utterance.item_id:
+                item.text = event.text
+        self.outbox.put(UserTranscriptDone(utterance.item_id, event.text, event.audio_end_s))
+        td = self.settings.turn_detection
+        if td is None or not td.create_response or self._speaking or self.active_reply is not None:
+            return  # an utterance still being spoken will answer for both
+        if self._question()[0].strip():
+            self._start_reply(timeline, None, None, None)
+
+    def _on_failed(self, event: TranscriptionFailed) -> None:
+        utterance = self._utterances.pop(event.utterance, None)
+        if utterance is not None:
+            self.outbox.put(UserTranscriptFailed(utterance.item_id, event.error))
+
+    # ---- early prefill ---------------------------------------------------------------------------
+    def _prefill(self, text: str) -> None:
+        """Prefill the prompt for the partial ``text`` (the newest one waits for the running one)."""
+        if self._prefill_task is not None and not self._prefill_task.done():
+            self._prefill_next = text
+            return
+        self._prefill_task = self._spawn(self._run_prefill(text))
+
+    async def _run_prefill(self, text: str | None) -> None:
+        while text is not None:
+            question, history = self._question(text)
+            ids = self.services.answerer.prompt_ids(question, history)
+            request_id = f"{self.id}-prefill-{self.prefills}"
+            async for _ in self.services.answerer.engine.generate(ids, SamplingParams(max_tokens=1), priority=INTERACTIVE,
+                                                                  request_id=request_id):  # fmt: skip
+                pass
+            self.prefills += 1
+            text, self._prefill_next = self._prefill_next, None
+
+    # ---- answering ---------------------------------------------------------------------------------
+    def _question(self, extra: str | None = None) -> tuple[str, list[dict[str, str]]]:
+        """(question, history): the user text after the last answer (plus ``extra``), and the
+        conversation before it with consecutive same-role items merged."""
+        items = [i for i in self._items if i.text]
+        cut = max((n + 1 for n, i in enumerate(items) if i.role == "assistant"), default=0)
+        pending = [i.text for i in items[cut:] if i.text] + ([extra] if extra else [])
+        history: list[dict[str, str]] = []
+        for item in items[:cut]:
+            if history and history[-1]["role"] == item.role:
+                history[-1]["content"] += "\n" + (item.text or "")
+            else:
+                history.append({"role": item.role, "content": item.text or ""})
+        return "\n".join(pending), history
+
+    def _start_reply(
+        self, timeline: Timeline, modalities: tuple[str, ...] | None, max_output_tokens: int | None,
+        metadata: dict[str, str] | None,
+    ) -> Reply:  # fmt: skip
+        question, history = self._question()
+        if not question.strip():
+            raise TurnError("no_user_input", "there is no user message to answer; add one with conversation.item.create")
+        rid = new_id("resp")
+        reply = Reply(
+            rid, new_id("item"), f"{self.id}-{rid}", self._generation.advance(), timeline,
+            modalities or self.settings.output_modalities, max_output_tokens or self.settings.max_output_tokens, metadata,
+        )  # fmt: skip
+        self._reply = reply
+        self.outbox.put(ResponseStarted(reply))
+        reply.task = self._spawn(self._run_reply(reply, question, history))
+        return reply
+
+    async def _run_reply(self, reply: Reply, question: str, history: list[dict[str, str]]) -> None:
+        speaker = asyncio.create_task(self._speak(reply)) if reply.audio else None
+        chunker = Chunker()
+        finish_reason: str | None = None
+        try:
+            answer = self.services.answerer.answer(question, history, priority=INTERACTIVE, request_id=reply.request_id)
+            try:
+                async for delta in answer:
+                    reply.timeline.mark("llm_first_token")
+                    reply.prompt_tokens, reply.cached_tokens = delta.prompt_tokens, delta.cached_tokens
+                    reply.output_tokens = delta.generated_tokens
+                    if delta.text:
+                        reply.text += delta.text
+                        self.outbox.put(ResponseTextDelta(reply, delta.text))
+                        for piece in chunker.push(delta.text):
+                            reply.pieces.put_nowait(piece)
+                    if delta.finished:
+                        finish_reason = delta.finish_reason
+                        break
+                    if reply.max_output_tokens is not None and delta.generated_tokens >= reply.max_output_tokens:
+                        finish_reason = "length"
+                        break
+            finally:
+                await answer.aclose()  # an answer cut at max_output_tokens aborts its engine request
+            for piece in chunker.flush():
+                reply.pieces.put_nowait(piece)
+            reply.pieces.put_nowait(None)
+            if speaker is not None:
+                await speaker
+            reply.status, reply.reason = {
+                "stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
+            }.get(finish_reason or "", ("failed", None))  # fmt: skip
+            if reply.status == "failed":
+                reply.error = f"the engine ended the answer with finish_reason={finish_reason!r}"
+        except asyncio.CancelledError:
+            if speaker is not None:
+                speaker.cancel()
+            raise
+        except Exception as exc:  # a failed reply is reported; the session goes on
+            log.exception("reply %s failed", reply.id)
+            if speaker is not None:
+                speaker.cancel()
+            reply.token.cancel()
+            reply.status, reply.error = "failed", f"{type(exc).__name__}: {exc}"
+        self._finish(reply)
+
+    async def _speak(self, reply: Reply) -> None:
+        """Chunker pieces -> TTS -> PCM16 slices of ``output_chunk_ms`` into the outbox."""
+        tts = self.services.tts
+        rate = self.config.sample_rate
+        resampler = Resampler(tts.sample_rate, rate)
+        slice_len = rate * self.config.output_chunk_ms // 1000
+        first = True
+        while (piece := await reply.pieces.get()) is not None:
+            if not any(ch.isalnum() for ch in piece):
+                continue
+            reply.timeline.mark("first_chunk")
+            async for chunk, ready_at in tts.stream(piece, reply.token, first):
+                reply.timeline.mark("tts_first_audio", ready_at)
+                pcm = to_pcm16(resampler.process(chunk.pcm))
+                for start in range(0, len(pcm), slice_len):
+                    part = pcm[start : start + slice_len]
+                    self.outbox.put(ResponseAudioDelta(reply, part.astype("<i2").tobytes(), len(part) / rate))
+            first = False
+
+    def _finish(self, reply: Reply) -> None:
+        """Queue the reply's end (once) and put its answer into the conversation."""
+        if reply.finish_queued:
+            for item in self._items:  # barge-in while its audio was still going out
+                if item.id == reply.item_id:
+                    item.text = reply.sent_text
+            return
+        reply.finish_queued = True
+        reply.timeline.prompt_tokens, reply.timeline.cached_tokens = reply.prompt_tokens, reply.cached_tokens
+        self._items.append(_Item(reply.item_id, "assistant", reply.sent_text if reply.status == "cancelled" else reply.text))
+        self.outbox.put(ResponseFinished(reply))
+
+    def _interrupt(self, reason: str, speech_start: float | None = None, detected: float | None = None) -> None:
+        """Barge-in or cancel: stop the reply in flight everywhere at once."""
+        reply = self.active_reply
+        if reply is None:
+            return
+        self._generation.advance()  # the reply's token is cancelled: TTS stops, queued audio is stale
+        self.services.answerer.engine.abort(reply.request_id)
+        if reply.task is not None and not reply.task.done():
+            reply.task.cancel()
+        self.outbox.flush()
+        if reply.status in ("in_progress", "completed", "incomplete"):
+            reply.status, reply.reason = "cancelled", reason
+        if speech_start is not None and detected is not None:
+            reply.timeline.barge_in = BargeIn(speech_start, detected, time.perf_counter())
+        self._reply = None
+        self._finish(reply)
+
+    # ---- audio out ------------------------------------------------------------------------------
+    async def _deliver(self, event: object) -> None:
+        """Write one event, then account for it (pacing, first audio, the reply's end)."""
+        if isinstance(event, ResponseTextDelta):
+            event.reply.sent_text += event.delta
+        await self._client_send(event)
+        if isinstance(event, ResponseAudioDelta):
+            reply = event.reply
+            if reply.play_start is None:
+                reply.play_start = time.perf_counter()
+                reply.timeline.mark("first_audio_sent", reply.play_start)
+            reply.audio_sent_s += event.duration_s
+        elif isinstance(event, ResponseFinished):
+            event.reply.delivered = True
+            if self.metrics is not None:
+                self.metrics.observe(event.reply.timeline, event.reply.status)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("session %s: task failed", self.id, exc_info=task.exception())
+
+
+__all__ = [
+    "AudioFormatError",
+    "Outbox",
+    "PipelineEvent",
+    "Reply",
+    "ResponseAudioDelta",
+    "ResponseFinished",
+    "ResponseStarted",
+    "ResponseTextDelta",
+    "SessionSettings",
+    "TTSWorker",
+    "TurnDetection",
+    "TurnError",
+    "UserAudioCommitted",
+    "UserSpeechStarted",
+    "UserSpeechStopped",
+    "UserTranscriptDelta",
+    "UserTranscriptDone",
+    "UserTranscriptFailed",
+    "VoicePipeline",
+    "VoiceServices",
+]

@@ -1,0 +1,481 @@
+"""The OpenAI Realtime API (GA event names) over one WebSocket: client events in, server events out.
+
+:class:`RealtimeSession` validates each client event against the models below (unknown fields and
+values out of range are errors, as with OpenAI), turns it into a call on the session's
+:class:`~assistant.pipeline.VoicePipeline`, and renders the pipeline's events as server events.
+Every problem with a client event is answered with an ``error`` event and the session lives on;
+only a run of ``max_errors`` invalid events in a row closes the socket (1008). Each finished
+response is followed by an extra ``response.timeline`` event with its per-stage timings.
+docs/protocol.md lists every event with examples and the deviations from OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import uuid
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.websockets import WebSocket
+
+from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, ServerConfig
+from assistant.pipeline import (
+    AudioFormatError, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings,
+    TurnDetection, TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta,
+    UserTranscriptDone, UserTranscriptFailed, VoicePipeline, VoiceServices, Reply,
+)  # fmt: skip
+from assistant.timeline import TimelineMetrics
+from speech.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+CLOSE_POLICY = 1008  # too many invalid events in a row
+CLOSE_TRY_AGAIN_LATER = 1013  # the server is at its session limit
+UNSUPPORTED_EVENTS = (
+    "conversation.item.retrieve", "conversation.item.truncate", "conversation.item.delete",
+    "output_audio_buffer.clear", "transcription_session.update",
+)  # fmt: skip
+
+
+class ClientError(Exception):
+    """A client event we refuse: becomes an ``error`` event (invalid_request_error)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def error_event(code: str, message: str, event_id: str | None = None, param: str | None = None,
+                kind: str = "invalid_request_error") -> dict[str, Any]:  # fmt: skip
+    """An OpenAI-shaped ``error`` server event."""
+    return {"type": "error", "event_id": _event_id(),
+            "error": {"type": kind, "code": code, "message": message, "param": param, "event_id": event_id}}  # fmt: skip
+
+
+def _event_id() -> str:
+    return f"event_{uuid.uuid4().hex[:20]}"
+
+
+# ---- client events --------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AudioFormat(_Strict):
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: int | None = None
+
+
+class Transcription(_Strict):
+    model: str | None = None
+    language: str | None = None
+
+
+class ServerVad(_Strict):
+    type: Literal["server_vad"]
+    threshold: float | None = Field(None, gt=0.15, lt=1.0)
+    prefix_padding_ms: int | None = Field(None, ge=0, le=2000)
+    silence_duration_ms: int | None = Field(None, ge=30, le=5000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    idle_timeout_ms: None = None
+
+
+class AudioInput(_Strict):
+    format: AudioFormat | None = None
+    transcription: Transcription | None = None
+    turn_detection: ServerVad | None = None
+    noise_reduction: None = None
+
+
+class AudioOutput(_Strict):
+    format: AudioFormat | None = None
+    voice: str | None = None
+    speed: float | None = None
+
+
+class SessionAudio(_Strict):
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+MaxTokens = Annotated[int, Field(ge=1, le=4096)] | Literal["inf"]
+Modalities = Annotated[list[Literal["audio", "text"]], Field(min_length=1, max_length=1)]
+
+
+class SessionPatch(_Strict):
+    type: Literal["realtime"] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxTokens | None = None
+    audio: SessionAudio | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+
+
+class ContentPart(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ItemIn(_Strict):
+    id: str | None = None
+    type: Literal["message"]
+    role: Literal["user", "assistant"]
+    status: Literal["completed"] | None = None
+    content: Annotated[list[ContentPart], Field(min_length=1)]
+
+
+class ResponseParams(_Strict):
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxTokens | None = None
+    metadata: dict[str, str] | None = None
+    conversation: Literal["auto"] | None = None
+
+
+class _Event(_Strict):
+    event_id: str | None = None
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionPatch
+
+
+class AudioAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class AudioCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class AudioClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    previous_item_id: str | None = None
+    item: ItemIn
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+CLIENT_EVENTS: dict[str, type[_Event]] = {
+    m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
+    for m in (SessionUpdate, AudioAppend, AudioCommit, AudioClear, ItemCreate, ResponseCreate, ResponseCancel)
+}
+
+
+def parse_event(text: str, max_bytes: int) -> _Event:
+    """One client event from a text frame; raises :class:`ClientError` saying what is wrong."""
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise ClientError("message_too_large", f"the event is {size} bytes; the limit is {max_bytes} bytes "
+                          "(send audio in smaller input_audio_buffer.append events)")  # fmt: skip
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ClientError("invalid_json", f"the message is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise ClientError("invalid_event", "an event must be a JSON object with a string 'type'", "type")
+    kind = data["type"]
+    model = CLIENT_EVENTS.get(kind)
+    if model is None:
+        if kind in UNSUPPORTED_EVENTS:
+            raise ClientError("unsupported_event_type", f"'{kind}' is not supported by this server", "type")
+        raise ClientError("unknown_event_type", f"unknown event type '{kind}'; supported: {', '.join(CLIENT_EVENTS)}", "type")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        code = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
+        raise ClientError(code, f"invalid '{param}' in '{kind}': {err['msg']}", param) from exc
+
+
+# ---- one connection --------------------------------------------------------------------------------
+class RealtimeSession:
+    """One WebSocket client: its pipeline, its settings as the client sees them, its error budget."""
+
+    def __init__(self, ws: WebSocket, services: VoiceServices, config: ServerConfig, model_name: str,
+                 metrics: TimelineMetrics | None = None) -> None:  # fmt: skip
+        self.ws = ws
+        self.services = services
+        self.config = config
+        self.model_name = model_name
+        self.pipeline = VoicePipeline(services, self._send, metrics)
+        self._errors = 0
+        self._gone = False
+
+    async def run(self) -> None:
+        """Serve the connection until the client leaves; its reply in flight is then aborted."""
+        await self.pipeline.start()
+        self.pipeline.outbox.put(self._event("session.created", session=self._session_view()))
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                await self._handle(message)
+                if self._errors >= self.config.max_errors:
+                    self.pipeline.outbox.put(error_event(
+                        "too_many_errors", f"{self._errors} invalid events in a row; closing the session"))  # fmt: skip
+                    await self.pipeline.outbox.sync()
+                    await self.ws.close(CLOSE_POLICY, "too many invalid events")
+                    return
+        finally:
+            self._gone = True
+            await self.pipeline.close()
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        event_id = None
+        try:
+            if message.get("text") is None:
+                raise ClientError("binary_not_supported", "send events as JSON text frames, not binary frames")
+            event = parse_event(message["text"], self.config.max_message_bytes)
+            event_id = event.event_id
+            await self._dispatch(event)
+            self._errors = 0
+        except ClientError as exc:
+            self._refuse(exc.code, str(exc), event_id, exc.param)
+        except TurnError as exc:
+            self._refuse(exc.code, str(exc), event_id)
+        except AudioFormatError as exc:
+            self._refuse("invalid_audio_format", f"{exc} (expected PCM16 mono at {self.services.config.sample_rate} Hz)",
+                         event_id, "audio")  # fmt: skip
+
+    def _refuse(self, code: str, message: str, event_id: str | None, param: str | None = None) -> None:
+        self._errors += 1
+        self.pipeline.outbox.put(error_event(code, message, event_id, param))
+
+    async def _dispatch(self, event: _Event) -> None:
+        pipeline = self.pipeline
+        if isinstance(event, AudioAppend):
+            await pipeline.feed(_decode_audio(event.audio))
+        elif isinstance(event, SessionUpdate):
+            await pipeline.configure(self._apply(event.session))
+            pipeline.outbox.put(self._event("session.updated", session=self._session_view()))
+        elif isinstance(event, AudioCommit):
+            pipeline.commit()
+        elif isinstance(event, AudioClear):
+            pipeline.clear()
+            pipeline.outbox.put(self._event("input_audio_buffer.cleared"))
+        elif isinstance(event, ItemCreate):
+            if event.previous_item_id is not None and event.previous_item_id != pipeline.last_item_id:
+                raise ClientError("invalid_value", "items can only be added at the end of the conversation "
+                                  f"(previous_item_id {pipeline.last_item_id!r})", "previous_item_id")  # fmt: skip
+            previous = pipeline.last_item_id
+            item = event.item
+            item_id = pipeline.add_item(item.role, "".join(part.text for part in item.content), item.id)
+            view = _message_item(item_id, item.role, [p.model_dump() for p in item.content])
+            pipeline.outbox.put(self._event("conversation.item.added", previous_item_id=previous, item=view))
+            pipeline.outbox.put(self._event("conversation.item.done", previous_item_id=previous, item=view))
+        elif isinstance(event, ResponseCreate):
+            params = event.response or ResponseParams()
+            pipeline.create_response(
+                tuple(params.output_modalities) if params.output_modalities else None,
+                None if params.max_output_tokens in (None, "inf") else int(params.max_output_tokens),  # type: ignore[arg-type]
+                params.metadata,
+            )  # fmt: skip
+        elif isinstance(event, ResponseCancel):
+            pipeline.cancel_response(event.response_id)
+
+    # ---- session settings ----------------------------------------------------------------------
+    def _apply(self, patch: SessionPatch) -> SessionSettings:
+        """The pipeline settings after ``patch``; raises ClientError for values we cannot honour."""
+        settings = self.pipeline.settings
+        rate = self.services.config.sample_rate
+        if patch.instructions is not None:
+            raise ClientError("unsupported_value", "instructions are fixed: the handbook's system prompt", "session.instructions")
+        if patch.output_modalities is not None:
+            settings = replace(settings, output_modalities=tuple(patch.output_modalities))
+        if patch.max_output_tokens is not None:
+            limit = None if patch.max_output_tokens == "inf" else int(patch.max_output_tokens)
+            settings = replace(settings, max_output_tokens=limit)
+        audio = patch.audio or SessionAudio()
+        for side, part in (("input", audio.input), ("output", audio.output)):
+            fmt = part.format if part is not None else None
+            if fmt is not None and fmt.rate not in (None, rate):
+                raise ClientError("unsupported_value", f"audio is PCM16 at {rate} Hz only, not {fmt.rate} Hz",
+                                  f"session.audio.{side}.format.rate")  # fmt: skip
+        if audio.output is not None:
+            if audio.output.voice not in (None, self._voice):
+                raise ClientError("unsupported_value", f"the only voice is '{self._voice}'", "session.audio.output.voice")
+            if audio.output.speed not in (None, 1.0):
+                raise ClientError("unsupported_value", "speed 1.0 only", "session.audio.output.speed")
+        if audio.input is not None:
+            settings = self._apply_input(settings, audio.input)
+        return settings
+
+    def _apply_input(self, settings: SessionSettings, patch: AudioInput) -> SessionSettings:
+        language = patch.transcription.language if patch.transcription else None
+        if language is not None:
+            try:
+                self.services.asr.backend.check_language(language)
+            except ConfigError as exc:
+                raise ClientError("invalid_value", str(exc), "session.audio.input.transcription.language") from exc
+            settings = replace(settings, language=language)
+        if "turn_detection" in patch.model_fields_set:
+            vad = patch.turn_detection
+            if vad is None:
+                return replace(settings, turn_detection=None)
+            base = settings.turn_detection or TurnDetection(silence_duration_ms=self.services.config.hangover_ms)
+            changes = {k: v for k, v in vad.model_dump(exclude={"type", "idle_timeout_ms"}).items() if v is not None}
+            settings = replace(settings, turn_detection=replace(base, **changes))
+        return settings
+
+    @property
+    def _voice(self) -> str:
+        return self.services.config.tts_voice or "heart"
+
+    def _session_view(self) -> dict[str, Any]:
+        s = self.pipeline.settings
+        td = s.turn_detection
+        fmt = {"type": "audio/pcm", "rate": self.services.config.sample_rate}
+        detection = None if td is None else {
+            "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
+            "silence_duration_ms": td.silence_duration_ms, "create_response": td.create_response,
+            "interrupt_response": td.interrupt_response, "idle_timeout_ms": None,
+        }  # fmt: skip
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.pipeline.id, "model": self.model_name,
+            "output_modalities": list(s.output_modalities), "instructions": SYSTEM_PROMPT_ZH if s.language == "zh" else SYSTEM_PROMPT,
+            "max_output_tokens": s.max_output_tokens or self.config.assistant.max_tokens, "tools": [], "tool_choice": "auto",
+            "audio": {
+                "input": {"format": fmt, "transcription": {"model": "whisper", "language": s.language},
+                          "turn_detection": detection, "noise_reduction": None},
+                "output": {"format": fmt, "voice": self._voice, "speed": 1.0},
+            },
+        }  # fmt: skip
+
+    # ---- server events ---------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "event_id": _event_id(), **fields}
+
+    async def _send(self, event: object) -> None:
+        """Write one pipeline event (or a ready server event) as JSON text frames."""
+        if self._gone:
+            return
+        try:
+            for payload in [event] if isinstance(event, dict) else self._render(event):
+                await self.ws.send_text(json.dumps(payload, ensure_ascii=False))
+        except Exception:  # the client went away; run() sees the disconnect and ends the session
+            self._gone = True
+
+    def _render(self, event: object) -> list[dict[str, Any]]:
+        ev = self._event
+        if isinstance(event, UserSpeechStarted):
+            return [ev("input_audio_buffer.speech_started", audio_start_ms=event.audio_start_ms, item_id=event.item_id)]
+        if isinstance(event, UserSpeechStopped):
+            return [ev("input_audio_buffer.speech_stopped", audio_end_ms=event.audio_end_ms, item_id=event.item_id)]
+        if isinstance(event, UserAudioCommitted):
+            item = _message_item(event.item_id, "user", [{"type": "input_audio", "transcript": None}])
+            return [ev("input_audio_buffer.committed", item_id=event.item_id, previous_item_id=event.previous_item_id),
+                    ev("conversation.item.added", previous_item_id=event.previous_item_id, item=item)]  # fmt: skip
+        if isinstance(event, UserTranscriptDelta):
+            return [ev("conversation.item.input_audio_transcription.delta", item_id=event.item_id, content_index=0, delta=event.delta)]
+        if isinstance(event, UserTranscriptDone):
+            item = _message_item(event.item_id, "user", [{"type": "input_audio", "transcript": event.transcript}])
+            return [ev("conversation.item.input_audio_transcription.completed", item_id=event.item_id, content_index=0,
+                       transcript=event.transcript, usage={"type": "duration", "seconds": round(event.audio_s, 3)}),
+                    ev("conversation.item.done", item=item)]  # fmt: skip
+        if isinstance(event, UserTranscriptFailed):
+            return [ev("conversation.item.input_audio_transcription.failed", item_id=event.item_id, content_index=0,
+                       error={"type": "transcription_error", "code": "asr_failed", "message": event.error})]  # fmt: skip
+        if isinstance(event, ResponseStarted):
+            reply = event.reply
+            return [ev("response.created", response=self._response_view(reply)),
+                    ev("response.output_item.added", response_id=reply.id, output_index=0,
+                       item=_message_item(reply.item_id, "assistant", [], "in_progress"))]  # fmt: skip
+        if isinstance(event, ResponseTextDelta):
+            kind = "response.output_audio_transcript.delta" if event.reply.audio else "response.output_text.delta"
+            return [ev(kind, **_part(event.reply), delta=event.delta)]
+        if isinstance(event, ResponseAudioDelta):
+            return [ev("response.output_audio.delta", **_part(event.reply), delta=base64.b64encode(event.pcm).decode())]
+        if isinstance(event, ResponseFinished):
+            return self._render_finished(event.reply)
+        raise TypeError(f"no server event for {type(event).__name__}")
+
+    def _render_finished(self, reply: Reply) -> list[dict[str, Any]]:
+        ev = self._event
+        if reply.audio:
+            done = [ev("response.output_audio.done", **_part(reply)),
+                    ev("response.output_audio_transcript.done", **_part(reply), transcript=reply.sent_text)]  # fmt: skip
+        else:
+            done = [ev("response.output_text.done", **_part(reply), text=reply.sent_text)]
+        item = self._output_item(reply)
+        return [*done, ev("response.output_item.done", response_id=reply.id, output_index=0, item=item),
+                ev("response.done", response=self._response_view(reply, [item])),
+                ev("response.timeline", response_id=reply.id, item_id=reply.item_id, timeline=reply.timeline.to_dict())]  # fmt: skip
+
+    def _output_item(self, reply: Reply) -> dict[str, Any]:
+        part = ({"type": "output_audio", "transcript": reply.sent_text} if reply.audio
+                else {"type": "output_text", "text": reply.sent_text})  # fmt: skip
+        return _message_item(reply.item_id, "assistant", [part], "completed" if reply.status == "completed" else "incomplete")
+
+    def _response_view(self, reply: Reply, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        details: dict[str, Any] | None = None
+        if reply.status in ("cancelled", "incomplete"):
+            details = {"type": reply.status, "reason": reply.reason}
+        elif reply.status == "failed":
+            details = {"type": "failed", "error": {"type": "server_error", "code": "answer_failed", "message": reply.error}}
+        p, c, o = reply.prompt_tokens, reply.cached_tokens, reply.output_tokens
+        usage = None if reply.status == "in_progress" else {
+            "total_tokens": p + o, "input_tokens": p, "output_tokens": o,
+            "input_token_details": {"text_tokens": p, "audio_tokens": 0, "cached_tokens": c,
+                                    "cached_tokens_details": {"text_tokens": c, "audio_tokens": 0}},
+            "output_token_details": {"text_tokens": o, "audio_tokens": 0},
+        }  # fmt: skip
+        return {
+            "object": "realtime.response", "id": reply.id, "status": reply.status, "status_details": details,
+            "output": output or [], "output_modalities": list(reply.modalities), "conversation_id": self.pipeline.id,
+            "max_output_tokens": reply.max_output_tokens or self.config.assistant.max_tokens,
+            "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.services.config.sample_rate}, "voice": self._voice}},
+            "metadata": reply.metadata, "usage": usage,
+        }  # fmt: skip
+
+
+def _part(reply: Reply) -> dict[str, Any]:
+    return {"response_id": reply.id, "item_id": reply.item_id, "output_index": 0, "content_index": 0}
+
+
+def _message_item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": status, "content": content}
+
+
+def _decode_audio(data: str) -> bytes:
+    """PCM16 bytes from base64; a WAV file or an odd byte count is refused with a clear message."""
+    try:
+        pcm = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ClientError("invalid_base64", f"'audio' is not valid base64: {exc}", "audio") from exc
+    if pcm[:4] == b"RIFF":
+        raise AudioFormatError("this is a WAV file; send the raw PCM16 samples without the header")
+    return pcm
+
+
+async def reject(ws: WebSocket, reason: str) -> None:
+    """Refuse a connection over capacity: accept, send an ``error`` event, close with 1013."""
+    await ws.accept()
+    await ws.send_text(json.dumps(error_event("session_limit_reached", reason, kind="server_error")))
+    await ws.close(CLOSE_TRY_AGAIN_LATER, "server at its session limit")
+
+
+__all__ = ["CLIENT_EVENTS", "ClientError", "RealtimeSession", "error_event", "parse_event", "reject"]

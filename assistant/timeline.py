@@ -1,0 +1,240 @@
+"""Per-turn timeline: when each stage of a turn finished, on one clock (``time.perf_counter``).
+
+The stages, in order (shared/design.md §5): ``speech_end`` (the user's last voiced frame),
+``endpoint`` (the server decided the turn is over), ``asr_final``, ``llm_first_token``,
+``first_chunk`` (first speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
+A stage's *share* is the time from the previous recorded stage to it, so the shares add up to the
+total (first to last recorded instant). The total is reported with the VAD hangover (from
+``speech_end``) and without it (from ``endpoint``), as the anchors report voice-to-voice both ways.
+
+:class:`StreamClock` puts instants of the audio stream (seconds of audio received) on the same
+clock, and :class:`TimelineMetrics` aggregates finished turns for Prometheus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+STAGES = (
+    "speech_end",
+    "endpoint",
+    "asr_final",
+    "llm_first_token",
+    "first_chunk",
+    "tts_first_audio",
+    "first_audio_sent",
+)
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass
+class BargeIn:
+    """When the user's interrupting speech began, when the VAD knew, and when the reply stopped."""
+
+    speech_start: float
+    detected: float
+    cancelled: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "from_speech_start_ms": _ms(self.cancelled - self.speech_start),
+            "from_detection_ms": _ms(self.cancelled - self.detected),
+        }
+
+
+@dataclass
+class Timeline:
+    """The instants of one turn. ``source`` is "voice", or "text" for a typed turn, whose first
+    three instants are all the moment the client asked for the response."""
+
+    source: str = "voice"
+    hangover_ms: int = 0
+    instants: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    early_prefill: bool = False
+    barge_in: BargeIn | None = None
+
+    def mark(self, stage: str, at: float | None = None) -> bool:
+        """Record ``stage`` at ``at`` (default: now) unless already recorded; True if recorded."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
+        if stage in self.instants:
+            return False
+        self.instants[stage] = time.perf_counter() if at is None else at
+        return True
+
+    def recorded(self) -> list[tuple[str, float]]:
+        """The recorded (stage, instant) pairs in stage order."""
+        return [(s, self.instants[s]) for s in STAGES if s in self.instants]
+
+    def shares_ms(self) -> dict[str, float]:
+        """Each recorded stage after the first: ms since the previous recorded stage."""
+        pairs = self.recorded()
+        return {s: _ms(t - prev) for (_, prev), (s, t) in zip(pairs, pairs[1:])}
+
+    @property
+    def total_ms(self) -> float:
+        """First to last recorded instant (the sum of the shares)."""
+        pairs = self.recorded()
+        return _ms(pairs[-1][1] - pairs[0][1]) if pairs else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.instants) == len(STAGES)
+
+    def span_ms(self, start: str, end: str = "first_audio_sent") -> float | None:
+        """ms from ``start`` to ``end``, or None if either was not recorded."""
+        if start not in self.instants or end not in self.instants:
+            return None
+        return _ms(self.instants[end] - self.instants[start])
+
+    def to_dict(self) -> dict[str, object]:
+        """The per-turn report sent to the client (``response.timeline``) and written by the bench."""
+        pairs = self.recorded()
+        origin = pairs[0][1] if pairs else 0.0
+        return {
+            "source": self.source,
+            "stages_ms": self.shares_ms(),
+            "instants_ms": {s: _ms(t - origin) for s, t in pairs},
+            "total_ms": self.total_ms,
+            "speech_end_to_first_audio_ms": self.span_ms("speech_end"),
+            "endpoint_to_first_audio_ms": self.span_ms("endpoint"),
+            "hangover_ms": self.hangover_ms,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "early_prefill": self.early_prefill,
+            "barge_in": self.barge_in.to_dict() if self.barge_in else None,
+        }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+class StreamClock:
+    """Maps audio-stream time (seconds of audio received so far) onto ``time.perf_counter``.
+
+    Each received piece of audio is stamped on arrival. A stream instant inside a piece is put at
+    the piece's arrival minus the audio after it (a real-time client spoke it then), but never
+    before the previous piece arrived (a client sending faster than real time did not).
+    """
+
+    def __init__(self, keep: int = 8192) -> None:
+        self._ends: list[float] = []
+        self._arrivals: list[float] = []
+        self._keep = keep
+        self.position_s = 0.0
+
+    def received(self, duration_s: float, at: float | None = None) -> None:
+        """Stamp the next ``duration_s`` of audio as received at ``at`` (default: now)."""
+        self.position_s += duration_s
+        self._ends.append(self.position_s)
+        self._arrivals.append(time.perf_counter() if at is None else at)
+        if len(self._ends) > 2 * self._keep:
+            del self._ends[: self._keep], self._arrivals[: self._keep]
+
+    def at(self, stream_s: float) -> float:
+        """The process-clock instant of stream time ``stream_s``."""
+        if not self._ends:
+            raise ValueError("no audio has been received")
+        i = bisect.bisect_left(self._ends, stream_s)
+        if i >= len(self._ends):
+            return self._arrivals[-1]
+        estimate = self._arrivals[i] - (self._ends[i] - stream_s)
+        return max(estimate, self._arrivals[i - 1]) if i > 0 else estimate
+
+
+class TimelineMetrics:
+    """Prometheus series of finished turns, in their own registry (register it into /metrics).
+
+    Histograms (for ``histogram_quantile`` across servers) of each stage's share and of the two
+    totals, and gauges of the p50/p90/p99 over the last ``window`` turns, to read off directly.
+    """
+
+    def __init__(self, window: int = 1000) -> None:
+        self.registry = CollectorRegistry()
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0)
+        self._stage = Histogram(
+            "assistant_turn_stage_seconds", "Time from the previous stage of a turn to this one.",
+            ("stage",), buckets=buckets, registry=self.registry,
+        )  # fmt: skip
+        self._total = Histogram(
+            "assistant_turn_total_seconds",
+            "Turn latency to the first audio sent, from speech_end (with the VAD hangover) or from endpoint.",
+            ("span",), buckets=buckets, registry=self.registry,
+        )  # fmt: skip
+        self._barge_in = Histogram(
+            "assistant_barge_in_seconds", "From the start of interrupting speech to the reply stopped.",
+            buckets=buckets, registry=self.registry,
+        )  # fmt: skip
+        self._turns = Counter(
+            "assistant_turns", "Finished turns by source and response status.", ("source", "status"),
+            registry=self.registry,
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._recent: dict[tuple[str, str], deque[float]] = {}
+        self.window = window
+        self.registry.register(_RecentQuantiles(self))
+
+    def observe(self, timeline: Timeline, status: str) -> None:
+        """Record one finished turn (any status: a cancelled turn's recorded stages are real too)."""
+        self._turns.labels(timeline.source, status).inc()
+        values: list[tuple[str, str, float]] = [("stage", s, ms) for s, ms in timeline.shares_ms().items()]
+        for span, start in (("speech_end_to_first_audio", "speech_end"), ("endpoint_to_first_audio", "endpoint")):
+            ms = timeline.span_ms(start)
+            if ms is not None:
+                values.append(("span", span, ms))
+        for kind, name, ms in values:
+            (self._stage if kind == "stage" else self._total).labels(name).observe(ms / 1000.0)
+        if timeline.barge_in is not None:
+            self._barge_in.observe(timeline.barge_in.cancelled - timeline.barge_in.speech_start)
+        with self._lock:
+            for kind, name, ms in values:
+                self._recent.setdefault((kind, name), deque(maxlen=self.window)).append(ms / 1000.0)
+
+    def recent(self) -> dict[tuple[str, str], list[float]]:
+        """A copy of the recent values per (kind, name), kind "stage" or "span"."""
+        with self._lock:
+            return {key: list(values) for key, values in self._recent.items()}
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile by linear interpolation between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class _RecentQuantiles(Collector):
+    """Gauges of the p50/p90/p99 over the recent turns, computed at scrape time."""
+
+    NAMES = {"stage": "assistant_turn_stage_recent_seconds", "span": "assistant_turn_total_recent_seconds"}
+
+    def __init__(self, metrics: TimelineMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        recent = self._metrics.recent()
+        for kind, name in self.NAMES.items():
+            what = "stage shares" if kind == "stage" else "totals"
+            metric = Metric(name, f"p50/p90/p99 of the last {self._metrics.window} turns' {what}.", "gauge")
+            for (k, key), values in sorted(recent.items()):
+                if k == kind:
+                    for q in QUANTILES:
+                        metric.add_sample(name, {kind: key, "quantile": str(q)}, quantile(values, q))
+            yield metric

@@ -1,0 +1,118 @@
+"""The Answerer on the real engine: documents reloaded on change, retrieval mode, citations."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from assistant.answerer import Answerer, AnswerDelta
+from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions
+from assistant.docs import DocumentError
+from assistant.prompt import RETRIEVAL, WHOLE, PromptTooLong
+from tests.conftest import DATA
+
+FACTS = json.loads((DATA / "handbook_facts.json").read_text(encoding="utf-8"))
+LEAVE = "# Annual leave\n\n## Entitlement\nEmployees get 20 days of annual leave.\n"
+FORMS = "# Forms\n\n## Leave form\nApply for leave with form HR-01 in PeopleHub.\n"
+
+
+async def final(answerer: Answerer, question: str, history=None) -> AnswerDelta:
+    async for delta in answerer.answer(question, history):
+        if delta.finished:
+            return delta
+    raise AssertionError("no final delta")
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    (tmp_path / "a-leave.md").write_text(LEAVE, encoding="utf-8")
+    (tmp_path / "b-forms.md").write_text(FORMS, encoding="utf-8")
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """An answerer over a folder the tests edit (it reloads on use), with a small context."""
+    root = tmp_path_factory.mktemp("docs")
+    (root / "a-leave.md").write_text(LEAVE, encoding="utf-8")
+    answerer = Answerer.create(AssistantConfig(docs_dir=root, max_tokens=6, conversation_tokens=128, engine=EngineOptions(max_model_len=512)))
+    yield answerer
+    answerer.shutdown()
+
+
+def edit(path, text: str) -> None:
+    """Write ``text`` and move the mtime on, so the change is seen even within one clock tick."""
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_text(text, encoding="utf-8")
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
+async def test_an_edited_folder_is_reloaded_with_a_new_version_and_never_mixes_cached_kv(small):
+    root = small.config.docs_dir
+    assert small.modes == {"any": WHOLE}
+    first = await final(small, "How many days of annual leave do I get?")
+    assert first.docs_version == small.library["any"].version and first.mode == WHOLE
+    assert first.citation is not None and first.citation.path == "a-leave.md"
+    again = await final(small, "How many days of annual leave do I get?")
+    assert again.docs_version == first.docs_version and again.cached_tokens > 0
+
+    edit(root / "a-leave.md", LEAVE + "\n## Parking\nParking at the office costs 7 pounds a day.\n")
+    changed = await final(small, "How many days of annual leave do I get?")
+    assert changed.docs_version != first.docs_version
+    # the new prefix starts with the same tokens as the old one, yet nothing is reused: the
+    # version is an extra key of the prefix cache
+    assert changed.cached_tokens == 0
+    parking = await final(small, "How much does parking cost?")
+    assert parking.citation is not None and parking.citation.heading == "Parking"
+    assert parking.cached_tokens > 0  # the new version's prefix is cached from here on
+
+    assert small.reload() is False  # explicit reload: nothing changed
+    edit(root / "b-forms.md", FORMS)
+    assert small.reload() is True and len(small.library["any"].documents) == 2
+
+
+async def test_a_broken_edit_keeps_the_old_documents_in_service(small, caplog):
+    version = small.library["any"].version
+    edit(small.config.docs_dir / "c-broken.md", "")
+    (small.config.docs_dir / "c-broken.md").write_bytes(b"\xff\xfe\x00bad")
+    delta = await final(small, "How many days of annual leave do I get?")
+    assert delta.docs_version == version
+    assert "cannot be loaded" in caplog.text
+    with pytest.raises(DocumentError, match="not UTF-8"):
+        small.reload()
+    (small.config.docs_dir / "c-broken.md").unlink()
+
+
+@pytest.fixture(scope="module")
+def retrieval():
+    """The bundled handbook in a 2048-token context: too small for it whole, so retrieval mode."""
+    answerer = Answerer.create(AssistantConfig(max_tokens=16, engine=EngineOptions(max_model_len=2048)))
+    yield answerer
+    answerer.shutdown()
+
+
+async def test_retrieval_mode_answers_and_cites_in_both_languages_and_shares_the_stable_prefix(retrieval):
+    assert retrieval.modes == {"en": RETRIEVAL, "zh": RETRIEVAL}
+    for lang in ("en", "zh"):
+        stable = len(retrieval.builders[lang].prefix.token_ids)
+        deltas = [await final(retrieval, f[f"question_{lang}"]) for f in (FACTS[0], FACTS[7])]
+        for delta, fact in zip(deltas, (FACTS[0], FACTS[7])):
+            assert delta.mode == RETRIEVAL and delta.generated_tokens > 0
+            assert delta.prompt_tokens + 16 <= 2048
+            assert delta.citation is not None and delta.citation.path == fact["file"]
+        # a different question reuses the stable part (system prompt + contents), not more
+        assert stable // 16 * 16 <= deltas[1].cached_tokens < deltas[1].prompt_tokens
+
+
+async def test_a_question_longer_than_the_context_is_refused_before_it_is_queued(retrieval):
+    with pytest.raises(PromptTooLong):
+        await final(retrieval, "annual leave " * 1500)
+    assert retrieval.engine.stats() is not None and retrieval.engine.is_alive
+
+
+def test_the_default_context_holds_the_bundled_handbook_whole(tmp_path):
+    assert HANDBOOK_DIR.is_dir()
+    with pytest.raises(DocumentError, match="cannot hold"):
+        Answerer.create(AssistantConfig(max_tokens=16, conversation_tokens=1500, engine=EngineOptions(max_model_len=1024)))

@@ -1,0 +1,53 @@
+"""Host-side logic of the GPU path, tested on the CPU: graph buckets, split counts, prefill tiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import ConfigError, EngineConfig, EngineCore
+from engine.attention.triton_paged import MAX_SPLITS, TARGET_PROGRAMS, decode_splits, prefill_splits, prefill_tiles
+from engine.cuda_graph import graph_bucket
+
+
+def test_graph_bucket_is_the_smallest_that_fits():
+    sizes = [1, 2, 4, 8, 16, 24, 32]
+    assert graph_bucket(sizes, 1) == 1
+    assert graph_bucket(sizes, 3) == 4
+    assert graph_bucket(sizes, 17) == 24
+    assert graph_bucket(sizes, 32) == 32
+    assert graph_bucket(sizes, 33) is None  # runs eagerly
+
+
+def test_decode_splits_fill_the_gpu_and_depend_only_on_the_batch_shape():
+    assert decode_splits(1, 8) == MAX_SPLITS  # one request: spread its context
+    assert decode_splits(256, 8) == 1  # many requests already fill the GPU
+    for b in (1, 2, 4, 8, 16, 32):
+        assert decode_splits(b, 8) * b * 8 >= min(TARGET_PROGRAMS, MAX_SPLITS * b * 8)
+
+
+def test_prefill_splits_only_for_few_programs_over_long_contexts():
+    assert prefill_splits(2, 32_000) > 1  # a short question after a long cached prefix
+    assert prefill_splits(2, 100) == 1  # short context: nothing to spread
+    assert prefill_splits(1024, 32_000) == 1  # a long chunk already has enough tiles
+    assert prefill_splits(1, 10**6) <= MAX_SPLITS
+
+
+def test_prefill_tiles_cover_every_query_head_row_once():
+    query_lens, group, block_m = [1, 1, 30, 70], 4, 64
+    reqs, starts = prefill_tiles(query_lens, first=2, block_m=block_m, group=group)
+    covered = {(r, s + i) for r, s in zip(reqs, starts) for i in range(block_m) if s + i < query_lens[r] * group}
+    expected = {(r, m) for r in (2, 3) for m in range(query_lens[r] * group)}
+    assert covered == expected
+    assert set(reqs) == {2, 3}  # decodes (the first two) are not prefill tiles
+
+
+def test_triton_backend_on_the_cpu_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,'
+        ' "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128}'
+    )
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
+                                attention_backend="triton", num_kv_blocks=8))
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
