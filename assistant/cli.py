@@ -15,11 +15,19 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions
+from assistant.conversation import Conversation
 from speech.chunker import Chunker
+
+if TYPE_CHECKING:  # imported when used: the engine pulls in torch, which --help and bad arguments should not wait for
+    import sounddevice
+
+    from assistant.answerer import Answerer
+    from speech.tts.base import TTSBackend
 
 SPEAKERS = ""  # the value of a bare --voice
 OUTPUT_RATE = 24000  # spoken answers: the hibari voice's rate; espeak-ng's 22.05 kHz is resampled to it
@@ -63,6 +71,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--docs {args.docs}: no such directory"
     if args.model is not None and not args.model.exists():
         return f"--model {args.model}: no such file or directory"
+    if args.question is not None and not args.question.strip():
+        return "the question is empty"
     if args.audio is not None and not args.audio.is_file():
         return f"--audio {args.audio}: no such file"
     if args.voice and not Path(args.voice).resolve().parent.is_dir():
@@ -94,7 +104,7 @@ def transcribe(samples: np.ndarray, language: str) -> str:
     return backend.transcribe(samples).text
 
 
-def open_speakers():
+def open_speakers() -> sounddevice.OutputStream:
     """A started sounddevice output stream at OUTPUT_RATE, or VoiceUnavailable saying what to do instead."""
     try:
         import sounddevice as sd
@@ -129,7 +139,7 @@ class Voice:
         self._pending: list[asyncio.Future] = []
 
     @staticmethod
-    def _load(language: str):
+    def _load(language: str) -> TTSBackend:
         from assistant.models import resolve
         from speech.config import TTSConfig
         from speech.tts.factory import load_tts
@@ -180,7 +190,7 @@ class Voice:
                 self._recorded.append(pcm)
 
 
-async def ask(answerer, question: str, conversation, timings: bool, voice: Voice | None) -> None:
+async def ask(answerer: Answerer, question: str, conversation: Conversation, timings: bool, voice: Voice | None) -> None:
     """Stream one answer to stdout (and the voice), then its source; the turn joins ``conversation``."""
     async for delta in answerer.answer(question, conversation):
         print(delta.text, end="", flush=True)
@@ -204,7 +214,6 @@ async def ask(answerer, question: str, conversation, timings: bool, voice: Voice
 
 async def run(args: argparse.Namespace) -> int:
     from assistant.answerer import Answerer
-    from assistant.conversation import Conversation
     from assistant.docs import DocumentError
     from assistant.models import ModelNotAvailable
     from assistant.prompt import PromptTooLong
@@ -254,7 +263,7 @@ async def run(args: argparse.Namespace) -> int:
             voice.close()
 
 
-async def converse(answerer, question: str | None, timings: bool, voice: Voice | None, conversation) -> int:
+async def converse(answerer: Answerer, question: str | None, timings: bool, voice: Voice | None, conversation: Conversation) -> int:
     """Answer ``question`` and return, or (None) read questions from stdin until an empty line or EOF."""
     from assistant.prompt import PromptTooLong
 
@@ -262,8 +271,6 @@ async def converse(answerer, question: str | None, timings: bool, voice: Voice |
         for lang, builder in answerer.builders.items():
             print(f"[handbook {lang}: {builder.summary()}]", file=sys.stderr, flush=True)
     if question is not None:
-        if not question.strip():
-            return fail("the question is empty")
         await ask(answerer, question, conversation, timings, voice)
         return 0
     print("Ask a question about the handbook (empty line or Ctrl-D to quit).", file=sys.stderr)

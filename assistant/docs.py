@@ -93,7 +93,7 @@ def normalize(text: str) -> str:
 
 
 def _title(rel: str, text: str) -> str:
-    m = re.search(r"^#\s+(.+)$", text, flags=re.M)
+    m = re.search(r"^#\s+(.+)$", text, flags=re.MULTILINE)
     return m[1].strip() if m else Path(rel).stem
 
 
@@ -175,7 +175,7 @@ class DocumentSet:
     stamp: tuple[FileStamp, ...] = ()  # scan(root) taken before reading, see changed_on_disk
 
     @classmethod
-    def load(cls, root: Path) -> "DocumentSet":
+    def load(cls, root: Path) -> DocumentSet:
         root = Path(root)
         if not root.is_dir():
             raise DocumentError(f"documents folder not found: {root}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from assistant.conversation import Message, oldest_first_cuts
 from assistant.docs import DocumentError, DocumentSet, Section
 from assistant.retrieval import SectionIndex
+from engine.tokenizer import Tokenizer
 
 WHOLE = "whole-context"
 RETRIEVAL = "retrieval"
@@ -95,7 +96,7 @@ class PromptBuilder:
     """
 
     def __init__(
-        self, tokenizer, system_prompt: str, docs: DocumentSet, *, budget: ContextBudget | None = None, language: str = "en"
+        self, tokenizer: Tokenizer, system_prompt: str, docs: DocumentSet, *, budget: ContextBudget | None = None, language: str = "en"
     ) -> None:
         self.tokenizer = tokenizer
         self.docs = docs

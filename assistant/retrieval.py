@@ -28,8 +28,11 @@ ANSWER_WEIGHT = 0.5  # in a citation, the answer's match counts half as much as 
 _TOKEN = re.compile(r"[a-z0-9]+|[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 STOP_WORDS = frozenset(
-    "a an and are as at be by can do does for from get how i if in is it its me my of on or our "
-    "should the their there this to was we what when where which who why will with you your".split()
+    [
+        "a", "an", "and", "are", "as", "at", "be", "by", "can", "do", "does", "for", "from", "get", "how", "i",
+        "if", "in", "is", "it", "its", "me", "my", "of", "on", "or", "our", "should", "the", "their", "there",
+        "this", "to", "was", "we", "what", "when", "where", "which", "who", "why", "will", "with", "you", "your",
+    ]
 )
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
-from assistant.answerer import Answerer, AnswerDelta
-from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions
+from assistant.answerer import AnswerDelta, Answerer
+from assistant.config import AssistantConfig, EngineOptions
 from assistant.docs import DocumentError
 from assistant.prompt import RETRIEVAL, WHOLE, PromptTooLong
 from tests.conftest import DATA
@@ -23,13 +24,6 @@ async def final(answerer: Answerer, question: str, history=None) -> AnswerDelta:
         if delta.finished:
             return delta
     raise AssertionError("no final delta")
-
-
-@pytest.fixture()
-def docs(tmp_path):
-    (tmp_path / "a-leave.md").write_text(LEAVE, encoding="utf-8")
-    (tmp_path / "b-forms.md").write_text(FORMS, encoding="utf-8")
-    return tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +69,9 @@ async def test_an_edited_folder_is_reloaded_with_a_new_version_and_never_mixes_c
 
 async def test_a_broken_edit_keeps_the_old_documents_in_service(small, caplog):
     version = small.library["any"].version
-    edit(small.config.docs_dir / "c-broken.md", "")
     (small.config.docs_dir / "c-broken.md").write_bytes(b"\xff\xfe\x00bad")
-    delta = await final(small, "How many days of annual leave do I get?")
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! Ask me about the handbook."}]
+    delta = await final(small, "How many days of annual leave do I get?", history)  # a plain message list works too
     assert delta.docs_version == version
     assert "cannot be loaded" in caplog.text
     with pytest.raises(DocumentError, match="not UTF-8"):
@@ -109,10 +103,10 @@ async def test_retrieval_mode_answers_and_cites_in_both_languages_and_shares_the
 async def test_a_question_longer_than_the_context_is_refused_before_it_is_queued(retrieval):
     with pytest.raises(PromptTooLong):
         await final(retrieval, "annual leave " * 1500)
-    assert retrieval.engine.stats() is not None and retrieval.engine.is_alive
 
 
-def test_the_default_context_holds_the_bundled_handbook_whole(tmp_path):
-    assert HANDBOOK_DIR.is_dir()
+def test_a_context_too_small_for_the_stable_prefix_fails_at_start_and_stops_its_engine():
+    engines = sum(t.name == "engine-loop" for t in threading.enumerate())
     with pytest.raises(DocumentError, match="cannot hold"):
         Answerer.create(AssistantConfig(max_tokens=16, conversation_tokens=1500, engine=EngineOptions(max_model_len=1024)))
+    assert sum(t.name == "engine-loop" for t in threading.enumerate()) == engines

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import wave
+
+import numpy as np
+import pytest
 
 from tests.conftest import REPO
 
@@ -28,6 +33,8 @@ def test_one_shot_question_streams_an_answer_with_timings(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 5
     assert "ttft" in r.stderr and "tok/s" in r.stderr and "cached" in r.stderr
+    assert "[handbook any: whole-context mode · 1 documents" in r.stderr  # the mode in use, at start
+    assert "Source: leave.md" in r.stdout  # the section the answer is attributed to
 
 
 def test_interactive_mode_caches_the_documents_prefix_across_turns(tmp_path):
@@ -56,3 +63,100 @@ def test_missing_model_is_a_one_line_error_with_exit_code_2(tmp_path):
 def test_a_folder_that_is_not_a_model_is_a_clear_error(tmp_path):
     r = cli("-q", "hi", "--model", str(tmp_path), "--docs", str(small_docs(tmp_path)))
     assert r.returncode == 2 and "is not a model" in r.stderr and "Traceback" not in r.stderr
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+def test_a_recorded_question_is_transcribed_answered_cited_and_spoken_into_a_wav(tmp_path, whisper_tiny_path):
+    from speech.asr import FasterWhisperBackend
+    from speech.audio import read_wav, resample
+    from speech.config import ASRConfig, TTSConfig
+    from speech.tts import load_tts
+
+    question = "How do I apply for annual leave?"
+    speech = load_tts(TTSConfig(backend="hibari", seed=0)).synthesize(question).pcm
+    stereo = np.repeat(resample(speech, 24000, 44100)[:, None], 2, axis=1)  # 44.1 kHz stereo, like a recorder's
+    with wave.open(str(tmp_path / "question.wav"), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(44100)
+        w.writeframes((stereo * 32767).astype("<i2").tobytes())
+
+    r = cli("--audio", str(tmp_path / "question.wav"), "--voice", str(tmp_path / "answer.wav"), "--max-tokens", "32",
+            "--max-model-len", "2048", "--timings")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert words(lines[0]) == words("> " + question)  # the transcript, printed first
+    assert "[handbook en: retrieval mode" in r.stderr  # 2048 tokens cannot hold the handbook whole
+    assert lines[-1].startswith("Source: 01-annual-leave.md — ")
+    answer = "\n".join(lines[1:-1])
+    assert len(answer.strip()) > 10
+
+    audio, rate = read_wav(tmp_path / "answer.wav")
+    assert rate == 24000 and len(audio) > rate  # over a second of speech
+    heard = FasterWhisperBackend(ASRConfig(model_path=whisper_tiny_path, language="en")).transcribe(resample(audio, rate, 16000))
+    spoken = {w for w in words(answer) if len(w) > 3}
+    assert len(spoken & words(heard.text)) >= 0.6 * len(spoken), (answer, heard.text)
+
+
+def test_unusable_audio_files_are_one_line_errors_with_exit_code_2(tmp_path):
+    (tmp_path / "notes.wav").write_text("not audio", encoding="utf-8")
+    with wave.open(str(tmp_path / "empty.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+    with wave.open(str(tmp_path / "silence.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(2 * 16000))
+    for name, message in [
+        ("notes.wav", "not a readable WAV file"), ("empty.wav", "no samples"), ("missing.wav", "no such file"),
+        ("silence.wav", "no speech recognised"),
+    ]:
+        r = cli("--audio", str(tmp_path / name))
+        assert r.returncode == 2, r.stderr
+        *progress, error = r.stderr.strip().splitlines()  # silence is only found out by transcribing it
+        assert progress == ([] if name != "silence.wav" else ["Transcribing the question..."])
+        assert error.startswith("error: --audio") and message in error and "Traceback" not in r.stderr
+
+
+def speakers_available() -> bool:
+    try:
+        import sounddevice
+    except (ImportError, OSError):  # no package, or no PortAudio library
+        return False
+    try:
+        sounddevice.check_output_settings(samplerate=24000, channels=1)
+    except (sounddevice.PortAudioError, ValueError):  # no output device
+        return False
+    return True
+
+
+@pytest.mark.skipif(speakers_available(), reason="this machine has speakers")
+def test_voice_without_speakers_says_to_write_a_file_instead(tmp_path):
+    r = cli("-q", "hi", "--docs", str(small_docs(tmp_path)), "--voice")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--voice answer.wav" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_voice_speaks_english_and_chinese_pieces_and_appends_every_answer_to_the_wav(tmp_path):
+    from assistant.cli import OUTPUT_RATE, Voice
+    from speech.audio import read_wav
+
+    voice = Voice(tmp_path / "answers.wav")
+    try:
+        for delta in ["Submit the Leave Request ", "form in PeopleHub."]:
+            voice.push(delta)
+        await voice.finish()
+        english, rate = read_wav(tmp_path / "answers.wav")
+        for delta in ["年假须", "提前十个工作日申请。"]:
+            voice.push(delta)
+        await voice.finish()
+        both, _ = read_wav(tmp_path / "answers.wav")
+    finally:
+        voice.close()
+    assert rate == OUTPUT_RATE and len(english) > rate  # hibari: over a second of speech
+    assert len(both) > len(english) + rate and np.abs(both[len(english) :]).max() > 0.05  # espeak-ng's Mandarin, appended

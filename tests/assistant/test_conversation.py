@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from assistant.answerer import Answerer
@@ -103,7 +105,7 @@ async def test_earlier_turns_are_cached_and_the_conversation_keeps_them(answerer
     assert [t.question for t in conversation.turns] == questions
     assert all(t.answer for t in conversation.turns)
     # each turn reuses the whole previous prompt (whole blocks of it), so the cached part grows
-    for before, after in zip(finals, finals[1:]):
+    for before, after in pairwise(finals):
         assert after.cached_tokens >= before.prompt_tokens // BLOCK * BLOCK
         assert after.cached_tokens > before.cached_tokens
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from assistant import docs as docs_module
 from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT
-from assistant.docs import DocumentError, DocumentSet, detect_language, load_library, normalize
+from assistant.docs import MAX_SECTION_CHARS, DocumentError, DocumentSet, Section, detect_language, load_library, normalize
 from assistant.prompt import PromptBuilder
 
 
@@ -37,6 +40,93 @@ def test_bad_folders_are_clear_errors(tmp_path):
     (tmp_path / "x.md").write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(DocumentError, match="not UTF-8"):
         DocumentSet.load(tmp_path)
+
+
+def test_documents_are_cut_into_sections_at_level_two_headings(tmp_path):
+    long_body = "\n\n".join(f"Paragraph {i}. " + "word " * 60 for i in range(12))
+    (tmp_path / "a.md").write_text(f"# Leave\n\n## Entitlement\n20 days.\n\n### Details\nPro rata.\n\n## Rules\n{long_body}\n")
+    (tmp_path / "b.txt").write_text("Plain notes without headings.\n", encoding="utf-8")
+    docs = DocumentSet.load(tmp_path)
+    sections = docs.sections
+    assert sections[0] == Section("a.md", "Leave", "Entitlement", "## Entitlement\n20 days.\n\n### Details\nPro rata.")
+    rules = [s for s in sections if s.heading.startswith("Rules")]
+    assert len(rules) > 1 and all(len(s.text) <= MAX_SECTION_CHARS for s in rules)  # a long section is cut up
+    assert [s.heading for s in rules[:2]] == ["Rules", "Rules (2)"] and "Paragraph 11." in rules[-1].text
+    assert sections[-1] == Section("b.txt", "b", "", "Plain notes without headings.")  # no title-only preamble section
+    assert sections[-1].label == "b.txt" and sections[0].label == "a.md — Entitlement"
+    parts = "; ".join(s.heading for s in rules)
+    assert docs.table_of_contents() == [f"- a.md: Leave — Entitlement; {parts}", "- b.txt: b"]
+
+
+def test_edits_are_noticed_cheaply_and_only_content_changes_the_version(tmp_path):
+    path = tmp_path / "a.md"
+    path.write_text("# A\nalpha\n", encoding="utf-8")
+    docs = DocumentSet.load(tmp_path)
+    assert not docs.changed_on_disk()
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same content
+    assert docs.changed_on_disk() and DocumentSet.load(tmp_path).version == docs.version
+    (tmp_path / "b.md").write_text("# B\nbeta\n", encoding="utf-8")  # a new file
+    assert DocumentSet.load(tmp_path).version != docs.version
+
+
+def write_pdf(path, lines: list[str]) -> None:
+    """A minimal one-page PDF (Helvetica text), written by hand so the test needs no PDF writer."""
+    text = " ".join(f"({line}) Tj 0 -16 Td" for line in lines)
+    stream = f"BT /F1 12 Tf 72 720 Td {text} ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    path.write_bytes(bytes(out))
+
+
+def test_pdf_documents_are_read_when_pypdf_is_installed(tmp_path):
+    pytest.importorskip("pypdf")
+    write_pdf(tmp_path / "leave.pdf", ["Annual leave", "Employees get 20 days of annual leave."])
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4 nothing else")
+    with pytest.raises(DocumentError, match="broken.pdf is not a readable PDF"):
+        DocumentSet.load(tmp_path)
+    (tmp_path / "broken.pdf").unlink()
+    doc = DocumentSet.load(tmp_path).documents[0]
+    assert doc.path == "leave.pdf" and "Employees get 20 days of annual leave." in doc.text
+
+
+def test_docx_documents_are_read_as_markdown_when_python_docx_is_installed(tmp_path):
+    docx = pytest.importorskip("docx")
+    document = docx.Document()
+    document.add_heading("Expenses", level=0)
+    document.add_heading("Rules", level=1)
+    document.add_paragraph("Submit claims within 30 days.")
+    document.add_paragraph("Receipts over 10 pounds", style="List Bullet")
+    table = document.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "Form", "FIN-01"
+    document.save(tmp_path / "expenses.docx")
+    doc = DocumentSet.load(tmp_path).documents[0]
+    assert doc.title == "Expenses"
+    assert doc.text == "# Expenses\n\n## Rules\n\nSubmit claims within 30 days.\n\n- Receipts over 10 pounds\n\nForm | FIN-01\n"
+    assert [s.label for s in doc.sections] == ["expenses.docx — Rules"]
+
+
+def test_pdf_and_docx_files_without_their_library_are_skipped_with_the_install_hint(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(docs_module.RICH_SUFFIXES, ".pdf", "no_such_pdf_library")
+    write_pdf(tmp_path / "leave.pdf", ["Annual leave"])
+    with pytest.raises(DocumentError, match=r"1 PDF/DOCX files need: pip install 'handbook-voice-assistant\[documents\]'"):
+        DocumentSet.load(tmp_path)
+    (tmp_path / "notes.md").write_text("# Notes\nhello\n", encoding="utf-8")
+    assert [d.path for d in DocumentSet.load(tmp_path).documents] == ["notes.md"]
+    assert "skipped 1 PDF/DOCX files" in caplog.text
 
 
 def test_language_detection():

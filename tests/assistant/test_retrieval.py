@@ -74,7 +74,8 @@ def offices(root: Path, lang: str, count: int = 64) -> tuple[Path, list[tuple[st
 
     Returns the folder and (question, fact, file) triples.
     """
-    first, second = ("Al Bel Cor Dun El Fen Gar Hal".split(), "ton mere wick ford by stead worth holm".split())
+    first = ["Al", "Bel", "Cor", "Dun", "El", "Fen", "Gar", "Hal"]
+    second = ["ton", "mere", "wick", "ford", "by", "stead", "worth", "holm"]
     if lang == "zh":
         first, second = list("东西南北青白金石"), list("湖山桥港林川原岭")
     filler = {
