@@ -95,6 +95,8 @@ class BlockManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give ``req`` the cached blocks (taking references) and enough fresh blocks for
         ``num_new_tokens`` more tokens. All or nothing: False leaves everything unchanged."""
+        if not cached_blocks and len(req.block_ids) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+            return True  # the common decode step: its last block still has room
         if not self.can_allocate(req, num_new_tokens, cached_blocks):
             return False
         for block in cached_blocks:
