@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -119,6 +120,17 @@ class Answerer:
         changed = changed or set(builders) != set(self.builders)
         self.library, self.builders = library, builders
         return changed
+
+    def use_folder(self, folder: Path) -> bool:
+        """Answer from another documents folder from now on. All or nothing: if the folder cannot
+        be loaded, DocumentError is raised and the current documents stay in service."""
+        previous = self.config.docs_dir
+        self.config.docs_dir = Path(folder)
+        try:
+            return self.reload()
+        except DocumentError:
+            self.config.docs_dir = previous
+            raise
 
     def refresh(self) -> bool:
         """Reload if a document file was added, removed or edited (a cheap stat check); True if reloaded."""

@@ -137,15 +137,18 @@ def _docx_text(path: Path) -> str:
 
 
 def _read(path: Path) -> str:
+    """The text of one document; any problem reading it is a DocumentError naming the file."""
     suffix = path.suffix.lower()
-    if suffix == ".pdf":
-        return _pdf_text(path)
-    if suffix == ".docx":
-        return _docx_text(path)
     try:
+        if suffix == ".pdf":
+            return _pdf_text(path)
+        if suffix == ".docx":
+            return _docx_text(path)
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DocumentError(f"{path} is not UTF-8 text ({e.reason})") from e
+    except OSError as e:  # e.g. no read permission
+        raise DocumentError(f"cannot read {path}: {e.strerror or e}") from e
 
 
 def _candidates(root: Path) -> list[Path]:

@@ -57,7 +57,7 @@ class DocumentLibrary:
     def reload(self) -> str:
         """Re-read the folder now; says whether anything changed."""
         with self._lock:
-            changed = _reload(self.answerer)
+            changed = self.answerer.reload()
         return "Reloaded: the documents changed." if changed else "Reloaded: no changes."
 
     def use_folder(self, folder: Path) -> str:
@@ -94,13 +94,7 @@ class DocumentLibrary:
         return f"Added {where}" + (" (replacing the earlier file)" if backup is not None else "") + "."
 
     def _switch(self, folder: Path) -> None:
-        previous = self.answerer.config.docs_dir
-        self.answerer.config.docs_dir = folder
-        try:
-            _reload(self.answerer)
-        except DocumentError:
-            self.answerer.config.docs_dir = previous  # reload() failed before changing anything
-            raise
+        self.answerer.use_folder(folder)
 
     def _adopt_current(self) -> None:
         """Make the own folder a copy of the documents served now (unless it is what is served)."""
@@ -111,13 +105,6 @@ class DocumentLibrary:
         shutil.rmtree(self.own_dir, ignore_errors=True)
         shutil.copytree(self.folder, self.own_dir)
         (self.own_dir / MARKER).write_text("documents managed by the web UI (python -m web); rewritten on upload\n")
-
-
-def _reload(answerer: Answerer) -> bool:
-    try:
-        return answerer.reload()
-    except OSError as exc:  # e.g. a file without read permission
-        raise DocumentError(f"cannot read the documents: {exc}") from exc
 
 
 def _check_readable(upload: Path, name: str) -> str:

@@ -151,3 +151,11 @@ def smollm_tokenizer(llm_gguf_path):
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.load(llm_gguf_path)
+
+
+def test_an_unreadable_file_is_a_document_error_naming_it(tmp_path):
+    (tmp_path / "ok.md").write_text("# Ok\ntext\n", encoding="utf-8")
+    # A file whose read fails with an OSError even for root: /proc/self/mem at offset 0 (EIO).
+    (tmp_path / "secret.md").symlink_to("/proc/self/mem")
+    with pytest.raises(DocumentError, match="cannot read .*secret.md"):
+        DocumentSet.load(tmp_path)
