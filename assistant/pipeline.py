@@ -15,9 +15,13 @@ counter (the reply's :class:`~speech.cancel.CancelToken` turns cancelled: TTS st
 pieces, queued audio is dropped), aborts the engine request, cancels the reply's task and sends
 ``ResponseFinished`` with status "cancelled" at once, ahead of any paced audio.
 
-Early prefill (``VoiceConfig.early_prefill``): each partial transcript sends the prompt so far as
-a max_tokens=1 request, so when the final arrives the start of the question is already in the
-prefix cache and only the tail is prefilled.
+Early prefill (``VoiceConfig.early_prefill``): each partial transcript starts the answer to the
+question so far and stops it after its first token (:func:`prefill`), so when the final arrives
+the start of the question is already in the prefix cache and only the tail is prefilled.
+
+The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
+trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
+user heard of the answer.
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ import numpy as np
 
 from assistant.answerer import INTERACTIVE, Answerer
 from assistant.config import VoiceConfig
+from assistant.conversation import Conversation
 from assistant.models import resolve
 from assistant.timeline import BargeIn, StreamClock, Timeline, TimelineMetrics
-from engine import SamplingParams
 from speech.asr import ASRJob, ASRWorker, AsyncASRSession, Decoded
-from speech.audio import AudioFormatError, Resampler, to_float32, to_pcm16
+from speech.audio import Resampler, to_float32, to_pcm16
 from speech.cancel import CancelToken, Generation
 from speech.chunker import Chunker
 from speech.config import ASRConfig, TTSConfig, VADConfig
@@ -155,34 +159,41 @@ class VoiceServices:
         first caller pays no one-off costs. Call it outside any running event loop."""
 
         async def run() -> None:
-            seen: set[tuple[int, ...]] = set()
-            for sample in ("Hello.", "你好。"):
-                ids = self.answerer.prompt_ids(sample, [])
-                if tuple(ids) not in seen:
-                    seen.add(tuple(ids))
-                    async for _ in self.answerer.engine.generate(ids, SamplingParams(max_tokens=1)):
-                        pass
+            languages = {self.answerer.language_for(sample): sample for sample in ("Hello.", "你好。")}
+            for sample in languages.values():
+                await prefill(self.answerer, sample, [], f"warm-up-{uuid.uuid4().hex[:8]}")
             speech = np.concatenate([c.pcm async for c, _ in self.tts.stream("Hello, how are you?", CancelToken(), True)])
             self._transcribe(Resampler(self.tts.sample_rate, 16000).process(speech))
 
         asyncio.run(run())
 
-    def _transcribe(self, audio16k: np.ndarray) -> Decoded | Exception:
+    def _transcribe(self, audio16k: np.ndarray) -> None:
+        """Decode a clip through the shared worker and wait for it (warm-up only)."""
         done = threading.Event()
-        result: list[Decoded | Exception] = []
 
         def on_done(job: ASRJob, out: Decoded | Exception, queue_s: float, decode_s: float) -> None:
-            result.append(out)
             done.set()
 
         self.asr.submit(ASRJob(self.asr.new_session_id(), 0, True, audio16k, "", self.asr_config.language,
                                len(audio16k) / 16000, on_done))  # fmt: skip
         done.wait()
-        return result[0]
 
     def close(self) -> None:
         self.tts.close()
         self.asr.close()
+
+
+async def prefill(answerer: Answerer, question: str, history: list[dict[str, str]], request_id: str) -> None:
+    """Compute the KV of the answer's prompt: start the answer, stop it after its first token.
+
+    It goes through :meth:`Answerer.answer` so the prompt and its prefix-cache keys are exactly
+    those of the real answer; the engine counts the request as aborted."""
+    answer = answerer.answer(question, history, priority=INTERACTIVE, request_id=request_id)
+    try:
+        async for _ in answer:
+            return
+    finally:
+        await answer.aclose()
 
 
 # ---- session settings and the events a session sends ---------------------------------------------
@@ -253,6 +264,7 @@ class Reply:
     id: str
     item_id: str
     request_id: str
+    question: str
     token: CancelToken
     timeline: Timeline
     modalities: tuple[str, ...]
@@ -266,8 +278,10 @@ class Reply:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    citation: dict[str, str] | None = None  # the handbook section the answer is attributed to
     audio_sent_s: float = 0.0
     play_start: float | None = None
+    recorded: bool = False  # the conversation holds this turn (the answerer adds finished ones)
     finish_queued: bool = False
     delivered: bool = False
     task: asyncio.Task[None] | None = None
@@ -378,8 +392,9 @@ class Outbox:
                 timeout: float | None = delay
             else:
                 timeout = None
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            try:  # not asyncio.wait_for: in 3.11 it can swallow a cancel that races with the wake-up
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
@@ -395,18 +410,11 @@ def _stale(event: object) -> bool:
 
 # ---- one session ------------------------------------------------------------------------------------
 @dataclass
-class _Item:
-    """A conversation item: a user utterance or typed message, or an assistant answer."""
-
-    id: str
-    role: str
-    text: str | None  # None: a user utterance whose final transcript has not arrived
-
-
-@dataclass
 class _Utterance:
     item_id: str
+    prefills_before: int = 0  # the session's early-prefill count when the utterance began
     partial: str = ""
+    partials: int = 0
     timeline: Timeline | None = None
 
 
@@ -432,7 +440,9 @@ class VoicePipeline:
         self.prefills = 0  # early-prefill requests completed
         self._client_send = send
         self._generation = Generation()
-        self._items: list[_Item] = []
+        self._item_ids: list[str] = []  # every conversation item, in order (the protocol's view)
+        self.conversation = Conversation()  # answered turns (the answerer's view)
+        self._pending: list[str] = []  # user text not answered yet
         self._utterances: dict[int, _Utterance] = {}
         self._speaking = False
         self._reply: Reply | None = None
@@ -474,8 +484,9 @@ class VoicePipeline:
             self._open_asr()
 
     async def feed(self, pcm16: bytes) -> None:
-        """Take the next piece of input audio (PCM16 mono at ``VoiceConfig.sample_rate``)."""
-        to_float32(pcm16)  # raises AudioFormatError before anything changes
+        """Take the next piece of input audio (PCM16 mono at ``VoiceConfig.sample_rate``); bad audio
+        raises ``speech.audio.AudioFormatError`` before anything changes."""
+        to_float32(pcm16)  # validates
         self.clock.received(len(pcm16) / 2 / self.config.sample_rate, time.perf_counter())
         assert self._asr is not None
         await asyncio.to_thread(self._asr.feed, pcm16)
@@ -494,15 +505,21 @@ class VoicePipeline:
         """Add a typed message to the conversation; returns its item id."""
         if role not in ("user", "assistant"):
             raise TurnError("unsupported_value", f"items with role {role!r} are not supported (user, assistant)")
-        if item_id is not None and any(i.id == item_id for i in self._items):
+        if item_id is not None and item_id in self._item_ids:
             raise TurnError("item_id_in_use", f"the conversation already has an item {item_id!r}")
-        item = _Item(item_id or new_id("item"), role, text)
-        self._items.append(item)
-        return item.id
+        if role == "assistant":
+            if not self._pending:
+                raise TurnError("unsupported_value", "an assistant item must answer a user item")
+            self.conversation.add("\n".join(self._pending), text)
+            self._pending.clear()
+        elif text.strip():
+            self._pending.append(text)
+        self._item_ids.append(item_id or new_id("item"))
+        return self._item_ids[-1]
 
     @property
     def last_item_id(self) -> str | None:
-        return self._items[-1].id if self._items else None
+        return self._item_ids[-1] if self._item_ids else None
 
     def create_response(
         self, modalities: tuple[str, ...] | None = None, max_output_tokens: int | None = None,
@@ -558,7 +575,7 @@ class VoicePipeline:
     def _on_speech_started(self, event: SpeechStarted) -> None:
         detected = self.clock.at(self._asr_offset_s + event.detected_s)
         item_id = new_id("item")
-        self._utterances[event.utterance] = _Utterance(item_id)
+        self._utterances[event.utterance] = _Utterance(item_id, self.prefills)
         self._speaking = True
         td = self.settings.turn_detection
         if td is not None and td.interrupt_response and self.active_reply is not None:
@@ -574,7 +591,7 @@ class VoicePipeline:
         timeline.mark("endpoint", now)
         utterance.timeline = timeline
         previous = self.last_item_id
-        self._items.append(_Item(utterance.item_id, "user", None))
+        self._item_ids.append(utterance.item_id)
         if not event.committed:
             self.outbox.put(UserSpeechStopped(utterance.item_id, round((self._asr_offset_s + event.speech_end_s) * 1000)))
         self.outbox.put(UserAudioCommitted(utterance.item_id, previous))
@@ -584,6 +601,7 @@ class VoicePipeline:
         if utterance is None:
             return
         if not event.is_final:
+            utterance.partials += 1
             delta, utterance.partial = event.text[len(utterance.partial) :], event.text
             if delta:
                 self.outbox.put(UserTranscriptDelta(utterance.item_id, delta))
@@ -593,15 +611,15 @@ class VoicePipeline:
         timeline = utterance.timeline
         assert timeline is not None
         timeline.mark("asr_final")
+        timeline.partials, timeline.prefills = utterance.partials, self.prefills - utterance.prefills_before
         self._utterances.pop(event.utterance, None)
-        for item in self._items:
-            if item.id == utterance.item_id:
-                item.text = event.text
+        if event.text.strip():
+            self._pending.append(event.text)
         self.outbox.put(UserTranscriptDone(utterance.item_id, event.text, event.audio_end_s))
         td = self.settings.turn_detection
         if td is None or not td.create_response or self._speaking or self.active_reply is not None:
             return  # an utterance still being spoken will answer for both
-        if self._question()[0].strip():
+        if self._pending:
             self._start_reply(timeline, None, None, None)
 
     def _on_failed(self, event: TranscriptionFailed) -> None:
@@ -619,53 +637,38 @@ class VoicePipeline:
 
     async def _run_prefill(self, text: str | None) -> None:
         while text is not None:
-            question, history = self._question(text)
-            ids = self.services.answerer.prompt_ids(question, history)
-            request_id = f"{self.id}-prefill-{self.prefills}"
-            async for _ in self.services.answerer.engine.generate(ids, SamplingParams(max_tokens=1), priority=INTERACTIVE,
-                                                                  request_id=request_id):  # fmt: skip
-                pass
+            question = "\n".join([*self._pending, text])
+            await prefill(self.services.answerer, question, self.conversation.messages(), f"{self.id}-prefill-{self.prefills}")
             self.prefills += 1
             text, self._prefill_next = self._prefill_next, None
 
     # ---- answering ---------------------------------------------------------------------------------
-    def _question(self, extra: str | None = None) -> tuple[str, list[dict[str, str]]]:
-        """(question, history): the user text after the last answer (plus ``extra``), and the
-        conversation before it with consecutive same-role items merged."""
-        items = [i for i in self._items if i.text]
-        cut = max((n + 1 for n, i in enumerate(items) if i.role == "assistant"), default=0)
-        pending = [i.text for i in items[cut:] if i.text] + ([extra] if extra else [])
-        history: list[dict[str, str]] = []
-        for item in items[:cut]:
-            if history and history[-1]["role"] == item.role:
-                history[-1]["content"] += "\n" + (item.text or "")
-            else:
-                history.append({"role": item.role, "content": item.text or ""})
-        return "\n".join(pending), history
-
     def _start_reply(
         self, timeline: Timeline, modalities: tuple[str, ...] | None, max_output_tokens: int | None,
         metadata: dict[str, str] | None,
     ) -> Reply:  # fmt: skip
-        question, history = self._question()
-        if not question.strip():
+        if not self._pending:
             raise TurnError("no_user_input", "there is no user message to answer; add one with conversation.item.create")
+        question = "\n".join(self._pending)
+        self._pending.clear()
         rid = new_id("resp")
         reply = Reply(
-            rid, new_id("item"), f"{self.id}-{rid}", self._generation.advance(), timeline,
+            rid, new_id("item"), f"{self.id}-{rid}", question, self._generation.advance(), timeline,
             modalities or self.settings.output_modalities, max_output_tokens or self.settings.max_output_tokens, metadata,
         )  # fmt: skip
         self._reply = reply
+        self._item_ids.append(reply.item_id)
         self.outbox.put(ResponseStarted(reply))
-        reply.task = self._spawn(self._run_reply(reply, question, history))
+        reply.task = self._spawn(self._run_reply(reply))
         return reply
 
-    async def _run_reply(self, reply: Reply, question: str, history: list[dict[str, str]]) -> None:
+    async def _run_reply(self, reply: Reply) -> None:
         speaker = asyncio.create_task(self._speak(reply)) if reply.audio else None
         chunker = Chunker()
         finish_reason: str | None = None
         try:
-            answer = self.services.answerer.answer(question, history, priority=INTERACTIVE, request_id=reply.request_id)
+            answer = self.services.answerer.answer(reply.question, self.conversation, priority=INTERACTIVE,
+                                                   request_id=reply.request_id)  # fmt: skip
             try:
                 async for delta in answer:
                     reply.timeline.mark("llm_first_token")
@@ -678,9 +681,14 @@ class VoicePipeline:
                             reply.pieces.put_nowait(piece)
                     if delta.finished:
                         finish_reason = delta.finish_reason
+                        reply.recorded = finish_reason != "abort"
+                        if delta.citation is not None:
+                            reply.citation = {"path": delta.citation.path, "heading": delta.citation.heading}
                         break
                     if reply.max_output_tokens is not None and delta.generated_tokens >= reply.max_output_tokens:
                         finish_reason = "length"
+                        self.conversation.add(reply.question, reply.text)  # cut here, so the answerer did not
+                        reply.recorded = True
                         break
             finally:
                 await answer.aclose()  # an answer cut at max_output_tokens aborts its engine request
@@ -726,15 +734,20 @@ class VoicePipeline:
             first = False
 
     def _finish(self, reply: Reply) -> None:
-        """Queue the reply's end (once) and put its answer into the conversation."""
+        """Queue the reply's end (once); a cancelled answer stays in the conversation as far as it
+        was heard (not at all if nothing was: its question is then answered with the next one)."""
+        if reply.status == "cancelled":
+            if reply.recorded:
+                self.conversation.turns.pop()  # the whole answer was added; only part of it was heard
+                reply.recorded = False
+            if reply.sent_text:
+                self.conversation.add(reply.question, reply.sent_text)
+            else:
+                self._pending.insert(0, reply.question)
         if reply.finish_queued:
-            for item in self._items:  # barge-in while its audio was still going out
-                if item.id == reply.item_id:
-                    item.text = reply.sent_text
             return
         reply.finish_queued = True
         reply.timeline.prompt_tokens, reply.timeline.cached_tokens = reply.prompt_tokens, reply.cached_tokens
-        self._items.append(_Item(reply.item_id, "assistant", reply.sent_text if reply.status == "cancelled" else reply.text))
         self.outbox.put(ResponseFinished(reply))
 
     def _interrupt(self, reason: str, speech_start: float | None = None, detected: float | None = None) -> None:
@@ -784,7 +797,6 @@ class VoicePipeline:
 
 
 __all__ = [
-    "AudioFormatError",
     "Outbox",
     "PipelineEvent",
     "Reply",

@@ -14,24 +14,23 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import logging
 import uuid
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, ServerConfig
 from assistant.pipeline import (
-    AudioFormatError, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings,
-    TurnDetection, TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta,
-    UserTranscriptDone, UserTranscriptFailed, VoicePipeline, VoiceServices, Reply,
+    Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
+    TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
+    UserTranscriptFailed, VoicePipeline, VoiceServices,
 )  # fmt: skip
 from assistant.timeline import TimelineMetrics
+from speech.audio import AudioFormatError
 from speech.config import ConfigError
 
-log = logging.getLogger(__name__)
 
 CLOSE_POLICY = 1008  # too many invalid events in a row
 CLOSE_TRY_AGAIN_LATER = 1013  # the server is at its session limit
@@ -44,10 +43,11 @@ UNSUPPORTED_EVENTS = (
 class ClientError(Exception):
     """A client event we refuse: becomes an ``error`` event (invalid_request_error)."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.param = param
+        self.event_id = event_id
 
 
 def error_event(code: str, message: str, event_id: str | None = None, param: str | None = None,
@@ -196,18 +196,20 @@ def parse_event(text: str, max_bytes: int) -> _Event:
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise ClientError("invalid_event", "an event must be a JSON object with a string 'type'", "type")
     kind = data["type"]
+    event_id = data["event_id"] if isinstance(data.get("event_id"), str) else None
     model = CLIENT_EVENTS.get(kind)
     if model is None:
         if kind in UNSUPPORTED_EVENTS:
-            raise ClientError("unsupported_event_type", f"'{kind}' is not supported by this server", "type")
-        raise ClientError("unknown_event_type", f"unknown event type '{kind}'; supported: {', '.join(CLIENT_EVENTS)}", "type")
+            raise ClientError("unsupported_event_type", f"'{kind}' is not supported by this server", "type", event_id)
+        raise ClientError("unknown_event_type", f"unknown event type '{kind}'; supported: {', '.join(CLIENT_EVENTS)}",
+                          "type", event_id)  # fmt: skip
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"])
         code = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
-        raise ClientError(code, f"invalid '{param}' in '{kind}': {err['msg']}", param) from exc
+        raise ClientError(code, f"invalid '{param}' in '{kind}': {err['msg']}", param, event_id) from exc
 
 
 # ---- one connection --------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class RealtimeSession:
             await self._dispatch(event)
             self._errors = 0
         except ClientError as exc:
-            self._refuse(exc.code, str(exc), event_id, exc.param)
+            self._refuse(exc.code, str(exc), exc.event_id or event_id, exc.param)
         except TurnError as exc:
             self._refuse(exc.code, str(exc), event_id)
         except AudioFormatError as exc:
@@ -376,7 +378,7 @@ class RealtimeSession:
         try:
             for payload in [event] if isinstance(event, dict) else self._render(event):
                 await self.ws.send_text(json.dumps(payload, ensure_ascii=False))
-        except Exception:  # the client went away; run() sees the disconnect and ends the session
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the client went away; run() ends the session
             self._gone = True
 
     def _render(self, event: object) -> list[dict[str, Any]]:

@@ -63,6 +63,8 @@ class Timeline:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     early_prefill: bool = False
+    partials: int = 0  # partial transcripts of the utterance before its final
+    prefills: int = 0  # early-prefill requests of the utterance finished before its final
     barge_in: BargeIn | None = None
 
     def mark(self, stage: str, at: float | None = None) -> bool:
@@ -78,16 +80,22 @@ class Timeline:
         """The recorded (stage, instant) pairs in stage order."""
         return [(s, self.instants[s]) for s in STAGES if s in self.instants]
 
+    def offsets_ms(self) -> dict[str, float]:
+        """Each recorded stage in ms after the first, rounded to the microsecond (all figures
+        below derive from these, so the shares add up to the total exactly)."""
+        pairs = self.recorded()
+        return {s: _ms(t - pairs[0][1]) for s, t in pairs}
+
     def shares_ms(self) -> dict[str, float]:
         """Each recorded stage after the first: ms since the previous recorded stage."""
-        pairs = self.recorded()
-        return {s: _ms(t - prev) for (_, prev), (s, t) in zip(pairs, pairs[1:])}
+        offsets = list(self.offsets_ms().items())
+        return {s: round(t - prev, 3) for (_, prev), (s, t) in zip(offsets, offsets[1:])}
 
     @property
     def total_ms(self) -> float:
         """First to last recorded instant (the sum of the shares)."""
-        pairs = self.recorded()
-        return _ms(pairs[-1][1] - pairs[0][1]) if pairs else 0.0
+        offsets = list(self.offsets_ms().values())
+        return offsets[-1] if offsets else 0.0
 
     @property
     def complete(self) -> bool:
@@ -95,18 +103,17 @@ class Timeline:
 
     def span_ms(self, start: str, end: str = "first_audio_sent") -> float | None:
         """ms from ``start`` to ``end``, or None if either was not recorded."""
-        if start not in self.instants or end not in self.instants:
+        offsets = self.offsets_ms()
+        if start not in offsets or end not in offsets:
             return None
-        return _ms(self.instants[end] - self.instants[start])
+        return round(offsets[end] - offsets[start], 3)
 
     def to_dict(self) -> dict[str, object]:
         """The per-turn report sent to the client (``response.timeline``) and written by the bench."""
-        pairs = self.recorded()
-        origin = pairs[0][1] if pairs else 0.0
         return {
             "source": self.source,
             "stages_ms": self.shares_ms(),
-            "instants_ms": {s: _ms(t - origin) for s, t in pairs},
+            "instants_ms": self.offsets_ms(),
             "total_ms": self.total_ms,
             "speech_end_to_first_audio_ms": self.span_ms("speech_end"),
             "endpoint_to_first_audio_ms": self.span_ms("endpoint"),
@@ -114,6 +121,8 @@ class Timeline:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "early_prefill": self.early_prefill,
+            "partials": self.partials,
+            "prefills": self.prefills,
             "barge_in": self.barge_in.to_dict() if self.barge_in else None,
         }
 

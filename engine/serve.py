@@ -53,7 +53,7 @@ from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-ChatPrompt = Callable[[list[dict[str, str]]], list[int]]
+ChatPrompt = Callable[[list[dict[str, str]]], tuple[list[int], tuple]]  # messages -> (prompt ids, prefix-cache keys)
 
 
 @dataclass
@@ -86,6 +86,7 @@ class _Job:
     params: SamplingParams
     priority: int
     include_usage: bool
+    extra_keys: tuple = ()  # extra prefix-cache keys (see AsyncEngine.generate)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -130,7 +131,7 @@ class OpenAIServer:
         prompt_param = "messages" if chat else "prompt"
         prompt = None if chat else body.single_prompt()  # type: ignore[union-attr]
         try:
-            ids = await asyncio.to_thread(self._tokenize, body, prompt)
+            ids, extra_keys = await asyncio.to_thread(self._tokenize, body, prompt)
         except (ValueError, TemplateError) as e:  # no tokenizer, no chat template, or the template refuses the messages
             raise APIError(400, str(e), param=prompt_param) from e
         requested = body.requested_max_tokens
@@ -152,24 +153,26 @@ class OpenAIServer:
             raise APIError(400, str(e), param=param, code="invalid_value") from e
         return _Job(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat=chat, prompt_ids=ids,
-            params=params, priority=body.priority, include_usage=body.include_usage,
+            params=params, priority=body.priority, include_usage=body.include_usage, extra_keys=extra_keys,
         )
 
-    def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> list[int]:
+    def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> tuple[list[int], tuple]:
+        """(prompt token ids, extra prefix-cache keys)."""
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, list):
-            return list(prompt)
+            return list(prompt), ()
         if tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights): send the prompt as token ids")
         if isinstance(body, ChatCompletionRequest):
             if self.chat_prompt is not None:
                 return self.chat_prompt(body.conversation())
-            return tokenizer.apply_chat_template(body.conversation())
-        return tokenizer.encode(prompt or "")
+            return tokenizer.apply_chat_template(body.conversation()), ()
+        return tokenizer.encode(prompt or ""), ()
 
     # ---- answering --------------------------------------------------------------------------------
     def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(job.prompt_ids, job.params, priority=job.priority, request_id=job.request_id)
+        return self.engine.generate(job.prompt_ids, job.params, priority=job.priority, request_id=job.request_id,
+                                    extra_keys=job.extra_keys)
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE events of one request. Closing this generator (the client went away) aborts it."""

@@ -1,0 +1,466 @@
+"""Voice load generator: ``python -m assistant.bench [--callers 1 4] [--turns 2] [--json F] [--plot F.png]``.
+
+N simulated callers talk to the assistant at once over the Realtime WebSocket API. Each streams a
+real spoken handbook question (synthesized once by the bundled hibari voice) at real-time pace in
+``--chunk-ms`` packets, keeps streaming silence like an open microphone, and waits for the spoken
+answer to finish before asking its next question. Unless ``--url`` is given, the bench starts its
+own server (``python -m assistant serve``) on a free port of 127.0.0.1 and stops it at the end.
+
+Measured per turn:
+- the server's timeline (``response.timeline``): each stage's share, speech_end -> first audio
+  sent with and without the VAD hangover, prompt and cached tokens;
+- at the client: from the instant the question's last voiced sample was sent (its true end of
+  speech, -40 dB envelope) to the first answer audio received, and the same minus the configured
+  hangover (the anchors' "voice-to-voice minus VAD stop");
+- the transcript against the question (word error rate).
+
+Reported per caller count: p50/p90/p99 of each, a table on stdout, everything in ``--json``, and
+a waterfall PNG (``--plot``: one row per turn, the stages stacked from speech_end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from assistant.timeline import STAGES, quantile
+
+DEFAULT_QUESTIONS = (
+    "How do I apply for annual leave?",
+    "How many days of annual leave do I get per year?",
+    "What is the minimum length of a password?",
+    "From which day of sick leave do I need a doctor's note?",
+    "How many days a week can I work remotely?",
+    "What is the deadline for submitting an expense claim?",
+    "How long is the probation period?",
+    "How much is the home office allowance?",
+)
+RATE = 24000
+LEAD_SILENCE_S = 0.3
+VERSIONED = ("torch", "faster-whisper", "ctranslate2", "onnxruntime", "webrtcvad-wheels", "hibari-tts", "websockets",
+             "fastapi", "uvicorn", "numpy")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Question:
+    """A spoken question: PCM16 at 24 kHz with lead silence, and where its speech ends."""
+
+    text: str
+    pcm: bytes
+    speech_end_s: float
+
+
+@dataclass
+class TurnResult:
+    """One caller's turn, as the client saw it and as the server reported it."""
+
+    caller: int
+    turn: int
+    question: str
+    transcript: str = ""
+    answer: str = ""
+    status: str = ""
+    wer: float | None = None
+    client_s2a_ms: float | None = None  # true end of speech (client) -> first answer audio received
+    client_s2a_minus_hangover_ms: float | None = None
+    timeline: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class BenchConfig:
+    """One run, from the command line."""
+
+    url: str | None = None
+    callers: tuple[int, ...] = (1, 4)
+    turns: int = 2
+    questions: tuple[str, ...] = DEFAULT_QUESTIONS
+    max_output_tokens: int | None = None
+    chunk_ms: int = 20
+    timeout_s: float = 180.0
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    progress: bool = True
+    server_args: tuple[str, ...] = ()
+
+
+# ---- spoken questions ------------------------------------------------------------------------------
+def speak_questions(texts: tuple[str, ...]) -> list[Question]:
+    """Each question spoken by the bundled voice at 24 kHz, after ``LEAD_SILENCE_S`` of silence."""
+    from speech.audio import Resampler, to_pcm16
+    from speech.config import TTSConfig
+    from speech.tts import load_tts
+
+    tts = load_tts(TTSConfig(backend="hibari", seed=0))
+    questions = []
+    for text in texts:
+        speech = tts.synthesize(text).pcm
+        if tts.sample_rate != RATE:
+            resampler = Resampler(tts.sample_rate, RATE)
+            speech = np.concatenate([resampler.process(speech), resampler.flush()])
+        audio = np.concatenate([np.zeros(round(LEAD_SILENCE_S * RATE), np.float32), speech])
+        questions.append(Question(text, to_pcm16(audio).astype("<i2").tobytes(), speech_end(audio, RATE)))
+    return questions
+
+
+def speech_end(audio: np.ndarray, rate: int) -> float:
+    """The last instant the 10 ms RMS envelope is within 40 dB of its peak."""
+    window = rate // 100
+    envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
+    loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
+    return float((loud[-1] + 1) / rate)
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Word-level edit distance / reference words (lower case, punctuation dropped)."""
+    ref, hyp = (re.sub(r"[^\w' ]+", " ", t.lower().replace("-", " ")).split() for t in (reference, hypothesis))
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(1, len(ref))
+
+
+# ---- one caller ----------------------------------------------------------------------------------------
+async def call(url: str, caller: int, callers: int, questions: list[Question], cfg: BenchConfig, bar: tqdm) -> list[TurnResult]:
+    """One caller's session: ask ``cfg.turns`` questions in turn, each after the previous answer."""
+    from websockets.asyncio.client import connect
+
+    results = []
+    async with connect(url, max_size=None, open_timeout=60) as ws:
+        session = json.loads(await ws.recv())
+        hangover = session["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"]
+        if cfg.max_output_tokens:
+            await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": cfg.max_output_tokens}}))
+        for turn in range(cfg.turns):
+            question = questions[(caller + turn * callers) % len(questions)]
+            result = TurnResult(caller, turn, question.text)
+            try:
+                async with asyncio.timeout(cfg.timeout_s):
+                    await _turn(ws, question, hangover, result, cfg.chunk_ms)
+            except (TimeoutError, OSError) as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+            results.append(result)
+            bar.update(1)
+    return results
+
+
+async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
+    chunk = RATE * chunk_ms // 1000 * 2
+    silence = bytes(chunk)
+    start = time.perf_counter()
+    stop_sending = asyncio.Event()
+
+    async def microphone() -> None:
+        """The question, then silence, at real-time pace until the answer is done."""
+        k = 0
+        while not stop_sending.is_set():
+            piece = question.pcm[k * chunk : (k + 1) * chunk] or silence
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece).decode()}))
+            k += 1
+            await asyncio.sleep(max(0.0, start + k * chunk_ms / 1000 - time.perf_counter()))
+
+    sender = asyncio.create_task(microphone())
+    first_audio: float | None = None
+    try:
+        async for message in ws:
+            event = json.loads(message)
+            kind = event["type"]
+            if kind == "response.output_audio.delta" and first_audio is None:
+                first_audio = time.perf_counter()
+            elif kind == "conversation.item.input_audio_transcription.completed":
+                result.transcript = event["transcript"]
+                if not result.transcript.strip():
+                    result.error = "the question was transcribed as nothing"
+                    break
+            elif kind == "response.output_audio_transcript.done":
+                result.answer = event["transcript"]
+            elif kind == "response.done":
+                result.status = event["response"]["status"]
+            elif kind == "response.timeline":
+                result.timeline = event["timeline"]
+                break
+            elif kind == "error":
+                result.error = event["error"]["message"]
+    finally:
+        stop_sending.set()
+        await sender
+    result.wer = word_error_rate(question.text, result.transcript)
+    if first_audio is not None:
+        spoken_end = start + question.speech_end_s
+        result.client_s2a_ms = round((first_audio - spoken_end) * 1000, 1)
+        result.client_s2a_minus_hangover_ms = round(result.client_s2a_ms - hangover_ms, 1)
+
+
+async def run_phase(url: str, callers: int, questions: list[Question], cfg: BenchConfig) -> list[TurnResult]:
+    """``callers`` sessions at once, ``cfg.turns`` turns each."""
+    with tqdm(total=callers * cfg.turns, desc=f"{callers} caller(s)", unit="turn", disable=not cfg.progress, file=sys.stderr) as bar:
+        per_caller = await asyncio.gather(*(call(url, i, callers, questions, cfg, bar) for i in range(callers)))
+    return [r for results in per_caller for r in results]
+
+
+# ---- summary -------------------------------------------------------------------------------------------
+def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
+    """p50/p90/p99 (ms) of every stage share and total, over the turns that got a timeline."""
+    series: dict[str, list[float]] = {}
+    for r in results:
+        t = r.timeline
+        if not t:
+            continue
+        for stage, ms in t["stages_ms"].items():
+            series.setdefault(stage, []).append(ms)
+        for key in ("speech_end_to_first_audio_ms", "endpoint_to_first_audio_ms"):
+            if t.get(key) is not None:
+                series.setdefault(key.removesuffix("_ms"), []).append(t[key])
+        series.setdefault("uncached_prompt_tokens", []).append(t["prompt_tokens"] - t["cached_tokens"])
+        for key in ("partials", "prefills"):
+            series.setdefault(key, []).append(t[key])
+        for key, value in (("client_s2a", r.client_s2a_ms), ("client_s2a_minus_hangover", r.client_s2a_minus_hangover_ms)):
+            if value is not None:
+                series.setdefault(key, []).append(value)
+        if r.wer is not None:
+            series.setdefault("transcript_wer_percent", []).append(100 * r.wer)
+    return {k: {f"p{round(q * 100)}": round(quantile(v, q), 1) for q in (0.5, 0.9, 0.99)} | {"n": len(v)}
+            for k, v in series.items()}  # fmt: skip
+
+
+ROWS = (
+    ("endpoint", "VAD hangover (speech_end -> endpoint)"),
+    ("asr_final", "ASR final after endpoint"),
+    ("llm_first_token", "LLM first token after ASR final"),
+    ("first_chunk", "first speakable chunk after first token"),
+    ("tts_first_audio", "TTS first audio after chunk"),
+    ("first_audio_sent", "first audio sent after TTS"),
+    ("speech_end_to_first_audio", "server: speech_end -> first audio sent"),
+    ("endpoint_to_first_audio", "server: endpoint -> first audio sent (no hangover)"),
+    ("client_s2a", "client: end of speech -> first audio received"),
+    ("client_s2a_minus_hangover", "client: the same minus the configured hangover"),
+    ("transcript_wer_percent", "transcript word error rate (%)"),
+    ("uncached_prompt_tokens", "prompt tokens not in the prefix cache (count)"),
+    ("partials", "partial transcripts before the final (count)"),
+    ("prefills", "early prefills done before the final (count)"),
+)
+
+
+def table(phases: list[dict[str, Any]]) -> str:
+    """A markdown table: one row per stage, p50/p90/p99 per caller count."""
+    head = "| stage (ms) | " + " | ".join(f"{p['callers']} caller(s) p50 / p90 / p99" for p in phases) + " |"
+    lines = [head, "|---|" + "---|" * len(phases)]
+    for key, label in ROWS:
+        cells = []
+        for p in phases:
+            s = p["summary"].get(key)
+            cells.append(f"{s['p50']:.0f} / {s['p90']:.0f} / {s['p99']:.0f}" if s else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
+    lines.append(f"| turns with a timeline | {turns} |")
+    return "\n".join(lines)
+
+
+def plot(phases: list[dict[str, Any]], path: Path) -> None:
+    """Waterfall: per caller count, one row per turn with its stage shares stacked from speech_end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = dict(ROWS)
+    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
+    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
+                             gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip
+    for ax, phase in zip(axes[:, 0], phases):
+        turns = [t for t in phase["turns"] if t["timeline"]]
+        medians = {s: phase["summary"][s]["p50"] for s in colors if s in phase["summary"]}
+        bars = [("median of each stage", medians)] + [(f"caller {t['caller']} turn {t['turn']}", t["timeline"]["stages_ms"]) for t in turns]
+        for y, (_, shares) in enumerate(bars):
+            left = 0.0
+            for stage, ms in shares.items():
+                ax.barh(y, ms / 1000, left=left / 1000, color=colors[stage], edgecolor="white", linewidth=0.5)
+                left += ms
+        ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{phase['callers']} concurrent caller(s): from the end of speech to the first answer audio sent", fontsize=9)
+        ax.set_xlabel("seconds after the end of speech")
+        ax.grid(axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, [labels[s] for s in colors], loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    """Date, CPU, GPU (if torch sees one) and package versions, for the results file."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu, "cores": os.cpu_count(),
+            "load_average": os.getloadavg(), "platform": platform.platform(), "versions": versions}  # fmt: skip
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+class LocalServer:
+    """``python -m assistant serve`` on a free port of 127.0.0.1, its output in a log file."""
+
+    def __init__(self, args: tuple[str, ...]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="assistant-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "assistant", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--log-level", "warning", *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log.name}:\n{self.tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not start in {timeout_s:.0f} s; see {self.log.name}")
+
+    def tail(self) -> str:
+        return Path(self.log.name).read_text()[-3000:]
+
+    def stop(self, keep_log: bool) -> None:
+        """Stop the server; its log is deleted unless ``keep_log`` (a failed run)."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        if keep_log:
+            print(f"the server's log: {self.log.name}", file=sys.stderr)
+        else:
+            os.unlink(self.log.name)
+
+
+async def run(cfg: BenchConfig) -> dict[str, Any]:
+    """Every phase against ``cfg.url`` (or a server of our own); returns the report."""
+    print(f"Speaking {len(cfg.questions)} questions with the bundled voice...", file=sys.stderr, flush=True)
+    questions = speak_questions(cfg.questions)
+    server = None
+    url = cfg.url
+    if url is None:
+        print("Starting the server (python -m assistant serve)...", file=sys.stderr, flush=True)
+        server = LocalServer(cfg.server_args)
+        url = server.url
+    ok = False
+    try:
+        if server is not None:
+            await asyncio.to_thread(server.wait_ready)
+        phases = []
+        for n in cfg.callers:
+            results = await run_phase(url, n, questions, cfg)
+            phases.append({"callers": n, "summary": summarize(results), "turns": [asdict(r) for r in results]})
+        ok = all(not r["error"] and r["timeline"] for p in phases for r in p["turns"])
+    finally:
+        if server is not None:
+            server.stop(keep_log=not ok)
+    return {"meta": {**machine(), "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]), "url": cfg.url or "own server",
+                     "server_args": list(cfg.server_args), "chunk_ms": cfg.chunk_ms, "turns_per_caller": cfg.turns},
+            "phases": phases}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    p = argparse.ArgumentParser(prog="python -m assistant.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--url", help="ws://HOST:PORT/v1/realtime of a running server (default: start one)")
+    p.add_argument("--callers", type=int, nargs="+", default=[1, 4], help="concurrent callers per phase (default: 1 4)")
+    p.add_argument("--turns", type=int, default=2, help="questions per caller (default 2)")
+    p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
+    p.add_argument("--max-output-tokens", type=int, help="cap each answer (session.update)")
+    p.add_argument("--chunk-ms", type=int, default=20, help="audio packet length, sent at real-time pace (default 20)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds a turn may take (default 180)")
+    p.add_argument("--json", type=Path, help="write the whole report here")
+    p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    server = p.add_argument_group("server options (when the bench starts its own; see python -m assistant serve --help)")
+    for flag in ("--docs", "--model", "--asr", "--lang", "--max-tokens", "--hangover-ms", "--output-lead-ms", "--device"):
+        server.add_argument(flag)
+    server.add_argument("--early-prefill", action="store_true")
+    a = p.parse_args(argv)
+    if a.turns < 1 or min(a.callers) < 1 or a.chunk_ms < 10:
+        p.error("--turns and --callers must be >= 1, --chunk-ms >= 10")
+    server_args: list[str] = []
+    for name in ("docs", "model", "asr", "lang", "max_tokens", "hangover_ms", "output_lead_ms", "device"):
+        if getattr(a, name) is not None:
+            server_args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+    if a.early_prefill:
+        server_args.append("--early-prefill")
+    if a.url and server_args:
+        p.error("server options only apply when the bench starts its own server (no --url)")
+    return BenchConfig(
+        url=a.url, callers=tuple(a.callers), turns=a.turns, questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS,
+        max_output_tokens=a.max_output_tokens, chunk_ms=a.chunk_ms, timeout_s=a.timeout, json_path=a.json,
+        plot_path=a.plot, progress=a.progress, server_args=tuple(server_args),
+    )  # fmt: skip
+
+
+def load_questions(path: Path) -> tuple[str, ...]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        items = json.loads(text)
+        return tuple(item["question_en"] if isinstance(item, dict) else str(item) for item in items)
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        report = asyncio.run(run(cfg))
+    except (RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(table(report["phases"]))
+    if cfg.json_path:
+        cfg.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    if cfg.plot_path:
+        plot(report["phases"], cfg.plot_path)
+    failed = [t for p in report["phases"] for t in p["turns"] if t["error"] or not t["timeline"]]
+    if failed:
+        print(f"{len(failed)} turn(s) failed, e.g.: {failed[0]['error']}", file=sys.stderr)
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

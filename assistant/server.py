@@ -1,0 +1,87 @@
+"""The assistant's one process: every way in, on one engine and one set of speech models.
+
+Routes: ``/v1/realtime`` (the OpenAI Realtime API over WebSocket: voice and text turns), the
+OpenAI-compatible HTTP routes of :func:`engine.serve.create_app` with chats grounded in the
+documents (``/v1/chat/completions`` answers from the handbook, like a voice turn), ``/v1/models``,
+``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings and
+the session counters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, WebSocket
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from assistant.answerer import Answerer, default_model_path
+from assistant.config import ServerConfig
+from assistant.pipeline import VoiceServices
+from assistant.realtime import RealtimeSession, reject
+from assistant.timeline import TimelineMetrics
+from engine.serve import create_app
+
+
+class AssistantServer:
+    """Loads the models (engine + documents, Whisper, TTS) and builds the app around them."""
+
+    def __init__(self, config: ServerConfig, answerer: Answerer | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.answerer = answerer or Answerer.create(config.assistant)
+        self.services = VoiceServices.load(self.answerer, config.voice)
+        self.model_name = config.model_name or Path(config.assistant.engine.model or default_model_path()).stem
+        self.timelines = TimelineMetrics()
+        self.sessions: set[RealtimeSession] = set()
+        registry = CollectorRegistry()
+        self._active = Gauge("assistant_realtime_sessions", "Open /v1/realtime sessions.", registry=registry)
+        self._rejected = Counter("assistant_realtime_sessions_rejected", "Connections refused at the session limit (1013).",
+                                 registry=registry)  # fmt: skip
+        self.app: FastAPI = create_app(
+            self.answerer.engine, self.model_name, chat_prompt=self.grounded_prompt,
+            collectors=[self.timelines.registry, registry],
+        )  # fmt: skip
+        self.app.add_api_websocket_route("/v1/realtime", self.realtime)
+
+    def grounded_prompt(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple]:
+        """A chat's prompt: the documents prefix, the earlier turns, then the last user message,
+        with the documents' version as prefix-cache key, as the answerer's own requests have it
+        (so HTTP chats and voice turns share the cached prefix).
+
+        The handbook's system prompt takes the place of the client's system messages."""
+        turns = [m for m in messages if m["role"] in ("user", "assistant")]
+        if not turns or turns[-1]["role"] != "user":
+            raise ValueError("the last message must be the user's question")
+        history: list[dict[str, str]] = []
+        for m in turns[:-1]:
+            if history and history[-1]["role"] == m["role"]:
+                history[-1]["content"] += "\n" + m["content"]
+            else:
+                history.append(dict(m))
+        question = turns[-1]["content"]
+        docs = self.answerer.builders[self.answerer.language_for(question)].docs
+        return self.answerer.prompt_ids(question, history), (docs.version,)
+
+    async def realtime(self, ws: WebSocket) -> None:
+        """One Realtime session, or a refusal (close 1013) when ``max_sessions`` are open."""
+        if len(self.sessions) >= self.config.max_sessions:
+            self._rejected.inc()
+            await reject(ws, f"the server is at its limit of {self.config.max_sessions} sessions; try again later")
+            return
+        await ws.accept()
+        session = RealtimeSession(ws, self.services, self.config, self.model_name, self.timelines)
+        self.sessions.add(session)
+        self._active.set(len(self.sessions))
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+            self._active.set(len(self.sessions))
+
+    def warm_up(self) -> None:
+        """Compute the documents prefix and run Whisper and the voice once (outside an event loop)."""
+        self.services.warm_up()
+
+    def close(self) -> None:
+        self.services.close()
+        self.answerer.shutdown()

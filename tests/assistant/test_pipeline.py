@@ -1,0 +1,234 @@
+"""The voice pipeline without a socket: real Whisper, engine and voice; events collected as sent."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from assistant.answerer import Answerer
+from assistant.config import HANDBOOK_DIR, AssistantConfig, VoiceConfig
+from assistant.pipeline import (
+    Outbox, Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings,
+    TTSWorker, TurnDetection, UserSpeechStarted, UserTranscriptDone, VoicePipeline, VoiceServices,
+)  # fmt: skip
+from assistant.timeline import Timeline
+from speech.cancel import CancelToken, Generation
+from speech.config import TTSConfig
+from speech.tts import load_tts
+
+RATE = 24000
+# Long questions (about 30 tokens, so the partial transcripts cover at least one more whole KV
+# block than the documents do), neither asked elsewhere here.
+LONG_A = "My laptop was stolen from my car last night. How quickly must I report a security incident, and which form do I submit?"
+LONG_B = "I started last month and I want a long holiday in the summer. How many unused annual leave days can I carry over to next year?"
+SHORT = "How do I apply for annual leave?"
+
+
+@pytest.fixture(scope="module")
+def voice():
+    return load_tts(TTSConfig(backend="hibari", seed=0))
+
+
+def spoken(voice, text: str, tail_s: float = 1.0) -> bytes:
+    """``text`` spoken at 24 kHz after 0.3 s of silence, then ``tail_s`` of silence, as PCM16."""
+    audio = np.concatenate([np.zeros(round(0.3 * RATE), np.float32), voice.synthesize(text).pcm, np.zeros(round(tail_s * RATE), np.float32)])
+    return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, whisper_tiny_path):
+    docs = tmp_path_factory.mktemp("handbook")
+    for name in ("01-annual-leave.md", "06-information-security.md"):
+        shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
+    answerer = Answerer.create(AssistantConfig(docs_dir=docs, language="en", max_tokens=24))
+    shared = VoiceServices.load(answerer, VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4))
+    shared.warm_up()
+    yield shared
+    shared.close()
+    answerer.shutdown()
+
+
+class Client:
+    """A pipeline and everything it sends, stamped with the time it was sent."""
+
+    def __init__(self, services: VoiceServices) -> None:
+        self.events: list[tuple[float, object]] = []
+        self.arrived = asyncio.Event()
+        self.pipeline = VoicePipeline(services, self.send)
+
+    async def send(self, event: object) -> None:
+        self.events.append((time.perf_counter(), event))
+        self.arrived.set()
+
+    async def speak(self, pcm: bytes, chunk_ms: int = 40) -> float:
+        """Feed ``pcm`` at real-time pace; returns when the first sample was fed."""
+        step = RATE * chunk_ms // 1000 * 2
+        start = time.perf_counter()
+        for k, i in enumerate(range(0, len(pcm), step)):
+            await self.pipeline.feed(pcm[i : i + step])
+            await asyncio.sleep(max(0.0, start + (k + 1) * chunk_ms / 1000 - time.perf_counter()))
+        return start
+
+    async def wait_for(self, kind: type, timeout: float = 60.0) -> object:
+        async with asyncio.timeout(timeout):
+            while True:
+                for _, event in self.events:
+                    if isinstance(event, kind):
+                        return event
+                self.arrived.clear()
+                await self.arrived.wait()
+
+    def of(self, kind: type) -> list:
+        return [e for _, e in self.events if isinstance(e, kind)]
+
+
+# ---- early prefill -------------------------------------------------------------------------------------
+async def test_early_prefill_puts_the_spoken_question_in_the_prefix_cache(services, voice) -> None:
+    cached = {}
+    for early, question in ((False, LONG_A), (True, LONG_B)):
+        client = Client(replace(services, config=replace(services.config, early_prefill=early)))
+        await client.pipeline.start()
+        await client.speak(spoken(voice, question))
+        reply = (await client.wait_for(ResponseTextDelta)).reply  # the answer's first token: its usage is known
+        assert client.of(UserTranscriptDone)[0].transcript.lower().startswith(question.lower()[:12])
+        timeline = reply.timeline
+        assert timeline.early_prefill is early and timeline.partials >= 2 and (timeline.prefills >= 1) is early
+        cached[early] = reply.cached_tokens
+        await client.pipeline.close()
+    # the final's prompt found at least one more block of the question already computed
+    assert cached[True] >= cached[False] + 16, cached
+
+
+async def test_speech_end_is_put_on_the_process_clock_where_the_speaker_stopped(services, voice) -> None:
+    client = Client(services)
+    await client.pipeline.start()
+    audio = voice.synthesize(SHORT).pcm
+    loud = np.nonzero(np.abs(audio) > 0.01 * np.abs(audio).max())[0]
+    true_end_s = 0.3 + (loud[-1] + 1) / RATE
+    start = await client.speak(spoken(voice, SHORT))
+    timeline = (await client.wait_for(ResponseStarted)).reply.timeline
+    speech_end = timeline.instants["speech_end"]
+    assert abs(speech_end - (start + true_end_s)) < 0.1
+    assert timeline.instants["endpoint"] - speech_end == pytest.approx(0.5, abs=0.1)  # the hangover
+    await client.pipeline.close()
+
+
+# ---- turn-taking and barge-in ----------------------------------------------------------------------------
+async def test_without_turn_detection_nothing_is_answered_until_asked(services, voice) -> None:
+    client = Client(services)
+    await client.pipeline.start()
+    await client.pipeline.configure(SessionSettings(turn_detection=None))
+    await client.speak(spoken(voice, SHORT))
+    transcript = (await client.wait_for(UserTranscriptDone)).transcript
+    await asyncio.sleep(0.5)
+    assert not client.of(ResponseStarted)
+    reply = client.pipeline.create_response(("text",))
+    assert reply.question == transcript
+    done = await client.wait_for(ResponseFinished)
+    assert done.reply.status in ("completed", "incomplete") and done.reply.timeline.source == "text"
+    assert not client.of(ResponseAudioDelta)
+    await client.pipeline.close()
+
+
+async def test_barge_in_after_the_text_is_done_still_stops_the_audio(services, voice) -> None:
+    """The answer is generated long before its audio has been played: speech then cancels the rest,
+    and the conversation keeps only what the user heard."""
+    client = Client(services)
+    await client.pipeline.start()
+    client.pipeline.add_item("user", "What is the policy on annual leave?")
+    reply = client.pipeline.create_response()
+    await client.wait_for(ResponseAudioDelta)
+    while reply.task is not None and not reply.task.done():  # generation and synthesis are over...
+        await asyncio.sleep(0.05)
+    await client.speak(spoken(voice, SHORT)[: 2 * RATE])  # ...while audio is still going out
+    done = await client.wait_for(ResponseFinished)
+    assert done.reply is reply and reply.status == "cancelled" and reply.reason == "turn_detected"
+    assert 0 < len(reply.sent_text) < len(reply.text)
+    assert client.pipeline.conversation.turns[-1].answer == reply.sent_text
+    stopped = next(t for t, e in client.events if isinstance(e, ResponseFinished))
+    assert not [e for t, e in client.events if isinstance(e, ResponseAudioDelta) and t > stopped]
+    assert reply.timeline.barge_in is not None
+    await client.pipeline.close()
+
+
+async def test_speech_does_not_interrupt_when_interrupt_response_is_off(services, voice) -> None:
+    client = Client(services)
+    await client.pipeline.start()
+    await client.pipeline.configure(SessionSettings(turn_detection=TurnDetection(interrupt_response=False), max_output_tokens=8))
+    client.pipeline.add_item("user", "What is the policy on annual leave?")
+    reply = client.pipeline.create_response()
+    await client.wait_for(ResponseAudioDelta)
+    await client.speak(spoken(voice, SHORT)[: 2 * RATE])
+    await client.wait_for(UserSpeechStarted)
+    done = await client.wait_for(ResponseFinished)
+    assert done.reply is reply and reply.status == "incomplete" and reply.reason == "max_output_tokens"
+    assert reply.timeline.barge_in is None and reply.sent_text == reply.text
+    await client.pipeline.close()
+
+
+# ---- audio out ----------------------------------------------------------------------------------------------
+def reply_for_test(generation: Generation) -> Reply:
+    return Reply("resp_t", "item_t", "req_t", "q", generation.advance(), Timeline(), ("audio",), None)
+
+
+async def test_outbox_paces_audio_lets_control_events_through_and_drops_cancelled_audio() -> None:
+    sent: list[tuple[float, object]] = []
+
+    async def send(event: object) -> None:
+        sent.append((time.perf_counter(), event))
+        if isinstance(event, ResponseAudioDelta):  # what the pipeline does after sending audio
+            event.reply.play_start = event.reply.play_start or time.perf_counter()
+            event.reply.audio_sent_s += event.duration_s
+
+    outbox = Outbox(send, lead_s=0.2)
+    writer = asyncio.create_task(outbox.run())
+    generation = Generation()
+    reply = reply_for_test(generation)
+    start = time.perf_counter()
+    for _ in range(10):
+        outbox.put(ResponseAudioDelta(reply, bytes(4800), 0.1))
+    await asyncio.sleep(0.35)
+    outbox.put({"type": "error"})  # a control event does not wait behind the paced audio
+    await asyncio.sleep(0.01)
+    assert sent[-1][1] == {"type": "error"}
+    generation.advance()  # barge-in: the reply's token is cancelled
+    outbox.put(ResponseFinished(reply))
+    outbox.flush()
+    await outbox.sync()
+    await asyncio.sleep(0.05)
+    writer.cancel()
+    audio = [(t, e) for t, e in sent if isinstance(e, ResponseAudioDelta)]
+    for k, (t, _) in enumerate(audio):  # never more than lead_s ahead of real time
+        assert t >= start + 0.1 * k - 0.2 - 0.02
+    assert 3 <= len(audio) < 10  # about 0.35 s + 0.2 s lead worth, the rest dropped
+    assert isinstance(sent[-1][1], ResponseFinished)
+
+
+async def test_tts_worker_puts_first_pieces_first_and_stops_when_cancelled(services) -> None:
+    tts: TTSWorker = services.tts
+    long_text = " ".join(f"This is sentence number {i} of a long answer." for i in range(12))
+    arrivals: list[tuple[str, float]] = []
+
+    async def consume(name: str, text: str, token: CancelToken, first: bool) -> int:
+        n = 0
+        async for _chunk, ready in tts.stream(text, token, first):
+            arrivals.append((name, ready))
+            n += 1
+        return n
+
+    cancel = CancelToken()
+    later = asyncio.create_task(consume("later", long_text, CancelToken(), False))
+    queued_later = asyncio.create_task(consume("queued-later", "Later pieces wait for first ones.", CancelToken(), False))
+    await asyncio.sleep(0.01)
+    urgent = asyncio.create_task(consume("first", "A first piece goes ahead.", CancelToken(), True))
+    cancelled = asyncio.create_task(consume("cancelled", long_text, cancel, False))
+    await urgent
+    cancel.cancel()
+    assert await later == 12 and await cancelled <= 1 and await queued_later >= 1
+    order = [name for name, _ in arrivals]
+    assert order.index("first") < order.index("queued-later")

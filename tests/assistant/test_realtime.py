@@ -1,0 +1,474 @@
+"""The Realtime WebSocket API end to end: a real server on 127.0.0.1, the official openai SDK's
+realtime client, questions spoken by the bundled hibari voice, answers heard back by Whisper."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.server import AssistantServer
+from assistant.timeline import STAGES
+from engine.serve import BackgroundServer
+from speech.asr import FasterWhisperBackend
+from speech.audio import resample, to_float32, to_pcm16
+from speech.config import ASRConfig, TTSConfig
+from speech.tts import load_tts
+from tests.conftest import DATA
+
+RATE = 24000
+MAX_SESSIONS = 9
+MAX_MESSAGE = 256 * 1024
+MAX_ERRORS = 20
+DOCS = ("01-annual-leave.md", "02-sick-leave.md", "05-it-accounts-and-passwords.md")
+# Eight different short questions from tests/data/handbook_facts.json, all well heard by tiny.en.
+QUESTIONS = [
+    "How do I apply for annual leave?",
+    "How many days of annual leave do I get per year?",
+    "What is the minimum length of a password?",
+    "How long is the probation period?",
+    "How many days a week can I work remotely?",
+    "How much is the home office allowance?",
+    "How many public holidays do we get each year?",
+    "What is the deadline for submitting an expense claim?",
+]
+
+
+@dataclass(frozen=True)
+class Clip:
+    text: str
+    pcm: bytes  # PCM16 mono 24 kHz: 0.3 s silence, the question, 1.0 s silence
+
+
+@pytest.fixture(scope="module")
+def clips() -> list[Clip]:
+    facts = {item["question_en"] for item in json.loads((DATA / "handbook_facts.json").read_text("utf-8"))}
+    assert set(QUESTIONS) <= facts
+    tts = load_tts(TTSConfig(backend="hibari", seed=0))
+    assert tts.sample_rate == RATE
+    out = []
+    for text in QUESTIONS:
+        speech = tts.synthesize(text).pcm
+        audio = np.concatenate([np.zeros(round(0.3 * RATE), np.float32), speech, np.zeros(RATE, np.float32)])
+        out.append(Clip(text, to_pcm16(audio).astype("<i2").tobytes()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, whisper_tiny_path):
+    docs = tmp_path_factory.mktemp("handbook")
+    for name in DOCS:
+        shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
+    config = ServerConfig(
+        max_sessions=MAX_SESSIONS, max_message_bytes=MAX_MESSAGE, max_errors=MAX_ERRORS,
+        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48),
+        voice=VoiceConfig(asr_model=whisper_tiny_path),
+    )  # fmt: skip
+    assistant = AssistantServer(config)
+    assistant.warm_up()
+    with BackgroundServer(assistant.app) as http:
+        assistant.url = http.url  # type: ignore[attr-defined]
+        yield assistant
+    assistant.close()
+
+
+@pytest.fixture(scope="module")
+def finished(server) -> dict[str, str]:
+    """request id -> finish reason of every engine request that ends from now on."""
+    reasons: dict[str, str] = {}
+    server.answerer.engine.add_finish_listener(lambda out: reasons.__setitem__(out.request_id, out.finish_reason))
+    return reasons
+
+
+async def finish_reason(finished: dict[str, str], request_id: str, timeout: float = 30.0) -> str:
+    async with asyncio.timeout(timeout):
+        while request_id not in finished:
+            await asyncio.sleep(0.02)
+    return finished[request_id]
+
+
+@pytest.fixture(scope="module")
+def hearing(whisper_tiny_path) -> FasterWhisperBackend:
+    """Our own Whisper, to hear the answers the server speaks."""
+    return FasterWhisperBackend(ASRConfig(model_path=whisper_tiny_path, language="en"))
+
+
+def realtime(server: AssistantServer) -> openai.AsyncOpenAI:
+    ws = server.url.replace("http://", "ws://")  # type: ignore[attr-defined]
+    return openai.AsyncOpenAI(api_key="unused", websocket_base_url=f"{ws}/v1")
+
+
+def raw_url(server: AssistantServer) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/realtime"  # type: ignore[attr-defined]
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^\w' ]+", " ", text.lower().replace("-", " ")).split()
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    ref, hyp = words(reference), words(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(1, len(ref))
+
+
+async def send_audio(conn, pcm: bytes, chunk_ms: int = 100, speed: float = 1.0) -> None:
+    """Stream PCM16 in ``chunk_ms`` packets, ``speed`` times faster than real time."""
+    step = RATE * chunk_ms // 1000 * 2
+    start = time.perf_counter()
+    for k, i in enumerate(range(0, len(pcm), step)):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
+        await asyncio.sleep(max(0.0, start + (k + 1) * chunk_ms / 1000 / speed - time.perf_counter()))
+
+
+async def recv_until(conn, kind: str, timeout: float = 120.0) -> list:
+    """SDK events up to and including the first of type ``kind``."""
+    events = []
+    async with asyncio.timeout(timeout):
+        while True:
+            events.append(await conn.recv())
+            if events[-1].type == kind:
+                return events
+
+
+def first(events: list, kind: str):
+    return next(e for e in events if e.type == kind)
+
+
+def check_timeline(timeline: dict, source: str = "voice") -> None:
+    """All seven stages, in order, and the shares add up to the totals."""
+    instants = timeline["instants_ms"]
+    assert list(instants) == list(STAGES), instants
+    values = list(instants.values())
+    assert values == sorted(values), instants
+    assert timeline["source"] == source
+    assert sum(timeline["stages_ms"].values()) == pytest.approx(timeline["total_ms"], abs=1e-6)
+    assert timeline["speech_end_to_first_audio_ms"] == timeline["total_ms"]
+    hangover_share = timeline["stages_ms"]["endpoint"]
+    assert timeline["endpoint_to_first_audio_ms"] == pytest.approx(timeline["total_ms"] - hangover_share, abs=1e-6)
+
+
+def metric(server: AssistantServer, name: str, **labels: str) -> float:
+    text = httpx.get(server.url + "/metrics").text  # type: ignore[attr-defined]
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+async def wait_idle(server: AssistantServer, timeout: float = 30.0) -> None:
+    """Until no request runs or waits and every KV block is free again."""
+    engine = server.answerer.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def prefix_tokens(server: AssistantServer) -> int:
+    """Tokens of the documents prefix (the prompt of a one-word question, less its own few)."""
+    return len(server.answerer.prompt_ids("Hi", [])) - 8
+
+
+# ---- the acceptance conversation -------------------------------------------------------------------
+async def test_sdk_holds_a_spoken_and_a_typed_conversation(server, clips, hearing) -> None:
+    clip = clips[0]
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        created = await conn.recv()
+        assert created.type == "session.created" and created.session.audio.input.format.rate == RATE
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 32})
+        assert (await conn.recv()).type == "session.updated"
+
+        sender = asyncio.create_task(send_audio(conn, clip.pcm, speed=2.0))
+        events = await recv_until(conn, "response.timeline")
+        await sender
+        types = [e.type for e in events]
+        order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+                 "conversation.item.input_audio_transcription.completed", "response.created",
+                 "response.output_audio_transcript.delta", "response.output_audio.delta", "response.output_audio.done",
+                 "response.output_audio_transcript.done", "response.done", "response.timeline"]  # fmt: skip
+        assert [types.index(t) for t in order] == sorted(types.index(t) for t in order), types
+        transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
+        assert wer(clip.text, transcript) <= 0.2, transcript
+
+        done = first(events, "response.done").response
+        assert done.status in ("completed", "incomplete") and done.usage.output_tokens <= 32
+        assert done.usage.input_token_details.cached_tokens >= prefix_tokens(server) - 16
+        answer = first(events, "response.output_audio_transcript.done").transcript
+        assert answer.strip() and done.output[0].content[0].transcript == answer
+        audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+        assert len(audio) / 2 / RATE > 1.0
+        heard = hearing.transcribe(resample(to_float32(audio), RATE, 16000)).text
+        spoken = [w for w in words(answer) if w.isalpha() and len(w) > 2]
+        assert sum(w in words(heard) for w in spoken) >= 0.6 * len(spoken), (answer, heard)
+
+        timeline = events[-1].timeline  # the SDK passes our extra event through
+        check_timeline(timeline)
+        assert timeline["hangover_ms"] == 500 and timeline["cached_tokens"] == done.usage.input_token_details.cached_tokens
+
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "How many days of sick leave can I self-certify?"}]})  # fmt: skip
+        await conn.response.create(response={"output_modalities": ["text"]})
+        events = await recv_until(conn, "response.timeline")
+        text = first(events, "response.output_text.done").text
+        assert text.strip() and text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert not any(e.type == "response.output_audio.delta" for e in events)
+        done = first(events, "response.done").response
+        # the second turn's prompt starts with the first: documents and the spoken turn are cached
+        assert done.usage.input_token_details.cached_tokens > prefix_tokens(server) + 16
+        assert events[-1].timeline["source"] == "text"
+
+
+# ---- barge-in and disconnects ------------------------------------------------------------------------
+async def test_speech_during_the_answer_cancels_it_and_aborts_the_engine_request(server, clips, finished) -> None:
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        session_id = (await recv_until(conn, "session.created"))[-1].session.id
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "What are the password rules?"}]})  # fmt: skip
+        await conn.response.create()
+        events = await recv_until(conn, "response.output_audio.delta")
+        response_id = first(events, "response.created").response.id
+        # the user talks over the answer, at real-time pace, in 20 ms packets like a microphone
+        sender = asyncio.create_task(send_audio(conn, clips[2].pcm, chunk_ms=20))
+        events = await recv_until(conn, "response.timeline", timeout=60)
+        types = [e.type for e in events]
+        assert types.index("input_audio_buffer.speech_started") < types.index("response.done")
+        done = first(events, "response.done").response
+        assert done.id == response_id and done.status == "cancelled"
+        assert done.status_details.reason == "turn_detected"
+        barge_in = events[-1].timeline["barge_in"]
+        assert barge_in["from_detection_ms"] < 100, barge_in
+        assert barge_in["from_speech_start_ms"] < 120, barge_in  # about 90 ms measured: 60 ms start_ms + Silero + packet
+        heard = first(events, "response.output_audio_transcript.done").transcript
+        assert done.output[0].content[0].transcript == heard
+
+        # nothing more of the cancelled answer; the interruption itself is heard and answered
+        events = await recv_until(conn, "response.created", timeout=60)
+        assert not [e for e in events if getattr(e, "response_id", None) == response_id]
+        transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
+        assert wer(clips[2].text, transcript) <= 0.2, transcript
+        left = first(events, "response.created").response.id
+        sender.cancel()
+    # the engine request of the interrupted answer was aborted, and so was the one we walked out of
+    assert await finish_reason(finished, f"{session_id}-{response_id}") == "abort"
+    assert await finish_reason(finished, f"{session_id}-{left}") == "abort"
+    await wait_idle(server)
+    assert metric(server, "assistant_barge_in_seconds_count") >= 1
+    assert metric(server, "assistant_turns_total", source="text", status="cancelled") >= 1
+
+
+async def test_a_client_that_leaves_mid_answer_frees_its_kv(server, finished) -> None:
+    async with ws_connect(raw_url(server)) as ws:
+        session_id = json.loads(await ws.recv())["session"]["id"]
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What are the password rules?"}]}}))  # fmt: skip
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}}))
+        while (event := json.loads(await ws.recv()))["type"] != "response.output_text.delta":
+            pass
+    assert await finish_reason(finished, f"{session_id}-{event['response_id']}") == "abort"
+    await wait_idle(server)
+
+
+async def test_the_client_can_cancel_a_response(server, finished) -> None:
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        session_id = (await recv_until(conn, "session.created"))[-1].session.id
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "What are the password rules?"}]})  # fmt: skip
+        await conn.response.create(response={"output_modalities": ["text"]})
+        response_id = (await recv_until(conn, "response.output_text.delta"))[-1].response_id
+        await conn.response.cancel(response_id=response_id)
+        done = (await recv_until(conn, "response.done"))[-1].response
+        assert done.status == "cancelled" and done.status_details.reason == "client_cancelled"
+        assert await finish_reason(finished, f"{session_id}-{response_id}") == "abort"
+
+
+async def test_commit_ends_the_turn_and_clear_drops_it(server, clips) -> None:
+    clip = clips[3]
+    speech_only = clip.pcm[: len(clip.pcm) - 2 * RATE]  # without the trailing second of silence
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        await recv_until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4})
+        await send_audio(conn, speech_only, speed=4.0)
+        await conn.input_audio_buffer.clear()  # the utterance in progress is dropped...
+        events = await recv_until(conn, "input_audio_buffer.cleared")
+        await send_audio(conn, bytes(2 * RATE), speed=4.0)  # ...so its end is never heard
+        await send_audio(conn, speech_only, speed=4.0)
+        await conn.input_audio_buffer.commit()  # the turn ends now, without waiting for silence
+        events += await recv_until(conn, "response.done")
+        types = [e.type for e in events]
+        assert types.count("input_audio_buffer.speech_started") == 2 and types.count("input_audio_buffer.committed") == 1
+        assert "input_audio_buffer.speech_stopped" not in types
+        transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
+        assert wer(clip.text, transcript) <= 0.2, transcript
+
+
+# ---- many sessions ---------------------------------------------------------------------------------
+async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clips) -> None:
+    prefix = prefix_tokens(server)
+    computed_before = server.answerer.engine.stats().prompt_tokens
+
+    async def caller(clip: Clip) -> list:
+        async with realtime(server).realtime.connect(model="handbook") as conn:
+            await recv_until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
+            sender = asyncio.create_task(send_audio(conn, clip.pcm, speed=2.0))
+            events = await recv_until(conn, "response.timeline", timeout=180)
+            await sender
+            return events
+
+    results = await asyncio.gather(*(caller(c) for c in clips))
+    for clip, events in zip(clips, results):
+        transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
+        assert wer(clip.text, transcript) <= 0.2, (clip.text, transcript)
+        done = first(events, "response.done").response
+        assert done.status in ("completed", "incomplete") and done.output[0].content[0].transcript.strip()
+        assert done.usage.input_token_details.cached_tokens >= prefix - 16
+        check_timeline(events[-1].timeline)
+    # the eight prompts together computed fewer tokens than one documents prefix: it was computed once
+    computed = server.answerer.engine.stats().prompt_tokens - computed_before
+    assert computed < prefix, (computed, prefix)
+    # every stage of those turns is on /metrics, as histograms and as recent p50/p90/p99
+    for stage in STAGES[1:]:
+        assert metric(server, "assistant_turn_stage_seconds_count", stage=stage) >= 8
+        for q in ("0.5", "0.9", "0.99"):
+            assert metric(server, "assistant_turn_stage_recent_seconds", stage=stage, quantile=q) > 0
+    for span in ("speech_end_to_first_audio", "endpoint_to_first_audio"):
+        assert metric(server, "assistant_turn_total_seconds_count", span=span) >= 8
+        assert metric(server, "assistant_turn_total_recent_seconds", span=span, quantile="0.99") > 0
+
+
+async def test_over_capacity_is_refused_with_1013(server) -> None:
+    sockets = await asyncio.gather(*(ws_connect(raw_url(server)) for _ in range(MAX_SESSIONS)))
+    try:
+        for ws in sockets:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        async with ws_connect(raw_url(server)) as extra:
+            error = json.loads(await extra.recv())
+            assert error["type"] == "error" and error["error"]["code"] == "session_limit_reached"
+            with pytest.raises(ConnectionClosed) as closed:
+                await extra.recv()
+            assert closed.value.rcvd.code == 1013
+        assert metric(server, "assistant_realtime_sessions") == MAX_SESSIONS
+    finally:
+        for ws in sockets:
+            await ws.close()
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+BAD_EVENTS = [
+    ("not json", "invalid_json"),
+    ("[1, 2]", "invalid_event"),
+    (json.dumps({"audio": "AAAA"}), "invalid_event"),
+    (json.dumps({"type": "conversation.item.teleport"}), "unknown_event_type"),
+    (json.dumps({"type": "conversation.item.truncate", "item_id": "x"}), "unsupported_event_type"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA", "volume": 11}), "unknown_parameter"),
+    (json.dumps({"type": "input_audio_buffer.append"}), "missing_required_parameter"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "%%%not base64%%%"}), "invalid_base64"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()}), "invalid_audio_format"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()}), "invalid_audio_format"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}), "unsupported_value"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}}), "invalid_value"),
+    (json.dumps({"type": "session.update", "session": {"output_modalities": ["audio", "text"]}}), "invalid_value"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}), "invalid_value"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"transcription": {"language": "zh"}}}}}), "invalid_value"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}}), "unsupported_value"),
+    (json.dumps({"type": "session.update", "session": {"instructions": "Be a pirate."}}), "unsupported_value"),
+    (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}), "invalid_value"),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant",
+                                                              "content": [{"type": "output_text", "text": "Hi"}]}}), "unsupported_value"),
+    (json.dumps({"type": "conversation.item.create", "previous_item_id": "item_nope", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}), "invalid_value"),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                                                              "content": [{"type": "input_text", "text": "Hi"}]}}), "invalid_value"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (MAX_MESSAGE + 4)}), "message_too_large"),
+    (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_empty"),
+    (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
+    (json.dumps({"type": "response.create"}), "no_user_input"),
+]  # fmt: skip
+
+
+async def test_bad_events_get_an_error_and_the_session_lives_on(server) -> None:
+    assert len(BAD_EVENTS) > MAX_ERRORS
+    async with ws_connect(raw_url(server), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        for i, (message, code) in enumerate(BAD_EVENTS):
+            event_id = f"evt_{i}"
+            if message.startswith("{"):
+                message = json.dumps({**json.loads(message), "event_id": event_id})
+            await ws.send(message)
+            error = json.loads(await ws.recv())
+            assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+            assert error["error"]["code"] == code, (message[:80], error)
+            if code not in ("invalid_json", "invalid_event", "message_too_large"):
+                assert error["error"]["event_id"] == event_id
+            if i % 10 == 9:  # a valid event resets the run of errors (there are more than MAX_ERRORS)
+                await ws.send(json.dumps({"type": "session.update", "session": {}}))
+                assert json.loads(await ws.recv())["type"] == "session.updated"
+        await ws.send(b"\x00\x01")  # a binary frame
+        assert json.loads(await ws.recv())["error"]["code"] == "binary_not_supported"
+        # still alive: a valid update is applied and a typed turn is answered
+        await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 300, "create_response": False}}}}}))  # fmt: skip
+        updated = json.loads(await ws.recv())
+        assert updated["type"] == "session.updated"
+        detection = updated["session"]["audio"]["input"]["turn_detection"]
+        assert detection["silence_duration_ms"] == 300 and detection["create_response"] is False
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello?"}]}}))  # fmt: skip
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 3}}))
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            assert event["type"] != "error", event
+        assert event["response"]["status"] == "incomplete" and event["response"]["status_details"]["reason"] == "max_output_tokens"
+        assert event["response"]["usage"]["output_tokens"] == 3
+
+
+async def test_a_flood_of_invalid_events_closes_the_socket_with_1008(server) -> None:
+    async with ws_connect(raw_url(server)) as ws:
+        json.loads(await ws.recv())
+        for _ in range(MAX_ERRORS):
+            await ws.send("{")
+        codes = [json.loads(await ws.recv())["error"]["code"] for _ in range(MAX_ERRORS + 1)]
+        assert codes == ["invalid_json"] * MAX_ERRORS + ["too_many_errors"]
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd.code == 1008
+
+
+# ---- HTTP, health, metrics ---------------------------------------------------------------------------
+def test_chat_completions_are_grounded_in_the_documents(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)  # type: ignore[attr-defined]
+    reply = client.chat.completions.create(model=server.model_name, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "How many days of annual leave do I get?"}])  # fmt: skip
+    usage = reply.usage
+    assert usage.prompt_tokens > prefix_tokens(server)  # the handbook is in the prompt
+    assert usage.prompt_tokens_details.cached_tokens >= prefix_tokens(server) - 16  # and its KV was reused
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=server.model_name, max_tokens=4,
+                                       messages=[{"role": "assistant", "content": "Hello"}])  # fmt: skip
+
+
+def test_health_and_the_engine_metrics_are_served_beside_ours(server) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200  # type: ignore[attr-defined]
+    assert metric(server, "vllm:prefix_cache_hits_total") > 0
+    assert metric(server, "assistant_realtime_sessions") == 0
