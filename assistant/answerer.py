@@ -149,12 +149,14 @@ class Answerer:
         *,
         priority: int = INTERACTIVE,
         request_id: str | None = None,
+        max_tokens: int | None = None,
     ) -> AsyncIterator[AnswerDelta]:
         """Stream the answer to ``question`` after ``history``.
 
         ``history`` is a list of alternating user/assistant messages, or a :class:`Conversation`,
         which this call keeps: turns that no longer fit are dropped from it, and the finished
-        (not aborted) turn is added to it before the final delta is yielded.
+        (not aborted) turn is added to it before the final delta is yielded. ``max_tokens``
+        caps this answer below the configured length (e.g. a client's ``max_output_tokens``).
         """
         if not question.strip():
             raise ValueError("the question is empty")
@@ -165,7 +167,8 @@ class Answerer:
         prompt = builder.prompt(conversation.messages() if conversation else list(history or []), question)
         if conversation is not None:
             conversation.drop_oldest(prompt.dropped_turns)
-        params = SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature)
+        limit = self.config.max_tokens if max_tokens is None else max(1, min(max_tokens, self.config.max_tokens))
+        params = SamplingParams(max_tokens=limit, temperature=self.config.temperature)
         start = time.perf_counter()
         text = []
         async for out in self.engine.generate(

@@ -668,7 +668,7 @@ class VoicePipeline:
         finish_reason: str | None = None
         try:
             answer = self.services.answerer.answer(reply.question, self.conversation, priority=INTERACTIVE,
-                                                   request_id=reply.request_id)  # fmt: skip
+                                                   request_id=reply.request_id, max_tokens=reply.max_output_tokens)  # fmt: skip
             try:
                 async for delta in answer:
                     reply.timeline.mark("llm_first_token")
@@ -685,13 +685,8 @@ class VoicePipeline:
                         if delta.citation is not None:
                             reply.citation = {"path": delta.citation.path, "heading": delta.citation.heading}
                         break
-                    if reply.max_output_tokens is not None and delta.generated_tokens >= reply.max_output_tokens:
-                        finish_reason = "length"
-                        self.conversation.add(reply.question, reply.text)  # cut here, so the answerer did not
-                        reply.recorded = True
-                        break
             finally:
-                await answer.aclose()  # an answer cut at max_output_tokens aborts its engine request
+                await answer.aclose()
             for piece in chunker.flush():
                 reply.pieces.put_nowait(piece)
             reply.pieces.put_nowait(None)

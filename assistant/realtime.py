@@ -425,7 +425,8 @@ class RealtimeSession:
         item = self._output_item(reply)
         return [*done, ev("response.output_item.done", response_id=reply.id, output_index=0, item=item),
                 ev("response.done", response=self._response_view(reply, [item])),
-                ev("response.timeline", response_id=reply.id, item_id=reply.item_id, timeline=reply.timeline.to_dict())]  # fmt: skip
+                ev("response.timeline", response_id=reply.id, item_id=reply.item_id, timeline=reply.timeline.to_dict(),
+                   citation=reply.citation)]  # fmt: skip
 
     def _output_item(self, reply: Reply) -> dict[str, Any]:
         part = ({"type": "output_audio", "transcript": reply.sent_text} if reply.audio

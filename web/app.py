@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,6 @@ class Page:
 
     client: RealtimeClient
     resampler: StreamResampler | None = None
-    citations: dict[str, str | None] = field(default_factory=dict)  # response id -> cited section
     settings_sent: tuple[str, str, str, int] | None = None  # what apply_settings sent last
     timelines_shown: int = 0
     reply_shown: str | None = None
@@ -246,11 +245,8 @@ class WebApp:
                 text += " *(interrupted)*"
             elif turn.status == "failed":
                 text += f" *(failed: {turn.detail})*"
-            elif turn.answer:
-                if turn.response_id not in page.citations:
-                    page.citations[turn.response_id] = self.documents.cite(turn.question, turn.answer)
-                if cited := page.citations[turn.response_id]:
-                    text += f"\n\n*Source: {cited}*"
+            elif turn.answer and turn.citation:
+                text += f"\n\n*Source: {turn.citation}*"
             messages.append({"role": "assistant", "content": text})
         return messages
 

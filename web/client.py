@@ -46,6 +46,7 @@ class Turn:
     status: str | None = None  # None while answering; then completed | incomplete | cancelled | failed
     detail: str | None = None  # why it was cancelled/cut, or what failed
     timeline: dict[str, Any] | None = None  # the ``response.timeline`` report
+    citation: str | None = None  # the handbook section the answer is attributed to (same event)
 
 
 @dataclass
@@ -285,6 +286,8 @@ class RealtimeClient:
         elif kind == "response.timeline":
             if (turn := self._turn_of(event["response_id"])) is not None:
                 turn.timeline = event["timeline"]
+                if cited := event.get("citation"):
+                    turn.citation = f"{cited['path']} — {cited['heading']}" if cited.get("heading") else cited["path"]
         elif kind == "error":
             self._error(event["error"])
 

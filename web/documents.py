@@ -49,11 +49,6 @@ class DocumentLibrary:
             lines += [f"| {lang} | `{d.path}` | {d.title} | {len(d.sections)} |" for d in builder.docs.documents]
         return "\n".join(lines)
 
-    def cite(self, question: str, answer: str) -> str | None:
-        """The handbook section the answer is attributed to (as the assistant's answerer picks it)."""
-        citation = self.answerer.builders[self.answerer.language_for(question)].index.cite(question, answer)
-        return str(citation) if citation is not None else None
-
     def reload(self) -> str:
         """Re-read the folder now; says whether anything changed."""
         with self._lock:

@@ -10,6 +10,7 @@ import pytest
 
 from assistant.answerer import AnswerDelta, Answerer
 from assistant.config import AssistantConfig, EngineOptions
+from assistant.conversation import Conversation
 from assistant.docs import DocumentError
 from assistant.prompt import RETRIEVAL, WHOLE, PromptTooLong
 from tests.conftest import DATA
@@ -110,3 +111,14 @@ def test_a_context_too_small_for_the_stable_prefix_fails_at_start_and_stops_its_
     with pytest.raises(DocumentError, match="cannot hold"):
         Answerer.create(AssistantConfig(max_tokens=16, conversation_tokens=1500, engine=EngineOptions(max_model_len=1024)))
     assert sum(t.name == "engine-loop" for t in threading.enumerate()) == engines
+
+
+async def test_a_per_answer_token_cap_ends_with_length_and_still_cites(small):
+    """``max_tokens`` (a client's max_output_tokens) is the engine's own limit: the answer
+    finishes as "length", not as an abort, is recorded and cited."""
+    conversation = Conversation()
+    deltas = [d async for d in small.answer("How many days of annual leave do I get?", conversation, max_tokens=2)]
+    last = deltas[-1]
+    assert last.finished and last.finish_reason == "length" and last.generated_tokens == 2
+    assert last.citation is not None and last.citation.path == "a-leave.md"
+    assert len(conversation.turns) == 1

@@ -238,6 +238,8 @@ async def test_sdk_holds_a_spoken_and_a_typed_conversation(server, clips, hearin
         # the second turn's prompt starts with the first: documents and the spoken turn are cached
         assert done.usage.input_token_details.cached_tokens > prefix_tokens(server) + 16
         assert events[-1].timeline["source"] == "text"
+        # the cited handbook section travels with the timeline (sick leave is 02-sick-leave.md)
+        assert events[-1].citation["path"].endswith("02-sick-leave.md")
 
 
 # ---- barge-in and disconnects ------------------------------------------------------------------------
