@@ -43,6 +43,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
+    s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
+    s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
+    s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
@@ -55,7 +58,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 engine=EngineOptions(model=a.model, device=a.device))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
-                        output_lead_ms=a.output_lead_ms)  # fmt: skip
+                        output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
+                        tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, assistant=assistant, voice=voice)  # fmt: skip
     return config, a.log_level, a.warm_up

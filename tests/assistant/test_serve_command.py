@@ -1,0 +1,25 @@
+"""``python -m assistant serve`` options reach the configs, and the voice they pick really speaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from assistant.__main__ import parse_config
+from speech.config import TTSConfig
+from speech.tts.factory import load_tts
+
+
+def test_tts_options_reach_the_voice_config_and_that_backend_speaks():
+    config, _, _ = parse_config(["serve", "--tts-backend", "espeak", "--tts-voice", "en-us", "--port", "0"])
+    voice = config.voice
+    assert (voice.tts_backend, voice.tts_voice, voice.tts_model) == ("espeak", "en-us", None)
+    tts = load_tts(TTSConfig(backend=voice.tts_backend, voice=voice.tts_voice))
+    audio = np.concatenate([c.pcm for c in tts.stream("Annual leave is twenty days.")])
+    assert audio.size > 0.5 * tts.sample_rate and np.abs(audio.astype(np.float64)).max() > 0
+
+
+def test_unknown_tts_backend_is_refused_by_the_command_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(["serve", "--tts-backend", "festival"])
+    assert e.value.code == 2 and "festival" in capsys.readouterr().err
