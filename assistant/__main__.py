@@ -14,8 +14,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, ServerConfig, VoiceConfig
+
+if TYPE_CHECKING:
+    from assistant.server import AssistantServer
 
 
 def asr_model(value: str) -> Path:
@@ -65,12 +69,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     return config, a.log_level, a.warm_up
 
 
-def main(argv: list[str] | None = None) -> int:
-    config, log_level, warm_up = parse_config(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
+def load_server(config: ServerConfig, warm_up: bool) -> "AssistantServer":
+    """The server with its models loaded (and warmed up), for command-line entry points: a bad
+    setting or path exits with code 2 and a missing model package with 1, each with one line."""
     from assistant.docs import DocumentError
     from assistant.models import ModelNotAvailable
     from assistant.server import AssistantServer
@@ -82,14 +83,28 @@ def main(argv: list[str] | None = None) -> int:
         server = AssistantServer(config)
     except (DocumentError, FileNotFoundError, ConfigError, SpeechConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None
     except ModelNotAvailable as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        if warm_up:
-            print("Computing the documents prefix and warming up the speech models...", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if warm_up:
+        print("Computing the documents prefix and warming up the speech models...", file=sys.stderr, flush=True)
+        try:
             server.warm_up()
+        except BaseException:
+            server.close()
+            raise
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, log_level, warm_up = parse_config(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    server = load_server(config, warm_up)
+    try:
         print(f"serving {server.model_name}: ws://{config.host}:{config.port}/v1/realtime and http://{config.host}:{config.port}/v1",
               file=sys.stderr, flush=True)  # fmt: skip
         uvicorn.run(server.app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,

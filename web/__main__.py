@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     web_options = parser()
     options, rest = web_options.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from assistant.__main__ import parse_config
+    from assistant.__main__ import load_server, parse_config
 
     if options.help:
         web_options.print_help()
@@ -47,34 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from assistant.docs import DocumentError
-    from assistant.models import ModelNotAvailable
-    from assistant.server import AssistantServer
-    from engine import ConfigError
-    from speech.config import ConfigError as SpeechConfigError
-
     try:
         sock = socket.create_server((config.host, config.port))
     except OSError as e:
         print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
-    print("Loading the model, the handbook and the speech models...", file=sys.stderr, flush=True)
     try:
-        server = AssistantServer(config)
-    except (DocumentError, FileNotFoundError, ConfigError, SpeechConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ModelNotAvailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        server = load_server(config, warm_up)
+    except SystemExit:
+        sock.close()
+        raise
     from web.app import WebApp
     from web.documents import DocumentLibrary
 
     try:
-        if warm_up:
-            print("Computing the documents prefix and warming up the speech models...", file=sys.stderr, flush=True)
-            server.warm_up()
         local = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
         WebApp(server, f"ws://{local}:{port}/v1/realtime", DocumentLibrary(server.answerer, options.documents_dir)).mount("/")
         print(f"serving {server.model_name}: ws://{config.host}:{port}/v1/realtime and http://{config.host}:{port}/v1",

@@ -23,3 +23,17 @@ def test_unknown_tts_backend_is_refused_by_the_command_line(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(["serve", "--tts-backend", "festival"])
     assert e.value.code == 2 and "festival" in capsys.readouterr().err
+
+
+def test_bad_documents_folder_exits_2_with_one_line_for_both_entry_points(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    for module in ("assistant", "web"):
+        args = [sys.executable, "-m", module, *(["serve"] if module == "assistant" else []), "--docs", str(tmp_path / "nope"), "--port", "0"]
+        r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and "not found" in errors[0], (module, r.stderr)
+        assert "Traceback" not in r.stderr
