@@ -139,6 +139,9 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    quantization: Literal["none", "int4"] = "none"
+    """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
+    engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
     cache_dir: Path | None = None  # None: default_cache_dir()
 
     def validate(self) -> None:
@@ -156,6 +159,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto/torch/triton, got {self.attention_backend!r}")
+        if self.quantization not in ("none", "int4"):
+            raise ConfigError(f"quantization must be 'none' or 'int4', got {self.quantization!r}")
+        if self.quantization == "int4" and self.dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
         path = Path(self.model)
         if not path.exists():
             raise ConfigError(f"model path does not exist: {self.model}")

@@ -19,12 +19,13 @@ from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import has_tokenizer, load_model
+from engine.loader import has_tokenizer, load_model, model_kind
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.metrics import EngineStats, StepTimes
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.quantization import quantize_from_gguf
 from engine.request import Request, RequestStatus
 from engine.sampling import SampleInput, Sampler, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -48,9 +49,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
     return getattr(torch, name)
 
 
@@ -68,8 +69,16 @@ class LoadedModel:
     def load(cls, config: EngineConfig) -> "LoadedModel":
         config.validate()
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        dtype = resolve_dtype(config.dtype, device, config.quantization)
         model, model_config = load_model(config, device, dtype)
+        if config.quantization == "int4":
+            if device.type != "cpu" or model_kind(config) != "gguf":
+                raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
+                                  f"(got {model_kind(config)} weights on {device.type})")
+            try:
+                quantize_from_gguf(model, config.model)
+            except ValueError as e:
+                raise ConfigError(f"quantization='int4': {e}") from e
         tokenizer = None
         if config.tokenizer or has_tokenizer(config):
             tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)

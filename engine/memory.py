@@ -8,7 +8,9 @@ import torch
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+    """Bytes of a module's parameters and buffers, each storage once (tied weights share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()]}
+    return sum(storages.values())
 
 
 @dataclass

@@ -38,21 +38,28 @@ def paged_attention_reference(
     """Attention of every query over its request's cached context (KV already written)."""
     k_cache, v_cache = kv_cache
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        max_len = max(meta.seq_lens_host[:nd])
-        nblocks = -(-max_len // block_size)
-        table = meta.block_tables[:nd, :nblocks].reshape(-1)
+        # Decodes (one query each) as one batched SDPA over contexts padded to the longest.
+        # The gather index and padding mask are the same for every layer: built once per step.
+        decode = meta.scratch.get("decode")
+        if decode is None:
+            lens = meta.seq_lens_host[:nd]
+            max_len = max(lens)
+            table = meta.block_tables[:nd, : -(-max_len // block_size)].reshape(-1).to(torch.long)
+            mask = None
+            if min(lens) != max_len:
+                mask = (torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+            decode = meta.scratch["decode"] = (table, max_len, mask)
+        table, max_len, mask = decode
         keys = gather_blocks(k_cache, table, nd)[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
         values = gather_blocks(v_cache, table, nd)[:, :max_len].transpose(1, 2)
-        lens = meta.seq_lens[:nd].to(torch.long)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
-        )
-        out[:nd] = o.squeeze(2)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+        if nd == meta.num_requests:
+            return o
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = o
     start = nd
     for i in range(nd, meta.num_requests):
         qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
@@ -75,8 +82,18 @@ def paged_attention_reference(
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in HF's "rotate_half" layout; cos/sin [T, 1, D/2] broadcast over heads."""
+    return rotate_signed(x, *signed_cos_sin(cos, sin))
+
+
+def signed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[cos | cos] and [-sin | sin] over the full head dim: RoPE becomes two multiplies and an add."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rotate_signed(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """x * [cos | cos] + [x2 | x1] * [-sin | sin]  ==  [x1 cos - x2 sin | x2 cos + x1 sin]."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos2, torch.cat((x2, x1), dim=-1), sin2)
 
 
 class TorchReferenceAttention(AttentionBackend):
@@ -85,10 +102,9 @@ class TorchReferenceAttention(AttentionBackend):
     def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta):  # type: ignore[override]
         rot = meta.scratch.get("cos_sin")
         if rot is None:  # gathered once per step, shared by every layer
-            rot = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+            rot = signed_cos_sin(*cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1))
             meta.scratch["cos_sin"] = rot
-        cos, sin = rot
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate_signed(q, *rot), rotate_signed(k, *rot)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         return q
 

@@ -1,0 +1,165 @@
+"""Weight-only int4: run a GGUF file's own 4-bit weights on the CPU instead of dequantizing them.
+
+Batch-1 decode on a CPU is bound by the bytes of weights read per token. A Q4_1 GGUF stores
+~5 bits per weight; dequantized to float32 it is 32. PyTorch's CPU kernel
+``aten._weight_int4pack_mm_for_cpu`` multiplies bf16 activations by packed 4-bit weights with
+one (scale, zero) per group of 32 along K, exactly the Q4_1 layout:
+
+    Q4_1:    w = d * q + m                      q in 0..15, d and m per block of 32
+    kernel:  w = (q - 8) * scale + zero         so scale = d, zero = m + 8 d
+
+Q8_0 (the tied embedding / LM head) is 8-bit, w = d * q with q in -128..127. Write
+q = 16 * hi + lo (lo in 0..15, hi in -8..7): the head is the sum of two exact 4-bit matrices,
+``16 d * hi`` and ``d * lo``, i.e. two int4 matmuls, still half the bytes of bf16.
+
+The kernel wins only for a few rows (decode); for a prefill chunk or a big batch the dense
+bf16 matmul (AMX) is faster, so each :class:`Int4Linear` keeps both and picks by row count.
+Scales and zeros are held in bf16 (the kernel's activation dtype): the GGUF's fp16 d and m are
+rounded to 8 mantissa bits, a relative error of at most 2^-9 on each scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # weights per GGUF block, and the kernel's group size along K
+INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
+
+
+def q4_1_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q uint8 [rows, cols] in 0..15, d float32 [rows, cols/32], m float32 [rows, cols/32])."""
+    b = raw.reshape(rows, cols // GROUP, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:20]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are weights 0..15, high 16..31
+    return q.reshape(rows, cols), d, m
+
+
+def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 [rows, cols], d float32 [rows, cols/32])."""
+    b = raw.reshape(rows, cols // GROUP, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:34].copy().view(np.int8)
+    return q.reshape(rows, cols), d
+
+
+class PackedInt4(nn.Module):
+    """One int4 matrix [N, K] in the CPU kernel's packed layout, groups of 32 along K.
+
+    The kernel packs rows in tiles of 16: N is padded with zero rows and the output sliced."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """``q`` int [N, K] in 0..15; ``scale``/``zero`` float [N, K/32]: w = (q - 8) * scale + zero."""
+        super().__init__()
+        n, k = q.shape
+        if k % GROUP:
+            raise ValueError(f"K={k} is not a multiple of the int4 group size {GROUP}")
+        self.out_features = n
+        pad = -n % 16
+        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale.float(), zero.float()))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return out if out.shape[-1] == self.out_features else out[..., : self.out_features]
+
+
+class Int4Linear(nn.Module):
+    """A bias-free linear layer with int4 weights for small batches and dense bf16 for large ones.
+
+    ``parts`` are summed (one part for Q4_1, two for Q8_0's hi/lo split)."""
+
+    def __init__(self, parts: list[PackedInt4], dense: torch.Tensor, max_rows: int = INT4_MAX_ROWS) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.weight = nn.Parameter(dense, requires_grad=False)  # same name as nn.Linear's: HF export, memory ledger
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight)
+        out = self.parts[0](x)
+        for part in self.parts[1:]:
+            out = out + part(x)
+        return out
+
+
+Int4Parts = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+"""One matrix as int4 parts (q in 0..15, scale, zero), summed: one part for Q4_1, two for Q8_0."""
+
+
+def int4_parts_q4_1(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> Int4Parts:
+    """Exact Q4_1 as one int4 matrix: scale = d, zero = m + 8 d."""
+    return [(q, d, m + 8 * d)]
+
+
+def int4_parts_q8_0(q: np.ndarray, d: np.ndarray) -> Int4Parts:
+    """Exact Q8_0 as two int4 matrices: q = 16 hi + lo, w = (16 d) hi + d lo."""
+    q32 = q.astype(np.int32)
+    lo, hi = q32 & 0x0F, q32 >> 4  # arithmetic shift: hi in -8..7
+    return [(hi + 8, 16 * d, np.zeros_like(d)), (lo, d, 8 * d)]
+
+
+def pack(parts: Int4Parts) -> list[PackedInt4]:
+    return [PackedInt4(torch.from_numpy(np.ascontiguousarray(q, dtype=np.int32)), torch.from_numpy(s), torch.from_numpy(z))
+            for q, s, z in parts]
+
+
+def concat_rows(matrices: list[Int4Parts]) -> Int4Parts:
+    """Fuse q|k|v or gate|up: concatenate rows part by part (groups run along K)."""
+    if len({len(m) for m in matrices}) != 1:
+        raise ValueError("fused projections mix Q4_1 and Q8_0 weights")
+    return [tuple(np.concatenate([m[i][j] for m in matrices]) for j in range(3)) for i in range(len(matrices[0]))]
+
+
+# ---- from a GGUF file ---------------------------------------------------------------------------
+def gguf_int4_parts(tensor, unpermute_heads: int | None = None) -> Int4Parts:
+    """The int4 parts of one GGUF tensor; Q/K rows are un-permuted like the dense loader does."""
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.loader import _unpermute
+
+    if tensor.tensor_type not in (Q.Q4_1, Q.Q8_0):
+        raise ValueError(f"{tensor.name}: {tensor.tensor_type.name} weights cannot run as int4 (supported: Q4_1, Q8_0)")
+    cols, rows = (int(x) for x in tensor.shape)
+    raw = np.asarray(tensor.data)
+    if tensor.tensor_type == Q.Q4_1:
+        parts = int4_parts_q4_1(*q4_1_blocks(raw, rows, cols))
+    else:
+        parts = int4_parts_q8_0(*q8_0_blocks(raw, rows, cols))
+    if unpermute_heads is not None:
+        parts = [tuple(_unpermute(a, unpermute_heads) for a in p) for p in parts]
+    return parts
+
+
+def quantize_from_gguf(model: nn.Module, path: str, max_rows: int = INT4_MAX_ROWS) -> None:
+    """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
+    own blocks. The model must already hold the dense weights of the same file."""
+    import gguf
+
+    cfg = model.config
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def parts(name: str, heads: int | None = None) -> Int4Parts:
+        return gguf_int4_parts(tensors[name], heads)
+
+    def swap(owner: nn.Module, attr: str, matrix: Int4Parts) -> None:
+        dense = getattr(owner, attr).weight
+        setattr(owner, attr, Int4Linear(pack(matrix), dense.data, max_rows))
+
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        swap(attn, "qkv_proj", concat_rows([parts(b + "attn_q.weight", cfg.num_attention_heads),
+                                             parts(b + "attn_k.weight", cfg.num_key_value_heads), parts(b + "attn_v.weight")]))
+        swap(attn, "o_proj", parts(b + "attn_output.weight"))
+        swap(mlp, "gate_up_proj", concat_rows([parts(b + "ffn_gate.weight"), parts(b + "ffn_up.weight")]))
+        swap(mlp, "down_proj", parts(b + "ffn_down.weight"))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    dense = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int4Linear(pack(parts(head)), dense.data, max_rows)

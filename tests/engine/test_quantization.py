@@ -1,0 +1,142 @@
+"""Weight-only int4 on the CPU: the GGUF's own Q4_1/Q8_0 blocks, packed for the int4 kernel.
+
+The kernel is checked against float32 math on the dequantized blocks (the ``gguf`` package's
+own dequantizer), on synthetic blocks and on the embedded model's real tensors; the engine in
+int4 mode is checked against a float32 forward of the same file.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import EngineConfig, LLM, LoadedModel
+from engine.config import ConfigError
+from engine.quantization import (
+    Int4Linear,
+    concat_rows,
+    gguf_int4_parts,
+    int4_parts_q4_1,
+    int4_parts_q8_0,
+    pack,
+    q4_1_blocks,
+    q8_0_blocks,
+)
+from engine.sampling import SamplingParams
+
+Q = gguf.GGMLQuantizationType
+
+
+def kernel_matmul(parts, x: torch.Tensor) -> torch.Tensor:
+    packed = pack(parts)
+    out = packed[0](x)
+    for p in packed[1:]:
+        out = out + p(x)
+    return out.float()
+
+
+def reference(w: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    return x.float() @ torch.from_numpy(np.asarray(w, dtype=np.float32)).t()
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 activations and output: a relative error of a few 2^-9 over the output's scale."""
+    err = (out - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_synthetic_blocks_match_gguf_dequantize(qtype):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 96)).astype(np.float32)  # odd row count, three groups along K
+    raw = gguf.quants.quantize(w, qtype)
+    exact = gguf.quants.dequantize(raw, qtype).reshape(40, 96)
+    if qtype == Q.Q4_1:
+        q, d, m = q4_1_blocks(raw, 40, 96)
+        assert q.min() >= 0 and q.max() <= 15
+        np.testing.assert_allclose(np.repeat(d, 32, 1) * q + np.repeat(m, 32, 1), exact, rtol=1e-6, atol=1e-6)
+        parts = int4_parts_q4_1(q, d, m)
+    else:
+        q, d = q8_0_blocks(raw, 40, 96)
+        np.testing.assert_allclose(np.repeat(d, 32, 1) * q, exact, rtol=1e-6, atol=1e-6)
+        parts = int4_parts_q8_0(q, d)
+        assert len(parts) == 2  # 16 hi + lo
+        for qp, _, _ in parts:
+            assert qp.min() >= 0 and qp.max() <= 15
+    for rows in (1, 3):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        assert_close_bf16(kernel_matmul(parts, x), reference(exact, x))
+
+
+def test_fused_rows_are_the_row_concatenation():
+    rng = np.random.default_rng(1)
+    mats = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 8)]
+    raws = [gguf.quants.quantize(w, Q.Q4_1) for w in mats]
+    parts = [int4_parts_q4_1(*q4_1_blocks(r, w.shape[0], 64)) for r, w in zip(raws, mats)]
+    exact = np.concatenate([gguf.quants.dequantize(r, Q.Q4_1).reshape(w.shape) for r, w in zip(raws, mats)])
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert_close_bf16(kernel_matmul(concat_rows(parts), x), reference(exact, x))
+    with pytest.raises(ValueError, match="mix"):
+        concat_rows([parts[0], int4_parts_q8_0(*q8_0_blocks(gguf.quants.quantize(mats[1], Q.Q8_0), 8, 64))])
+
+
+def test_real_tensors_of_the_embedded_model(llm_gguf_path):
+    """One Q4_1 projection and the Q8_0 embedding / LM head of the shipped file."""
+    tensors = {t.name: t for t in gguf.GGUFReader(llm_gguf_path).tensors}
+    for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        cols, rows = (int(s) for s in t.shape)
+        exact = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
+        x = torch.randn(1, cols, dtype=torch.bfloat16)
+        assert_close_bf16(kernel_matmul(gguf_int4_parts(t), x), reference(exact, x))
+    with pytest.raises(ValueError, match="F32 weights cannot run as int4"):
+        gguf_int4_parts(tensors["blk.0.attn_norm.weight"])
+
+
+def test_int4_linear_uses_dense_weights_for_many_rows():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q.Q4_1)
+    exact = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1).reshape(16, 64))
+    layer = Int4Linear(pack(int4_parts_q4_1(*q4_1_blocks(raw, 16, 64))), exact.to(torch.bfloat16), max_rows=4)
+    dense = torch.zeros(16, 64, dtype=torch.bfloat16)  # a different dense copy shows which path ran
+    layer.weight.data = dense
+    small, big = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
+    assert layer(small).abs().sum() > 0  # int4 kernel
+    assert layer(big).abs().sum() == 0  # dense path
+
+
+@pytest.fixture(scope="module")
+def int4_model(llm_gguf_path) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(llm_gguf_path), quantization="int4"))
+
+
+def test_engine_int4_tracks_the_float32_model(int4_model, smollm, llm_gguf_path):
+    """Greedy tokens of the int4 engine, scored by HF transformers in float32 on the dense weights
+    of the same file: each chosen token's log-prob is close to what float32 gives it, and the
+    answer is the float32 engine's answer."""
+    from engine.hf_reference import build_hf_model
+
+    prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    out = LLM(str(llm_gguf_path), quantization="int4", max_model_len=512, loaded=int4_model).generate([prompt], params)[0]
+    fp32 = LLM(str(llm_gguf_path), max_model_len=512, loaded=smollm).generate([prompt], params)[0]
+    assert "Paris" in out.text and out.text == fp32.text
+    hf = build_hf_model(smollm.model)
+    seq = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(hf(seq).logits[0, len(prompt) - 1 : -1].float(), -1)
+    exact = logprobs[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)]
+    ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+    assert (ours - exact).abs().max() < 0.3
+
+
+def test_int4_needs_a_gguf_on_the_cpu(tiny_llama_dir, llm_gguf_path):
+    with pytest.raises(ConfigError, match="needs a GGUF model"):
+        LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), quantization="int4"))
+    with pytest.raises(ConfigError, match="bf16 activations"):
+        EngineConfig(model=str(llm_gguf_path), quantization="int4", dtype="float32").validate()
+    with pytest.raises(ConfigError, match="quantization must be"):
+        EngineConfig(model=str(llm_gguf_path), quantization="int8").validate()
