@@ -44,6 +44,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
     s.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    s.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
+                   help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
@@ -59,7 +61,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     a = p.parse_args(argv)
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
-                                engine=EngineOptions(model=a.model, device=a.device))  # fmt: skip
+                                engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,

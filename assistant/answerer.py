@@ -15,12 +15,14 @@ from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, AssistantConfig
+from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, AssistantConfig, EngineOptions
 from assistant.conversation import Conversation
 from assistant.docs import DocumentError, DocumentSet, detect_language, load_library
 from assistant.prompt import ContextBudget, Message, PromptBuilder
 from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.engine_core import resolve_device
+from engine.quantization import gguf_supports_int4
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,15 @@ def default_model_path() -> str:
     return str(resolve("llm"))
 
 
+def resolve_quantization(opts: EngineOptions, model: str) -> str:
+    """``auto``: int4 when a Q4_1/Q8_0 GGUF runs on the CPU in bf16 (or auto) precision."""
+    if opts.quantization != "auto":
+        return opts.quantization
+    on_cpu = resolve_device(opts.device).type == "cpu"
+    fits = on_cpu and opts.dtype in ("auto", "bfloat16") and model.endswith(".gguf") and gguf_supports_int4(model)
+    return "int4" if fits else "none"
+
+
 class Answerer:
     def __init__(self, config: AssistantConfig, engine: AsyncEngine, library: dict[str, DocumentSet]) -> None:
         self.config = config
@@ -64,10 +75,12 @@ class Answerer:
         config.validate()
         library = load_library(config.docs_dir)
         opts = config.engine
+        model = str(opts.model) if opts.model else default_model_path()
         engine_config = EngineConfig(
-            model=str(opts.model) if opts.model else default_model_path(),
+            model=model,
             device=opts.device,
             dtype=opts.dtype,  # type: ignore[arg-type]
+            quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,

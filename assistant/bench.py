@@ -414,14 +414,14 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     server = p.add_argument_group("server options (when the bench starts its own; see python -m assistant serve --help)")
-    for flag in ("--docs", "--model", "--asr", "--lang", "--max-tokens", "--hangover-ms", "--output-lead-ms", "--device"):
+    for flag in ("--docs", "--model", "--asr", "--lang", "--max-tokens", "--hangover-ms", "--output-lead-ms", "--device", "--quantization"):
         server.add_argument(flag)
     server.add_argument("--early-prefill", action="store_true")
     a = p.parse_args(argv)
     if a.turns < 1 or min(a.callers) < 1 or a.chunk_ms < 10:
         p.error("--turns and --callers must be >= 1, --chunk-ms >= 10")
     server_args: list[str] = []
-    for name in ("docs", "model", "asr", "lang", "max_tokens", "hangover_ms", "output_lead_ms", "device"):
+    for name in ("docs", "model", "asr", "lang", "max_tokens", "hangover_ms", "output_lead_ms", "device", "quantization"):
         if getattr(a, name) is not None:
             server_args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
     if a.early_prefill:

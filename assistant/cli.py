@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default: the model's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
+    p.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
+                   help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
     p.add_argument(
         "--timings", action="store_true",
         help="print the documents mode (whole-context or retrieval) and, per answer, TTFT, tokens/s and cached prompt tokens",
@@ -230,7 +232,7 @@ async def run(args: argparse.Namespace) -> int:
             return fail(f"--audio {args.audio}: {e}")
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
-        engine=EngineOptions(model=args.model, device=args.device, max_model_len=args.max_model_len),
+        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, max_model_len=args.max_model_len),
     )
     voice = None
     try:

@@ -137,6 +137,15 @@ def gguf_int4_parts(tensor, unpermute_heads: int | None = None) -> Int4Parts:
     return parts
 
 
+def gguf_supports_int4(path: str) -> bool:
+    """Whether every matrix of a llama GGUF is Q4_1 or Q8_0 (what :func:`quantize_from_gguf` runs)."""
+    import gguf
+
+    ok = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0}
+    matrices = [t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    return bool(matrices) and all(t.tensor_type in ok for t in matrices)
+
+
 def quantize_from_gguf(model: nn.Module, path: str, max_rows: int = INT4_MAX_ROWS) -> None:
     """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
     own blocks. The model must already hold the dense weights of the same file."""

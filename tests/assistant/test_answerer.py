@@ -122,3 +122,17 @@ async def test_a_per_answer_token_cap_ends_with_length_and_still_cites(small):
     assert last.finished and last.finish_reason == "length" and last.generated_tokens == 2
     assert last.citation is not None and last.citation.path == "a-leave.md"
     assert len(conversation.turns) == 1
+
+
+def test_quantization_auto_runs_the_embedded_gguf_as_int4(small):
+    """On the CPU the embedded Q4_1 GGUF runs through the int4 kernels unless told otherwise."""
+    from assistant.answerer import default_model_path, resolve_quantization
+    from engine.quantization import Int4Linear
+
+    assert small.engine.core.config.quantization == "int4"
+    assert any(isinstance(m, Int4Linear) for m in small.engine.core.model.modules())
+    gguf = default_model_path()
+    assert resolve_quantization(EngineOptions(), gguf) == "int4"
+    assert resolve_quantization(EngineOptions(dtype="float32"), gguf) == "none"  # int4 needs bf16 activations
+    assert resolve_quantization(EngineOptions(quantization="none"), gguf) == "none"
+    assert resolve_quantization(EngineOptions(), "/models/llama-dir") == "none"  # not a GGUF

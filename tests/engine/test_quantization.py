@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, LLM, LoadedModel
+from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
 from engine.quantization import (
     Int4Linear,
