@@ -75,13 +75,13 @@ class Sizes:
     prefix_runs: int
     chunked_streams: int
     chunked_long: int
-    chunked_budget: int
+    chunked_budgets: tuple[int, ...]  # the first is the headline; the others show the ITL / TTFT trade-off
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Sizes":
         if device.type == "cuda":
-            return cls(512, 128, 8, 2048, 1000, (128, 1024), (128, 512), 32000, 30, 10, 32, 32000, 512)
-        return cls(128, 48, 2, 256, 32, (64, 192), (32, 64), 2000, 30, 5, 8, 1500, 64)
+            return cls(512, 128, 8, 2048, 1000, (128, 1024), (128, 512), 32000, 30, 10, 32, 32000, (512, 256, 128))
+        return cls(128, 48, 2, 256, 32, (64, 192), (32, 64), 2000, 30, 5, 8, 1500, (64, 32))
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -323,8 +323,8 @@ def bench_chunked(core, sizes, rng, results) -> list[Row]:
     saved = (cfg.enable_chunked_prefill, cfg.max_num_batched_tokens)
     rows = []
 
-    def phase(long_prompt: bool, chunked: bool) -> tuple[float, float | None]:
-        cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = chunked, sizes.chunked_budget
+    def phase(long_prompt: bool, chunked: bool, budget: int) -> tuple[float, float | None]:
+        cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = chunked, budget
         core.block_manager.reset_prefix_cache()
         streams = [core.add_request(random_prompt(rng, 64, vocab), SamplingParams(max_tokens=10_000, ignore_eos=True))
                    for _ in range(sizes.chunked_streams)]
@@ -351,16 +351,20 @@ def bench_chunked(core, sizes, rng, results) -> list[Row]:
         p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))]
         return p99, long_req.metrics.ttft if long_req is not None else None
 
-    base, _ = phase(False, True)
-    with_chunk, ttft_chunk = phase(True, True)
-    no_chunk, ttft_whole = phase(True, False)
+    headline = sizes.chunked_budgets[0]
+    base, _ = phase(False, True, headline)
+    by_budget = {b: phase(True, True, b) for b in sizes.chunked_budgets}
+    no_chunk, ttft_whole = phase(True, False, headline)
     cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = saved
+    with_chunk, ttft_chunk = by_budget[headline]
     results.update(chunked_itl_p99_ratio=with_chunk / base, unchunked_itl_p99_ratio=no_chunk / base,
-                   long_prompt_ttft_chunked_ms=ttft_chunk * 1e3, long_prompt_ttft_unchunked_ms=ttft_whole * 1e3)
+                   long_prompt_ttft_chunked_ms=ttft_chunk * 1e3, long_prompt_ttft_unchunked_ms=ttft_whole * 1e3,
+                   chunked_by_budget={str(b): {"itl_p99_ratio": p / base, "long_prompt_ttft_ms": t * 1e3} for b, (p, t) in by_budget.items()})
     label = f"{sizes.chunked_streams} streams, {sizes.chunked_long}-token prompt arrives"
-    rows.append(Row(f"ITL p99, {label}, chunked ({sizes.chunked_budget}/step)", with_chunk * 1e3, "ms", "ITL p99 without the long prompt", base * 1e3, False))
+    for b, (p99, ttft) in by_budget.items():
+        rows.append(Row(f"ITL p99, {label}, chunked ({b}/step)", p99 * 1e3, "ms", "ITL p99 without the long prompt", base * 1e3, False))
+        rows.append(Row(f"long prompt TTFT, chunked ({b}/step)", ttft * 1e3, "ms", "not chunked", ttft_whole * 1e3, False))
     rows.append(Row(f"ITL p99, {label}, not chunked", no_chunk * 1e3, "ms", "ITL p99 without the long prompt", base * 1e3, False))
-    rows.append(Row("long prompt TTFT, chunked", ttft_chunk * 1e3, "ms", "not chunked", ttft_whole * 1e3, False))
     return rows
 
 
@@ -450,14 +454,14 @@ def main(argv: list[str] | None = None) -> int:
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
         st = core.step_times
-        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps}
+        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "piecewise_steps": st.piecewise_steps}
         print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
     hf = None
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' includes waiting for the device):")
     for suite, b in breakdown.items():
         print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k)
-              + f"   ({b['steps']} steps, {b['graph_steps']} from graphs)")
+              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise)")
     print("\nmemory:\n" + core.memory.format())
     if args.json:
         record = {

@@ -139,6 +139,9 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    # Steps with prefill chunks of at most this many tokens replay everything but attention as
+    # CUDA graphs (engine/cuda_graph.py); larger steps keep the GPU busy enough to run eagerly.
+    piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
     quantization: Literal["none", "int4"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""

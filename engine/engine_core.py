@@ -122,6 +122,9 @@ class EngineCore:
             sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
             before = torch.cuda.memory_reserved(self.device)
             self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            tokens = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens]
+            if tokens:
+                self.runner.capture_piecewise_graphs(tokens)
             self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -234,7 +237,7 @@ class EngineCore:
         for i, c in enumerate(inputs.sampled_chunks):
             outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], t3))
         self.step_times.record(
-            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_used_graph, len(inputs.chunks), len(inputs.input_ids)
+            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), len(inputs.input_ids)
         )
         return outputs
 

@@ -19,7 +19,7 @@ from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import PrefillConfig, decode_attention, prefill_attention
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-PREFILL_VARIANTS = [PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 2)]
+PREFILL_VARIANTS = [PrefillConfig(), PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 4)]
 
 
 def make_batch(query_lens: list[int], ctx_lens: list[int], device: torch.device, seed: int = 0):
@@ -85,11 +85,62 @@ def profile_decode_step(model_config: str, batch: int, context: int) -> None:
         print(f"  {e.device_time_total / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}%  x{e.count:<4} {e.key[:90]}")
 
 
+def sweep_prefill_tiles(device: torch.device, mm: float) -> None:
+    """Every prefill tile shape x split target on chunks after a long context and a fresh prefill;
+    prints the fastest per case and the best single shape (how ``PrefillConfig``'s default was chosen)."""
+    import itertools
+
+    import triton.testing
+
+    import engine.attention.triton_paged as tp
+
+    cases = {"q32 after 31,968": ([32], [31968]), "q96 after 31,904": ([96], [31904]), "q224 after 31,776": ([224], [31776]),
+             "q480 after 31,520": ([480], [31520]), "fresh 8 x 2,048": ([2048] * 8, [0] * 8)}
+    shapes = [PrefillConfig(*c) for c in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+    targets = (264, 528, 1056)
+    relative: dict[tuple[PrefillConfig, int], list[float]] = {}
+    default_target = tp.TARGET_PROGRAMS
+    for name, (ql, cl) in cases.items():
+        q, cache, meta = make_batch(ql, cl, device)
+        ref = paged_attention_reference(q, cache, meta, D**-0.5)
+        flops, _ = attention_cost(ql, cl)
+        rows = []
+        for cfg, target in itertools.product(shapes, targets):
+            tp.TARGET_PROGRAMS = target
+            out = torch.empty_like(q)
+
+            def fn(cfg=cfg):
+                meta.scratch.clear()
+                return prefill_attention(q, cache, meta, D**-0.5, out, cfg)
+
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a shape may not fit shared memory: skip it
+                print(f"  {name}: {cfg} skipped ({type(e).__name__})")
+                continue
+            if ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 2e-2:
+                raise SystemExit(f"{name}: {cfg} target {target} is wrong")
+            rows.append((triton.testing.do_bench(fn, return_mode="median"), cfg, target))
+        tp.TARGET_PROGRAMS = default_target
+        rows.sort(key=lambda r: r[0])
+        print(f"{name}:")
+        for ms, cfg, target in rows[:4]:
+            tf = flops / (ms * 1e-3)
+            print(f"  {ms:7.3f} ms {tf / 1e12:6.1f} TFLOP/s ({100 * tf / mm:3.0f}% mm)  {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} target {target}")
+        for ms, cfg, target in rows:
+            relative.setdefault((cfg, target), []).append(ms / rows[0][0])
+    ranked = sorted(((sum(v), k) for k, v in relative.items() if len(v) == len(cases)), key=lambda r: r[0])
+    print("best single shape (sum over cases of time / the case's best):")
+    for score, (cfg, target) in ranked[:5]:
+        print(f"  {score:5.2f}  {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} target {target}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     p = argparse.ArgumentParser(prog="python -m engine.kernel_bench", description=__doc__)
     p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
+    p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
@@ -103,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     y = torch.empty_like(x)
     bw = 2 * x.numel() * 4 / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
     print(f"ceilings: bf16 matmul {mm / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s (read + write)")
+    if args.sweep:
+        sweep_prefill_tiles(device, mm)
+        return 0
     rows = []
     cases = {
         "decode bs1 ctx 576": ([1], [575]),

@@ -108,21 +108,27 @@ class StepTimes:
     postprocess: float = 0.0
     graph_steps: int = 0  # decode-only steps replayed from CUDA graphs
     graph_forward: float = 0.0
+    piecewise_steps: int = 0  # steps replayed as piecewise CUDA graphs (attention eager)
+    piecewise_forward: float = 0.0
     decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
     decode_only_time: float = 0.0
     decode_only_tokens: int = 0
     slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
 
-    def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, graph: bool, requests: int, tokens: int) -> None:
-        """Account one step: phase boundaries t0..t4, whether a graph ran, batch shape."""
+    def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
+        """Account one step: phase boundaries t0..t4, how the forward ran (``graph``,
+        ``piecewise`` or ``eager``), batch shape."""
         self.steps += 1
         self.schedule += t1 - t0
         self.prepare += t2 - t1
         self.forward += t3 - t2
         self.postprocess += t4 - t3
-        if graph:
+        if mode == "graph":
             self.graph_steps += 1
             self.graph_forward += t3 - t2
+        elif mode == "piecewise":
+            self.piecewise_steps += 1
+            self.piecewise_forward += t3 - t2
         if requests == tokens:
             self.decode_only_steps += 1
             self.decode_only_time += t4 - t0
@@ -138,5 +144,7 @@ class StepTimes:
         n = max(self.steps, 1)
         out = {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}
         out["graph_forward"] = 1e3 * self.graph_forward / max(self.graph_steps, 1)
-        out["eager_forward"] = 1e3 * (self.forward - self.graph_forward) / max(self.steps - self.graph_steps, 1)
+        out["piecewise_forward"] = 1e3 * self.piecewise_forward / max(self.piecewise_steps, 1)
+        eager_steps = self.steps - self.graph_steps - self.piecewise_steps
+        out["eager_forward"] = 1e3 * (self.forward - self.graph_forward - self.piecewise_forward) / max(eager_steps, 1)
         return out

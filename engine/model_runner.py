@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
-from engine.cuda_graph import CudaGraphRunner
+from engine.cuda_graph import CudaGraphRunner, PiecewiseGraphRunner
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
@@ -39,13 +40,19 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.graphs: CudaGraphRunner | None = None
-        self.last_step_used_graph = False
+        self.piecewise: PiecewiseGraphRunner | None = None
+        self.last_step_mode = "eager"  # graph | piecewise | eager: how the last forward ran
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
         self.graphs = CudaGraphRunner(
             self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), self.device
         )
+
+    def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
+        """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
+        steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
+        self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
@@ -85,7 +92,8 @@ class ModelRunner:
         for c in chunks:
             packed += c.request.block_ids
             packed += [NULL_BLOCK] * (width - len(c.request.block_ids))
-        buf = torch.tensor(packed, dtype=torch.long, device=self.device)
+        # numpy converts a Python list ~4x faster than torch.tensor (~1 ms saved at 256 requests).
+        buf = torch.from_numpy(np.array(packed, dtype=np.int64)).to(self.device)
         sizes = [n_tok, n_tok, n_tok, n_req + 1, n_req, len(sample_rows), n_req * width]
         t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_table = buf.split(sizes)
         meta = AttentionMetadata(
@@ -104,10 +112,16 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
         meta = inputs.meta
-        bucket = self.graphs.bucket(meta.num_requests) if self.graphs and meta.num_decodes == meta.num_requests else None
-        self.last_step_used_graph = bucket is not None
+        decode_only = meta.num_decodes == meta.num_requests
+        bucket = self.graphs.bucket(meta.num_requests) if self.graphs and decode_only else None
+        pieces = self.piecewise.bucket(len(inputs.input_ids)) if self.piecewise and bucket is None else None
         if bucket is not None:
+            self.last_step_mode = "graph"
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)
+        elif pieces is not None:
+            self.last_step_mode = "piecewise"
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, pieces)
         else:
+            self.last_step_mode = "eager"
             hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers)
         return self.model.compute_logits(hidden[inputs.sample_rows])

@@ -44,23 +44,24 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(
+    def attention(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """The part between the projections: RoPE, KV write, paged attention -> [T, q_size].
+        Piecewise CUDA graphs run exactly this eagerly (its launch shape depends on the batch)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q = backend.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta)
-        out = backend.attend(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return backend.attend(q, kv_cache, meta, self.scale).reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -102,15 +103,42 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flattened tokens of one step; writes their KV."""
-        h = self.embed_tokens(input_ids)
-        residual = None
-        cos_sin = self.rope.cos_sin
+        """Hidden states [T, hidden] for the flattened tokens of one step; writes their KV.
+
+        Written as pieces split at attention (see :mod:`engine.cuda_graph`): piece 0, then per
+        layer attention and the piece after it. Run straight through here; the piecewise runner
+        replays the pieces as CUDA graphs and runs only attention eagerly."""
+        qkv, residual = self.first_piece(input_ids)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer.input_layernorm(h, residual)
-            h = layer.self_attn(x, positions, cos_sin, backend, meta, kv_caches[i])
-            x, residual = layer.post_attention_layernorm(h, residual)
-            h = layer.mlp(x)
+            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i])
+            if i == last:
+                return self.last_piece(attn, residual)
+            qkv, residual = self.middle_piece(i, attn, residual)
+        raise AssertionError("a model has at least one layer")
+
+    def first_piece(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
+        h = self.embed_tokens(input_ids)
+        x, residual = self.layers[0].input_layernorm(h)
+        return self.layers[0].self_attn.qkv_proj(x), residual
+
+    def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[i]
+        h = layer.self_attn.o_proj(attn)
+        x, residual = layer.post_attention_layernorm(h, residual)
+        return layer.mlp(x), residual
+
+    def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
+        h, residual = self._after_attention(i, attn, residual)
+        nxt = self.layers[i + 1]
+        x, residual = nxt.input_layernorm(h, residual)
+        return nxt.self_attn.qkv_proj(x), residual
+
+    def last_piece(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
+        h, residual = self._after_attention(len(self.layers) - 1, attn, residual)
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

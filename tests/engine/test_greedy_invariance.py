@@ -69,3 +69,14 @@ def test_staggered_arrivals_change_nothing(smollm, llm_gguf_path, prompts, refer
         for d in core.step():
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
     assert [outputs[r.request_id] for r in reqs] == reference
+
+
+def test_piecewise_pieces_give_the_same_output(smollm, llm_gguf_path, prompts, reference):
+    """The forward split at attention, with static buffers and padded token buckets (as CUDA
+    graphs replay it on a GPU; here each piece reruns its function into the same outputs)."""
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_num_batched_tokens=40)
+    llm.core.runner.capture_piecewise_graphs([8, 24, 40])
+    results = llm.generate(prompts, PARAMS)
+    assert [r.token_ids for r in results] == reference
+    assert llm.core.step_times.piecewise_steps > 0 and llm.core.runner.last_step_mode == "piecewise"
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
