@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="session")

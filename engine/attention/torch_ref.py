@@ -96,6 +96,62 @@ def rotate_signed(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> to
     return torch.addcmul(x * cos2, torch.cat((x2, x1), dim=-1), sin2)
 
 
+MAX_VIEW_DECODES = 4  # decode-only steps of up to this many requests read the cache through views
+MAX_VIEW_RUNS = 4  # ... when each request's blocks form at most this many runs of consecutive ids
+
+
+def block_runs(blocks: list[int], tokens: int, page: int) -> list[tuple[int, int, int]]:
+    """(first block, blocks, tokens) of each run of consecutive block ids covering ``tokens``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks[: -(-tokens // page)]):
+        n = min(page, tokens - i * page)
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            first, count, have = runs[-1]
+            runs[-1] = (first, count + 1, have + n)
+        else:
+            runs.append((b, 1, n))
+    return runs
+
+
+def decode_view_plan(meta: AttentionMetadata, page: int) -> list[list[tuple[int, int, int]]] | None:
+    """Per decode request its block runs, or None when the step is not a small decode-only step
+    with few runs per request (then the gathering reference runs)."""
+    nd = meta.num_decodes
+    if nd != meta.num_requests or nd > MAX_VIEW_DECODES:
+        return None
+    tables = meta.block_tables[:nd].tolist()
+    plan = [block_runs(t, n, page) for t, n in zip(tables, meta.seq_lens_host[:nd])]
+    return plan if all(len(r) <= MAX_VIEW_RUNS for r in plan) else None
+
+
+def decode_attention_views(
+    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: list[list[tuple[int, int, int]]], scale: float
+) -> torch.Tensor:
+    """Decode attention reading K/V in place: each run of consecutive blocks is a strided view of
+    the cache, not a gathered copy (at 2.6k context on the CPU: 186 vs 441 µs a layer). The
+    query's GQA group becomes the query axis of its KV head, so one SDPA call serves the group;
+    runs are merged by their log-sum-exp."""
+    k_cache, v_cache = kv_cache
+    heads, dim = k_cache.shape[2:]
+    group = q.shape[1] // heads
+    out = torch.empty_like(q)
+    for i, runs in enumerate(plan):
+        qi = q[i].view(1, heads, group, dim)
+        parts = []
+        for first, count, tokens in runs:
+            k = k_cache[first : first + count].view(1, -1, heads, dim)[:, :tokens].transpose(1, 2)
+            v = v_cache[first : first + count].view(1, -1, heads, dim)[:, :tokens].transpose(1, 2)
+            parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, k, v, scale=scale)[:2])
+        if len(parts) == 1:
+            o = parts[0][0]
+        else:
+            lse = torch.stack([p[1] for p in parts])  # [runs, 1, heads, group] float32
+            w = torch.softmax(lse, dim=0)[..., None]
+            o = sum(w[r] * parts[r][0].float() for r in range(len(parts))).to(q.dtype)
+        out[i] = o.view(-1, dim)
+    return out
+
+
 class TorchReferenceAttention(AttentionBackend):
     name = "torch"
 
@@ -109,4 +165,10 @@ class TorchReferenceAttention(AttentionBackend):
         return q
 
     def attend(self, q, kv_cache, meta, scale):  # type: ignore[override]
+        if q.device.type == "cpu":
+            if "decode_views" not in meta.scratch:  # planned once per step, shared by every layer
+                meta.scratch["decode_views"] = decode_view_plan(meta, kv_cache[0].shape[1])
+            plan = meta.scratch["decode_views"]
+            if plan is not None:
+                return decode_attention_views(q, kv_cache, plan, scale)
         return paged_attention_reference(q, kv_cache, meta, scale)

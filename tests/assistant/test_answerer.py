@@ -12,10 +12,10 @@ from assistant.answerer import AnswerDelta, Answerer
 from assistant.config import AssistantConfig, EngineOptions
 from assistant.conversation import Conversation
 from assistant.docs import DocumentError
+from assistant.eval import FACTS_FILE
 from assistant.prompt import RETRIEVAL, WHOLE, PromptTooLong
-from tests.conftest import DATA
 
-FACTS = json.loads((DATA / "handbook_facts.json").read_text(encoding="utf-8"))
+FACTS = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
 LEAVE = "# Annual leave\n\n## Entitlement\nEmployees get 20 days of annual leave.\n"
 FORMS = "# Forms\n\n## Leave form\nApply for leave with form HR-01 in PeopleHub.\n"
 

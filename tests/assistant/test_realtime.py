@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.eval import FACTS_FILE
 from assistant.server import AssistantServer
 from assistant.timeline import STAGES
 from engine.serve import BackgroundServer
@@ -27,14 +28,13 @@ from speech.asr import FasterWhisperBackend
 from speech.audio import resample, to_float32, to_pcm16
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
-from tests.conftest import DATA
 
 RATE = 24000
 MAX_SESSIONS = 9
 MAX_MESSAGE = 256 * 1024
 MAX_ERRORS = 20
 DOCS = ("01-annual-leave.md", "02-sick-leave.md", "05-it-accounts-and-passwords.md")
-# Eight different short questions from tests/data/handbook_facts.json, all well heard by tiny.en.
+# Eight different short questions from assistant/eval_facts.json, all well heard by tiny.en.
 QUESTIONS = [
     "How do I apply for annual leave?",
     "How many days of annual leave do I get per year?",
@@ -55,7 +55,7 @@ class Clip:
 
 @pytest.fixture(scope="module")
 def clips() -> list[Clip]:
-    facts = {item["question_en"] for item in json.loads((DATA / "handbook_facts.json").read_text("utf-8"))}
+    facts = {item["question_en"] for item in json.loads(FACTS_FILE.read_text("utf-8"))}
     assert set(QUESTIONS) <= facts
     tts = load_tts(TTSConfig(backend="hibari", seed=0))
     assert tts.sample_rate == RATE

@@ -9,11 +9,11 @@ import pytest
 
 from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT, SYSTEM_PROMPT_ZH
 from assistant.docs import DocumentError, DocumentSet, load_library
+from assistant.eval import FACTS_FILE
 from assistant.prompt import RETRIEVAL, WHOLE, ContextBudget, PromptBuilder
 from assistant.retrieval import Citation, SectionIndex, terms
-from tests.conftest import DATA
 
-FACTS = json.loads((DATA / "handbook_facts.json").read_text(encoding="utf-8"))
+FACTS = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
 SMOLLM2 = ContextBudget(max_model_len=8192, max_tokens=160, conversation_tokens=1024)
 SYSTEM = {"en": SYSTEM_PROMPT, "zh": SYSTEM_PROMPT_ZH}
 

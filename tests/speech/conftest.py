@@ -16,7 +16,7 @@ from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
 from speech.tts.hibari import HibariTTS
 
-FACTS = Path(__file__).resolve().parent.parent / "data" / "handbook_facts.json"
+FACTS = Path(__file__).resolve().parents[2] / "assistant" / "eval_facts.json"
 FALLBACK_QUESTIONS = [
     "How many days of annual leave do I get each year?",
     "What should I do if I am sick and cannot come to work?",
@@ -70,7 +70,7 @@ def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:
 
 
 def handbook_questions() -> list[str]:
-    """Ten questions: the first ten of tests/data/handbook_facts.json, or our own if it is absent."""
+    """Ten questions: the first ten of assistant/eval_facts.json, or our own if it is absent."""
     if FACTS.is_file():
         questions = [item["question_en"] for item in json.loads(FACTS.read_text("utf-8"))]
         if len(questions) >= 10:

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from assistant.config import HANDBOOK_DIR
+from assistant.eval import FACTS_FILE
 from speech.audio import resample, write_wav
 from speech.config import TTSConfig
 from speech.tts import load_tts
-from tests.conftest import DATA, REPO
+from tests.conftest import REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -49,7 +50,7 @@ class Browser:
 
 @pytest.fixture(scope="session")
 def question() -> str:
-    return json.loads((DATA / "handbook_facts.json").read_text("utf-8"))[0]["question_en"]
+    return json.loads(FACTS_FILE.read_text("utf-8"))[0]["question_en"]
 
 
 @pytest.fixture(scope="session")
