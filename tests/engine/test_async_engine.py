@@ -135,3 +135,21 @@ async def test_duplicate_request_id_is_rejected(engine):
         await collect(engine, [5, 6, 7], request_id="same")
     await first.aclose()
     await wait_idle(engine)
+
+
+def test_from_a_config_the_engine_thread_loads_the_model_and_load_errors_reach_the_caller(tmp_path, llm_gguf_path):
+    import threading
+
+    from engine import ConfigError
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="model path does not exist"):
+        AsyncEngine(make_config(str(tmp_path / "missing.gguf")))
+    assert {t.ident for t in threading.enumerate() if t.name == "engine-loop"} <= before  # no thread left behind
+    eng = AsyncEngine(make_config(str(llm_gguf_path), num_kv_blocks=64, max_num_seqs=2))
+    try:
+        assert eng.core is not None and eng.is_alive  # built by the engine thread, which is running
+        out = asyncio.run(collect(eng, "Hello", SamplingParams(temperature=0.0, max_tokens=3)))
+        assert out[-1].finished
+    finally:
+        eng.shutdown()
