@@ -28,7 +28,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from assistant.timeline import STAGES, quantile
+from speech.word_errors import word_error_rate
 
 DEFAULT_QUESTIONS = (
     "How do I apply for annual leave?",
@@ -128,17 +128,6 @@ def speech_end(audio: np.ndarray, rate: int) -> float:
     envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
     loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
     return float((loud[-1] + 1) / rate)
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Word-level edit distance / reference words (lower case, punctuation dropped)."""
-    ref, hyp = (re.sub(r"[^\w' ]+", " ", t.lower().replace("-", " ")).split() for t in (reference, hypothesis))
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1] / max(1, len(ref))
 
 
 # ---- one caller ----------------------------------------------------------------------------------------

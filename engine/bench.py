@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, LoadedModel
+from engine.memory import storage_bytes
 from engine.metrics import StepTimes
 from engine.quantization import Int4Linear
 from engine.sampling import SamplingParams
@@ -130,12 +131,11 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
     mc = core.model_config
     elem = torch.empty((), dtype=core.dtype).element_size()
     kv = mc.kv_bytes_per_token(elem) * context
-    int4 = [m for m in core.model.modules() if isinstance(m, Int4Linear)]
-    if int4:  # dense copies (and the indexed embedding) are not read by a one-row step
-        skip = {m.weight.untyped_storage().data_ptr() for m in int4} | {core.model.embed_tokens.weight.untyped_storage().data_ptr()}
-        tensors = [*core.model.parameters(), *core.model.buffers()]
-        read = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in skip}
-        return sum(read.values()) - core.model.rope.cos_sin.untyped_storage().nbytes() + kv
+    model = core.model
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if int4:  # dense copies, the indexed embedding and the RoPE table are not read by a one-row step
+        skip = {t.untyped_storage().data_ptr() for t in (*(m.weight for m in int4), model.embed_tokens.weight, model.rope.cos_sin)}
+        return storage_bytes(t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage().data_ptr() not in skip) + kv
     weights = mc.num_parameters * elem
     if not mc.tie_word_embeddings:
         weights -= mc.vocab_size * mc.hidden_size * elem

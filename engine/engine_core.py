@@ -70,11 +70,11 @@ class LoadedModel:
         config.validate()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, config.quantization)
+        if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
+            raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
+                              f"(got {model_kind(config)} weights on {device.type})")
         model, model_config = load_model(config, device, dtype)
         if config.quantization == "int4":
-            if device.type != "cpu" or model_kind(config) != "gguf":
-                raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
-                                  f"(got {model_kind(config)} weights on {device.type})")
             try:
                 quantize_from_gguf(model, config.model)
             except ValueError as e:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each once (tied weights and views share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage once (tied weights share one)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()]}
-    return sum(storages.values())
+    """Bytes of a module's parameters and buffers, each storage once."""
+    return storage_bytes([*module.parameters(), *module.buffers()])
 
 
 @dataclass

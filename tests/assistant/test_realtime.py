@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from speech.asr import FasterWhisperBackend
 from speech.audio import resample, to_float32, to_pcm16
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
+from speech.word_errors import word_error_rate, words
 
 RATE = 24000
 MAX_SESSIONS = 9
@@ -115,20 +115,6 @@ def raw_url(server: AssistantServer) -> str:
     return server.url.replace("http://", "ws://") + "/v1/realtime"  # type: ignore[attr-defined]
 
 
-def words(text: str) -> list[str]:
-    return re.sub(r"[^\w' ]+", " ", text.lower().replace("-", " ")).split()
-
-
-def wer(reference: str, hypothesis: str) -> float:
-    ref, hyp = words(reference), words(hypothesis)
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1] / max(1, len(ref))
-
-
 async def send_audio(conn, pcm: bytes, chunk_ms: int = 100, speed: float = 1.0) -> None:
     """Stream PCM16 in ``chunk_ms`` packets, ``speed`` times faster than real time."""
     step = RATE * chunk_ms // 1000 * 2
@@ -210,7 +196,7 @@ async def test_sdk_holds_a_spoken_and_a_typed_conversation(server, clips, hearin
                  "response.output_audio_transcript.done", "response.done", "response.timeline"]  # fmt: skip
         assert [types.index(t) for t in order] == sorted(types.index(t) for t in order), types
         transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
-        assert wer(clip.text, transcript) <= 0.2, transcript
+        assert word_error_rate(clip.text, transcript) <= 0.2, transcript
 
         done = first(events, "response.done").response
         assert done.status in ("completed", "incomplete") and done.usage.output_tokens <= 32
@@ -269,7 +255,7 @@ async def test_speech_during_the_answer_cancels_it_and_aborts_the_engine_request
         events = await recv_until(conn, "response.created", timeout=60)
         assert not [e for e in events if getattr(e, "response_id", None) == response_id]
         transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
-        assert wer(clips[2].text, transcript) <= 0.2, transcript
+        assert word_error_rate(clips[2].text, transcript) <= 0.2, transcript
         left = first(events, "response.created").response.id
         sender.cancel()
     # the engine request of the interrupted answer was aborted, and so was the one we walked out of
@@ -322,7 +308,7 @@ async def test_commit_ends_the_turn_and_clear_drops_it(server, clips) -> None:
         assert types.count("input_audio_buffer.speech_started") == 2 and types.count("input_audio_buffer.committed") == 1
         assert "input_audio_buffer.speech_stopped" not in types
         transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
-        assert wer(clip.text, transcript) <= 0.2, transcript
+        assert word_error_rate(clip.text, transcript) <= 0.2, transcript
 
 
 # ---- many sessions ---------------------------------------------------------------------------------
@@ -342,7 +328,7 @@ async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clip
     results = await asyncio.gather(*(caller(c) for c in clips))
     for clip, events in zip(clips, results):
         transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
-        assert wer(clip.text, transcript) <= 0.2, (clip.text, transcript)
+        assert word_error_rate(clip.text, transcript) <= 0.2, (clip.text, transcript)
         done = first(events, "response.done").response
         assert done.status in ("completed", "incomplete") and done.output[0].content[0].transcript.strip()
         assert done.usage.input_token_details.cached_tokens >= prefix - 16

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from speech.audio import read_wav, write_wav
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
 from speech.tts.hibari import HibariTTS
+from speech.word_errors import word_errors
 
 FACTS = Path(__file__).resolve().parents[2] / "assistant" / "eval_facts.json"
 FALLBACK_QUESTIONS = [
@@ -51,22 +51,6 @@ def speech_bounds(audio: np.ndarray, sample_rate: int) -> tuple[float, float]:
     envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
     loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
     return loud[0] / sample_rate, (loud[-1] + 1) / sample_rate
-
-
-def words(text: str) -> list[str]:
-    """Words for WER: lower case, punctuation dropped (apostrophes kept), hyphens split."""
-    return re.sub(r"[^\w' ]+", " ", text.lower().replace("-", " ")).split()
-
-
-def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:
-    """(edit distance in words, reference length)."""
-    ref, hyp = words(reference), words(hypothesis)
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1], len(ref)
 
 
 def handbook_questions() -> list[str]:
