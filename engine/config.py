@@ -145,6 +145,10 @@ class EngineConfig:
     quantization: Literal["none", "int4"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
+    cpu_decode_kernel: Literal["auto", "on", "off"] = "auto"
+    """With ``quantization="int4"`` on the CPU, decode-only steps of up to 8 requests run as one
+    native call (engine/cpu_decode.py, compiled on first use). ``auto``: use it when it builds,
+    else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
     cache_dir: Path | None = None  # None: default_cache_dir()
 
     def validate(self) -> None:
@@ -166,6 +170,10 @@ class EngineConfig:
             raise ConfigError(f"quantization must be 'none' or 'int4', got {self.quantization!r}")
         if self.quantization == "int4" and self.dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
+        if self.cpu_decode_kernel not in ("auto", "on", "off"):
+            raise ConfigError(f"cpu_decode_kernel must be auto/on/off, got {self.cpu_decode_kernel!r}")
+        if self.cpu_decode_kernel == "on" and self.quantization != "int4":
+            raise ConfigError("cpu_decode_kernel='on' runs the GGUF's int4 blocks: it needs quantization='int4'")
         path = Path(self.model)
         if not path.exists():
             raise ConfigError(f"model path does not exist: {self.model}")

@@ -126,6 +126,8 @@ class EngineCore:
             if tokens:
                 self.runner.capture_piecewise_graphs(tokens)
             self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
+        if config.quantization == "int4" and config.cpu_decode_kernel != "off":
+            self._attach_cpu_decode_kernel()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -140,6 +142,23 @@ class EngineCore:
         self.generation_tokens_total = 0
 
     # ---- setup helpers ------------------------------------------------------------------------
+    def _attach_cpu_decode_kernel(self) -> None:
+        """Small decode-only steps run as one native call (engine/cpu_decode.py)."""
+        from engine.config import default_cache_dir
+        from engine.cpu_decode import CpuDecodeKernel, NativeKernelError, build_library
+
+        try:
+            lib = build_library(self.config.cache_dir or default_cache_dir())
+            kernel = CpuDecodeKernel(lib, self.model, self.config.model, self.kv_cache.storage, self.config.block_size)
+        except NativeKernelError as e:
+            if self.config.cpu_decode_kernel == "on":
+                raise ConfigError(f"cpu_decode_kernel='on': {e}") from e
+            log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
+            return
+        self.runner.native = kernel
+        self.memory.record("weights (native decode layout)", kernel.nbytes)
+        log.info("native CPU decode step: %s, %d threads, batches up to %d", kernel.simd, kernel.threads, kernel.max_batch)
+
     def _kv_budget(self, spec: KVCacheSpec) -> int:
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes

@@ -110,6 +110,8 @@ class StepTimes:
     graph_forward: float = 0.0
     piecewise_steps: int = 0  # steps replayed as piecewise CUDA graphs (attention eager)
     piecewise_forward: float = 0.0
+    native_steps: int = 0  # CPU decode-only steps run as one native call (engine/cpu_decode.py)
+    native_forward: float = 0.0
     decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
     decode_only_time: float = 0.0
     decode_only_tokens: int = 0
@@ -117,7 +119,7 @@ class StepTimes:
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
         """Account one step: phase boundaries t0..t4, how the forward ran (``graph``,
-        ``piecewise`` or ``eager``), batch shape."""
+        ``piecewise``, ``native`` or ``eager``), batch shape."""
         self.steps += 1
         self.schedule += t1 - t0
         self.prepare += t2 - t1
@@ -129,6 +131,9 @@ class StepTimes:
         elif mode == "piecewise":
             self.piecewise_steps += 1
             self.piecewise_forward += t3 - t2
+        elif mode == "native":
+            self.native_steps += 1
+            self.native_forward += t3 - t2
         if requests == tokens:
             self.decode_only_steps += 1
             self.decode_only_time += t4 - t0
@@ -145,6 +150,8 @@ class StepTimes:
         out = {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}
         out["graph_forward"] = 1e3 * self.graph_forward / max(self.graph_steps, 1)
         out["piecewise_forward"] = 1e3 * self.piecewise_forward / max(self.piecewise_steps, 1)
-        eager_steps = self.steps - self.graph_steps - self.piecewise_steps
-        out["eager_forward"] = 1e3 * (self.forward - self.graph_forward - self.piecewise_forward) / max(eager_steps, 1)
+        out["native_forward"] = 1e3 * self.native_forward / max(self.native_steps, 1)
+        eager_steps = self.steps - self.graph_steps - self.piecewise_steps - self.native_steps
+        eager = self.forward - self.graph_forward - self.piecewise_forward - self.native_forward
+        out["eager_forward"] = 1e3 * eager / max(eager_steps, 1)
         return out

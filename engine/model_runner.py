@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
+from engine.cpu_decode import CpuDecodeKernel
 from engine.cuda_graph import CudaGraphRunner, PiecewiseGraphRunner
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
@@ -41,7 +42,8 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
-        self.last_step_mode = "eager"  # graph | piecewise | eager: how the last forward ran
+        self.native: CpuDecodeKernel | None = None  # CPU: small decode-only steps as one C call
+        self.last_step_mode = "eager"  # graph | piecewise | native | eager: how the last forward ran
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
@@ -113,6 +115,9 @@ class ModelRunner:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
         meta = inputs.meta
         decode_only = meta.num_decodes == meta.num_requests
+        if self.native is not None and decode_only and meta.num_requests <= self.native.max_batch:
+            self.last_step_mode = "native"
+            return self.native.run(inputs.input_ids, inputs.positions, meta.block_tables)[inputs.sample_rows]
         bucket = self.graphs.bucket(meta.num_requests) if self.graphs and decode_only else None
         pieces = self.piecewise.bucket(len(inputs.input_ids)) if self.piecewise and bucket is None else None
         if bucket is not None:

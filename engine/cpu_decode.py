@@ -1,0 +1,215 @@
+"""The native CPU decode step: small decode-only batches run as one C call (the CPU's "CUDA graph").
+
+At batch 1 on a 2-core CPU the eager PyTorch step of SmolLM2-135M spends more time dispatching
+~900 small ops than multiplying (see docs/performance.md). ``engine/kernels/cpu_decode.c`` runs
+the whole step (embedding to logits) over the GGUF's own Q4_1/Q8_0 blocks with integer dot
+products, reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
+prefill through PyTorch and decode here. It is compiled on first use with the machine's C
+compiler (``-O3 -march=native -fopenmp``) into the engine cache; prefill and mixed steps, and
+batches above :data:`MAX_BATCH`, stay on the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+
+SOURCE = Path(__file__).parent / "kernels" / "cpu_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MAX_BATCH = 8  # MAX_BATCH in the C source: rows of activations one weight block is reused for
+QK = 32
+Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
+SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI"}
+
+
+class NativeKernelError(RuntimeError):
+    """The native decode step cannot be built or cannot run this model."""
+
+
+# ---- build --------------------------------------------------------------------------------------
+def _cpu_signature() -> str:
+    """The CPU's feature flags: ``-march=native`` objects are only valid on the same kind of CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build_library(cache_dir: Path) -> ctypes.CDLL:
+    """Compile the C source once per (source, compiler, CPU) into ``cache_dir`` and load it."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise NativeKernelError(f"no C compiler {cc!r} on PATH (install one, e.g. `apt install gcc`, or set "
+                                "cpu_decode_kernel='off')")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cc, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    target = cache_dir / "native" / f"cpu_decode-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise NativeKernelError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()}")
+            os.replace(out, target)  # atomic: a concurrent engine sees the old or the new file
+    lib = ctypes.CDLL(str(target))
+    lib.decode_step.restype = ctypes.c_int
+    lib.decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.simd_level.restype = ctypes.c_int
+    return lib
+
+
+# ---- the C structs ------------------------------------------------------------------------------
+class _Matrix(ctypes.Structure):
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("type", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int32) for name in
+                  ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "vocab", "page", "rope_len")),
+                ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", _Matrix), ("layer", ctypes.c_void_p)]
+
+
+# ---- weights in the C layout --------------------------------------------------------------------
+@dataclass
+class BlockMatrix:
+    """One matrix [n, k] as GGUF blocks, in the layout of the C ``matrix_t``."""
+
+    type: int
+    qs: np.ndarray  # Q4_1: uint8 [n, k/32, 16] nibbles; Q8_0: int8 [n, k]
+    d: np.ndarray  # float32 [n, k/32]
+    m: np.ndarray | None  # float32 [n, k/32] (Q4_1 only)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
+
+    def struct(self) -> _Matrix:
+        n, k = self.shape
+        return _Matrix(self.qs.ctypes.data, self.d.ctypes.data, self.m.ctypes.data if self.m is not None else None, self.type, n, k)
+
+
+def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
+    """A GGUF Q4_1 or Q8_0 tensor as a :class:`BlockMatrix`; Q/K rows un-permuted like the loader."""
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.loader import _unpermute
+
+    cols, rows = (int(x) for x in tensor.shape)
+    raw = np.asarray(tensor.data).reshape(rows, cols // QK, -1)
+    f16 = lambda b: np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    if tensor.tensor_type == Q.Q4_1:
+        parts = {"qs": raw[..., 4:20], "d": f16(raw[..., 0:2]), "m": f16(raw[..., 2:4])}
+        kind = Q4_1
+    elif tensor.tensor_type == Q.Q8_0:
+        parts = {"qs": raw[..., 2:34].view(np.int8).reshape(rows, cols), "d": f16(raw[..., 0:2]), "m": None}
+        kind = Q8_0
+    else:
+        raise NativeKernelError(f"{tensor.name}: {tensor.tensor_type.name} weights are not supported (Q4_1, Q8_0)")
+    if unpermute_heads is not None:
+        parts = {k: None if a is None else _unpermute(a.reshape(rows, -1), unpermute_heads).reshape(a.shape)
+                 for k, a in parts.items()}
+    return BlockMatrix(kind, *(None if a is None else np.ascontiguousarray(a) for a in parts.values()))
+
+
+def concat_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
+    """Fuse q|k|v or gate|up into one matrix (one pass over the activations)."""
+    if len({m.type for m in matrices}) != 1:
+        raise NativeKernelError("fused projections mix Q4_1 and Q8_0 weights")
+    m0 = matrices[0]
+    return BlockMatrix(m0.type, *(None if getattr(m0, f) is None else np.concatenate([getattr(m, f) for m in matrices])
+                                  for f in ("qs", "d", "m")))
+
+
+# ---- the kernel ---------------------------------------------------------------------------------
+class CpuDecodeKernel:
+    """Holds the model in the C layout and runs decode-only steps of up to :data:`MAX_BATCH` requests."""
+
+    max_batch = MAX_BATCH
+
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, gguf_path: str, kv_storage: torch.Tensor, block_size: int) -> None:
+        import gguf
+
+        cfg: ModelConfig = model.config
+        if kv_storage.dtype != torch.bfloat16 or not kv_storage.is_contiguous() or kv_storage.device.type != "cpu":
+            raise NativeKernelError("the native decode step needs a contiguous bfloat16 KV cache on the CPU")
+        self.lib, self.kv = lib, kv_storage
+        self.num_blocks = kv_storage.shape[2]
+        self.vocab = cfg.vocab_size
+        self.threads = torch.get_num_threads()
+        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+        mat = lambda name, heads=None: block_matrix(tensors[name], heads)  # noqa: E731
+        # Keep every array the C structs point to alive for the kernel's lifetime.
+        fp32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+        self.embed = model.embed_tokens.weight.detach().to(torch.bfloat16).contiguous()
+        self.cos_sin = model.rope.cos_sin.float().contiguous()
+        self.final_norm = fp32(model.norm.weight)
+        self.matrices: list[BlockMatrix] = []
+        self.norms: list[torch.Tensor] = []
+        layers = []
+        for i, layer in enumerate(model.layers):
+            b = f"blk.{i}."
+            qkv = concat_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
+                               mat(b + "attn_k.weight", cfg.num_key_value_heads), mat(b + "attn_v.weight")])
+            gate_up = concat_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
+            o, down = mat(b + "attn_output.weight"), mat(b + "ffn_down.weight")
+            norms = [fp32(layer.input_layernorm.weight), fp32(layer.post_attention_layernorm.weight)]
+            self.matrices += [qkv, o, gate_up, down]
+            self.norms += norms
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), qkv.struct(), o.struct(), gate_up.struct(), down.struct()))
+        head = mat("output.weight" if "output.weight" in tensors else "token_embd.weight")
+        self.matrices.append(head)
+        self.layers = (_Layer * len(layers))(*layers)
+        self.struct = _Model(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, block_size,
+                             self.cos_sin.shape[0], cfg.rms_norm_eps, self.embed.data_ptr(), self.cos_sin.data_ptr(),
+                             self.final_norm.data_ptr(), head.struct(), ctypes.addressof(self.layers))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this kernel holds besides the model: its copy of the weights in the C layout."""
+        return sum(m.nbytes for m in self.matrices) + sum(t.nbytes for t in (self.embed, self.cos_sin, self.final_norm, *self.norms))
+
+    @property
+    def simd(self) -> str:
+        return SIMD_NAMES[self.lib.simd_level()]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] float32 of one decode step; writes the step's K/V into the cache.
+        ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors."""
+        b = input_ids.shape[0]
+        if not 1 <= b <= MAX_BATCH:
+            raise NativeKernelError(f"the native decode step runs 1..{MAX_BATCH} requests, got {b}")
+        ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
+        logits = torch.empty(b, self.vocab, dtype=torch.float32)
+        rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
+                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads)
+        if rc != 0:
+            raise NativeKernelError(f"decode_step failed with code {rc} (bad token id or position, or out of memory)")
+        return logits
