@@ -26,7 +26,7 @@ import torch
 from engine.config import ModelConfig
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_decode.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_BATCH = 8  # MAX_BATCH in the C source: rows of activations one weight block is reused for
 QK = 32
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
@@ -49,20 +49,23 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
-def build_library(cache_dir: Path) -> ctypes.CDLL:
-    """Compile the C source once per (source, compiler, CPU) into ``cache_dir`` and load it."""
+def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
+    """Compile the C source once per (source, compiler, flags, CPU) into ``cache_dir`` and load it.
+    ``march`` other than ``native`` (e.g. ``haswell``: AVX2 without VNNI; ``x86-64``: scalar)
+    builds the portable paths, for tests."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise NativeKernelError(f"no C compiler {cc!r} on PATH (install one, e.g. `apt install gcc`, or set "
                                 "cpu_decode_kernel='off')")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    flags = (*FLAGS, f"-march={march}")
+    key = hashlib.sha256(source + " ".join((cc, *flags, _cpu_signature())).encode()).hexdigest()[:16]
     target = cache_dir / "native" / f"cpu_decode-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise NativeKernelError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()}")
             os.replace(out, target)  # atomic: a concurrent engine sees the old or the new file

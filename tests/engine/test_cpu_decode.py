@@ -1,0 +1,167 @@
+"""The native CPU decode step (engine/cpu_decode.py): the real C kernel, built by the test run,
+on the embedded SmolLM2 GGUF's real blocks, checked against HF transformers in float32 on the
+dequantized weights, against its own portable (AVX2-only, scalar) builds, and inside the engine."""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LoadedModel
+from engine.config import ConfigError
+from engine.cpu_decode import MAX_BATCH, CpuDecodeKernel, NativeKernelError, build_library
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def int4_model(llm_gguf_path) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(llm_gguf_path), quantization="int4"))
+
+
+@pytest.fixture(scope="module")
+def native_llm(int4_model, llm_gguf_path) -> LLM:
+    return LLM(str(llm_gguf_path), quantization="int4", cpu_decode_kernel="on", max_model_len=512, num_kv_blocks=96,
+               loaded=int4_model)
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(smollm):
+    from engine.hf_reference import build_hf_model
+
+    return build_hf_model(smollm.model)
+
+
+def feed(kernel: CpuDecodeKernel, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Run prompts through the kernel one position per call ("prefill by decode"), all rows in
+    one batch per call; returns the last call's logits [rows, vocab]. Each row: (tokens, blocks)."""
+    n = len(rows[0][0])
+    assert all(len(t) == n for t, _ in rows)
+    tables = torch.tensor([blocks for _, blocks in rows])
+    for pos in range(n):
+        logits = kernel.run(torch.tensor([t[pos] for t, _ in rows]), torch.tensor([pos] * len(rows)), tables)
+    return logits
+
+
+def prompt_ids(llm: LLM, text: str) -> list[int]:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def kl_from_float32(hf_fp32, ids: list[int], logits: torch.Tensor) -> float:
+    """KL(float32 HF || ours) of the next-token distribution after ``ids``."""
+    with torch.inference_mode():
+        p = torch.log_softmax(hf_fp32(torch.tensor([ids])).logits[0, -1].float(), -1)
+    return float((p.exp() * (p - torch.log_softmax(logits, -1))).sum())
+
+
+def assert_float32_ranks_first(hf_fp32, prompt: list[int], tokens: list[int], nats: float = 0.5) -> None:
+    """Every greedy token is float32 HF's top choice or within ``nats`` of it (a near tie that
+    quantization may flip); garbage from a wrong kernel or KV layout is many nats off."""
+    with torch.inference_mode():
+        logp = torch.log_softmax(hf_fp32(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float(), -1)
+    gap = logp.max(-1).values - logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert gap.max() < nats, f"token {int(gap.argmax())} is {gap.max():.2f} nats below float32's choice"
+
+
+def test_logits_match_float32_transformers(native_llm, hf_fp32):
+    """Prompt fed token by token through scattered KV blocks; the last position's logits against
+    HF's float32 forward of the dequantized file: same top token, close distribution."""
+    kernel = native_llm.core.runner.native
+    ids = prompt_ids(native_llm, "How many days of annual leave do employees get?")
+    blocks = [7, 3, 12, 5, 40, 2]  # not in order, not consecutive: the block table is followed
+    assert len(ids) <= 16 * len(blocks)
+    ours = feed(kernel, [(ids, blocks)])[0]
+    with torch.inference_mode():
+        ref = hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+    assert ours.argmax() == ref.argmax()
+    kl = kl_from_float32(hf_fp32, ids, ours)
+    assert kl < 0.05, f"KL(float32 || native) = {kl:.4f}"
+
+
+def test_batch_rows_are_independent(native_llm):
+    """Rows of one call at different positions give exactly what each gives alone."""
+    kernel = native_llm.core.runner.native
+    a = prompt_ids(native_llm, "Where is the office?")
+    b = prompt_ids(native_llm, "年假怎么申请？")
+    n = min(len(a), len(b))
+    together = feed(kernel, [(a[:n], [20, 21, 22]), (b[:n], [30, 31, 32])])
+    alone = torch.cat([feed(kernel, [(a[:n], [20, 21, 22])]), feed(kernel, [(b[:n], [30, 31, 32])])])
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the SIMD variants are x86 builds")
+def test_portable_builds(native_llm, int4_model, llm_gguf_path, hf_fp32, tmp_path):
+    """AVX2 without VNNI computes the same integer sums in the same order: the same logits. The
+    scalar build sums floats in another order, which 30 layers of int8/bf16 rounding amplify to
+    different but equally good logits: same top token, as close to float32."""
+    kernel = native_llm.core.runner.native
+    ids = prompt_ids(native_llm, "What is the dress code?")
+    fast = feed(kernel, [(ids, [50, 51, 52])])
+    builds = {}
+    for march in ("haswell", "x86-64"):
+        other = CpuDecodeKernel(build_library(tmp_path, march=march), int4_model.model, str(llm_gguf_path),
+                                native_llm.core.kv_cache.storage, 16)
+        builds[other.simd] = feed(other, [(ids, [50, 51, 52])])
+    assert set(builds) == {"AVX2", "scalar"}
+    torch.testing.assert_close(builds["AVX2"], fast, rtol=1e-6, atol=1e-6)
+    assert builds["scalar"].argmax() == fast.argmax()
+    assert kl_from_float32(hf_fp32, ids, builds["scalar"][0]) < 0.05
+
+
+def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
+    """Through the engine: small decode-only batches run natively and every greedy token is one
+    float32 HF also ranks (near) first; a batch above MAX_BATCH goes through PyTorch."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    prompts = [prompt_ids(native_llm, q) for q in ("What is the capital of France?", "Name a primary colour.")]
+    core = native_llm.core
+    core.step_times.native_steps = 0
+    ours = native_llm.generate(prompts, params)
+    assert core.step_times.native_steps >= 9
+    assert "Paris" in ours[0].text
+    for prompt, out in zip(prompts, ours):
+        assert_float32_ranks_first(hf_fp32, prompt, out.token_ids)
+
+    for i in range(MAX_BATCH + 2):
+        core.add_request(prompts[i % 2], SamplingParams(temperature=0, max_tokens=3))
+    modes = []
+    while core.has_unfinished_requests():
+        core.step()
+        modes.append(core.runner.last_step_mode)
+    assert modes == ["eager"] * len(modes)  # every step of this run had more than MAX_BATCH requests
+    assert native_llm.stats().kv_blocks_free == native_llm.stats().kv_blocks_total
+
+
+def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
+    """K/V written by native decode steps is read by a later request's PyTorch prefill: the
+    follow-up reuses the first answer's blocks and still answers as float32 would."""
+    first = prompt_ids(native_llm, "Tell me about annual leave.")
+    reply = native_llm.generate([first], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    follow = first + reply.token_ids + prompt_ids(native_llm, "And sick leave?")[1:]
+    second = native_llm.generate([follow], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert second.num_cached_tokens >= len(first) + 16  # blocks the native steps filled were reused
+    assert_float32_ranks_first(hf_fp32, follow, second.token_ids)
+
+
+def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
+    kernel = native_llm.core.runner.native
+    table = torch.tensor([[1, 2]] * (MAX_BATCH + 1))
+    with pytest.raises(NativeKernelError, match="1..8 requests"):
+        kernel.run(torch.tensor([1] * (MAX_BATCH + 1)), torch.tensor([0] * (MAX_BATCH + 1)), table)
+    with pytest.raises(NativeKernelError, match="bad token id or position"):
+        kernel.run(torch.tensor([kernel.vocab]), torch.tensor([0]), table[:1])
+    with pytest.raises(ConfigError, match="needs quantization='int4'"):
+        EngineConfig(model=str(llm_gguf_path), cpu_decode_kernel="on").validate()
+    with pytest.raises(ConfigError, match="auto/on/off"):
+        EngineConfig(model=str(llm_gguf_path), cpu_decode_kernel="yes").validate()
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(NativeKernelError, match="no C compiler 'no-such-compiler'"):
+        build_library(tmp_path)
+    with pytest.raises(ConfigError, match="cpu_decode_kernel='on': no C compiler"):
+        LLM(str(llm_gguf_path), quantization="int4", cpu_decode_kernel="on", cache_dir=tmp_path, loaded=int4_model)
+    with caplog.at_level(logging.WARNING, logger="engine.engine_core"):  # auto: warn, decode through PyTorch
+        fallback = LLM(str(llm_gguf_path), quantization="int4", cache_dir=tmp_path, max_model_len=256, loaded=int4_model)
+    assert fallback.core.runner.native is None and "decoding through PyTorch" in caplog.text
+    out = fallback.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2
