@@ -125,12 +125,14 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def decode_step_bytes(core: EngineCore, context: int) -> int:
-    """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (int4
-    blocks where the model has them; the embedding table is only indexed unless it is the head)
+    """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (the
+    native step's GGUF blocks, or int4 blocks where the model has them; the embedding table is only indexed unless it is the head)
     plus the request's KV."""
     mc = core.model_config
     elem = torch.empty((), dtype=core.dtype).element_size()
     kv = mc.kv_bytes_per_token(elem) * context
+    if core.runner.native is not None:  # the native step reads its own block copy of the weights
+        return core.runner.native.weight_bytes_per_step + kv
     model = core.model
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     if int4:  # dense copies, the indexed embedding and the RoPE table are not read by a one-row step
@@ -397,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "int4"),
                    help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
+    p.add_argument("--cpu-decode-kernel", default="auto", choices=("auto", "on", "off"),
+                   help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(resolve("llm"))
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization,
+                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, float] = {}
     print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
           f"{core.dtype}, {'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
+    if core.runner.native is not None:
+        print(f"# native CPU decode step ({core.runner.native.simd}) for decode-only steps of <= {core.runner.native.max_batch} requests", flush=True)
     bw = copy_bandwidth(device)
     flops = matmul_flops(device, core.dtype)
     rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
@@ -454,14 +460,15 @@ def main(argv: list[str] | None = None) -> int:
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
         st = core.step_times
-        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "piecewise_steps": st.piecewise_steps}
+        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "piecewise_steps": st.piecewise_steps,
+                                               "native_steps": st.native_steps}
         print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
     hf = None
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' includes waiting for the device):")
     for suite, b in breakdown.items():
         print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k)
-              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise)")
+              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native)")
     print("\nmemory:\n" + core.memory.format())
     if args.json:
         record = {

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.quantization import q4_1_blocks, q8_0_blocks
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -125,23 +126,24 @@ def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
     from engine.loader import _unpermute
 
     cols, rows = (int(x) for x in tensor.shape)
-    raw = np.asarray(tensor.data).reshape(rows, cols // QK, -1)
-    f16 = lambda b: np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    raw = np.asarray(tensor.data)
     if tensor.tensor_type == Q.Q4_1:
-        parts = {"qs": raw[..., 4:20], "d": f16(raw[..., 0:2]), "m": f16(raw[..., 2:4])}
+        q, d, m = q4_1_blocks(raw, rows, cols)
         kind = Q4_1
     elif tensor.tensor_type == Q.Q8_0:
-        parts = {"qs": raw[..., 2:34].view(np.int8).reshape(rows, cols), "d": f16(raw[..., 0:2]), "m": None}
+        (q, d), m = q8_0_blocks(raw, rows, cols), None
         kind = Q8_0
     else:
         raise NativeKernelError(f"{tensor.name}: {tensor.tensor_type.name} weights are not supported (Q4_1, Q8_0)")
     if unpermute_heads is not None:
-        parts = {k: None if a is None else _unpermute(a.reshape(rows, -1), unpermute_heads).reshape(a.shape)
-                 for k, a in parts.items()}
-    return BlockMatrix(kind, *(None if a is None else np.ascontiguousarray(a) for a in parts.values()))
+        q, d, m = (None if a is None else _unpermute(a, unpermute_heads) for a in (q, d, m))
+    if kind == Q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
+        blocks = q.reshape(rows, cols // QK, QK).astype(np.uint8)
+        q = blocks[..., :16] | (blocks[..., 16:] << 4)
+    return BlockMatrix(kind, *(None if a is None else np.ascontiguousarray(a) for a in (q, d, m)))
 
 
-def concat_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
+def concat_block_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
     """Fuse q|k|v or gate|up into one matrix (one pass over the activations)."""
     if len({m.type for m in matrices}) != 1:
         raise NativeKernelError("fused projections mix Q4_1 and Q8_0 weights")
@@ -178,9 +180,9 @@ class CpuDecodeKernel:
         layers = []
         for i, layer in enumerate(model.layers):
             b = f"blk.{i}."
-            qkv = concat_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
+            qkv = concat_block_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
                                mat(b + "attn_k.weight", cfg.num_key_value_heads), mat(b + "attn_v.weight")])
-            gate_up = concat_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
+            gate_up = concat_block_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
             o, down = mat(b + "attn_output.weight"), mat(b + "ffn_down.weight")
             norms = [fp32(layer.input_layernorm.weight), fp32(layer.post_attention_layernorm.weight)]
             self.matrices += [qkv, o, gate_up, down]
@@ -195,9 +197,10 @@ class CpuDecodeKernel:
                              self.final_norm.data_ptr(), head.struct(), ctypes.addressof(self.layers))
 
     @property
-    def nbytes(self) -> int:
-        """Bytes this kernel holds besides the model: its copy of the weights in the C layout."""
-        return sum(m.nbytes for m in self.matrices) + sum(t.nbytes for t in (self.embed, self.cos_sin, self.final_norm, *self.norms))
+    def weight_bytes_per_step(self) -> int:
+        """Weight bytes one step reads: every block matrix and norm (one embedding row aside).
+        Also what the kernel holds besides the model (its embedding and RoPE table are the model's)."""
+        return sum(m.nbytes for m in self.matrices) + sum(t.nbytes for t in (self.final_norm, *self.norms))
 
     @property
     def simd(self) -> str:
@@ -214,5 +217,5 @@ class CpuDecodeKernel:
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
                                   tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads)
         if rc != 0:
-            raise NativeKernelError(f"decode_step failed with code {rc} (bad token id or position, or out of memory)")
+            raise NativeKernelError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
         return logits

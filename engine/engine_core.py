@@ -156,7 +156,7 @@ class EngineCore:
             log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
             return
         self.runner.native = kernel
-        self.memory.record("weights (native decode layout)", kernel.nbytes)
+        self.memory.record("weights (native decode layout)", kernel.weight_bytes_per_step)
         log.info("native CPU decode step: %s, %d threads, batches up to %d", kernel.simd, kernel.threads, kernel.max_batch)
 
     def _kv_budget(self, spec: KVCacheSpec) -> int:

@@ -236,54 +236,126 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 }
 #endif
 
-/* q . k over head_dim for a bf16 key (head_dim a multiple of 8 on the SIMD path). */
-static inline float dot_bf16(const float *q, const uint16_t *k, int hd) {
-#ifdef __AVX2__
-    if (hd % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int j = 0; j < hd; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load_bf16x8(k + j), acc);
-        return hsum(acc);
-    }
-#endif
-    float s = 0.f;
-    for (int j = 0; j < hd; j++) s += q[j] * bf16_to_f32(k[j]);
-    return s;
-}
+/* Attention is split like flash-decoding: a task is one request over a chunk of ATTN_CHUNK
+   context tokens, all heads at once, so each token's K and V rows (every KV head, contiguous in
+   the cache) are read from memory once and converted once per GQA group; the chunks' partial
+   results are merged by their log-sum-exp. At a 2.6k-token context that keeps both cores busy. */
+#define ATTN_CHUNK 256
+#define MAX_HEADS 64
 
-/* out += p * v for a bf16 value row. */
-static inline void axpy_bf16(float *out, float p, const uint16_t *v, int hd) {
-#ifdef __AVX2__
-    if (hd % 8 == 0) {
-        const __m256 pv = _mm256_set1_ps(p);
-        for (int j = 0; j < hd; j += 8) _mm256_storeu_ps(out + j, _mm256_fmadd_ps(pv, load_bf16x8(v + j), _mm256_loadu_ps(out + j)));
-        return;
-    }
-#endif
-    for (int j = 0; j < hd; j++) out[j] += p * bf16_to_f32(v[j]);
-}
+typedef struct { /* a chunk's result for one query head: max score, sum of exp (output kept apart) */
+    float max, sum;
+} partial_t;
 
-/* Softmax attention of one query head over its request's context, read through the block table. */
-static void attend_head(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int len,
-                        int page, int kv_heads, int hd, int kvh, float scale, float *scores, float *out) {
+/* scores[h, i] = q_h . k_t * scale for the chunk's tokens t = t0 + i, every head h. */
+static void chunk_scores(const float *q, const uint16_t *k_cache, const int64_t *table, int t0, int t1, int page,
+                         int kv_heads, int hd, int group, float scale, float *scores) {
     const size_t slot_stride = (size_t)kv_heads * hd;
-    float mx = -INFINITY;
-    for (int t = 0; t < len; t++) {
-        const size_t slot = (size_t)table[t / page] * page + t % page;
-        scores[t] = dot_bf16(q, k_cache + slot * slot_stride + (size_t)kvh * hd, hd) * scale;
-        mx = fmaxf(mx, scores[t]);
+    for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
+        const uint16_t *row = k_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        for (int kvh = 0; kvh < kv_heads; kvh++) {
+            const uint16_t *k = row + (size_t)kvh * hd;
+            const float *qg = q + (size_t)kvh * group * hd;
+            float *sg = scores + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
+#ifdef __AVX2__
+            if (hd % 8 == 0 && group <= 8) {
+                __m256 acc[8];
+                for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+                for (int j = 0; j < hd; j += 8) {
+                    const __m256 kv = load_bf16x8(k + j);
+                    for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * hd + j), kv, acc[g]);
+                }
+                for (int g = 0; g < group; g++) sg[g * ATTN_CHUNK] = hsum(acc[g]) * scale;
+                continue;
+            }
+#endif
+            for (int g = 0; g < group; g++) {
+                float dot = 0.f;
+                for (int j = 0; j < hd; j++) dot += qg[g * hd + j] * bf16_to_f32(k[j]);
+                sg[g * ATTN_CHUNK] = dot * scale;
+            }
+        }
     }
+}
+
+/* out[h, :] = sum_t p[h, t] v_t (unnormalised), every head h. */
+static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t *table, int t0, int t1, int page,
+                         int kv_heads, int hd, int group, float *out) {
+    const size_t slot_stride = (size_t)kv_heads * hd;
+    for (int i = 0; i < kv_heads * group * hd; i++) out[i] = 0.f;
+    for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
+        const uint16_t *row = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        for (int kvh = 0; kvh < kv_heads; kvh++) {
+            const uint16_t *v = row + (size_t)kvh * hd;
+            const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
+            float *og = out + (size_t)kvh * group * hd;
+#ifdef __AVX2__
+            if (hd % 8 == 0) {
+                for (int j = 0; j < hd; j += 8) {
+                    const __m256 vv = load_bf16x8(v + j);
+                    for (int g = 0; g < group; g++)
+                        _mm256_storeu_ps(og + g * hd + j, _mm256_fmadd_ps(_mm256_set1_ps(pg[g * ATTN_CHUNK]), vv, _mm256_loadu_ps(og + g * hd + j)));
+                }
+                continue;
+            }
+#endif
+            for (int g = 0; g < group; g++)
+                for (int j = 0; j < hd; j++) og[g * hd + j] += pg[g * ATTN_CHUNK] * bf16_to_f32(v[j]);
+        }
+    }
+}
+
+#ifdef __AVX2__
+/* e^x for x <= 0 (scores minus their max), 8 at a time: 2^n * p(r) with x = n ln2 + r,
+   |r| <= ln2/2, p of degree 6 (relative error ~2e-7, like expf); below -87 it is 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: exact first product */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
+}
+#endif
+
+/* s[i] = e^(s[i] - shift) in place; returns their sum. */
+static float exp_shifted(float *s, int n, float shift) {
     float total = 0.f;
-    for (int t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - mx);
-        total += scores[t];
+    int i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
     }
-    for (int j = 0; j < hd; j++) out[j] = 0.f;
-    for (int t = 0; t < len; t++) {
-        const size_t slot = (size_t)table[t / page] * page + t % page;
-        axpy_bf16(out, scores[t], v_cache + slot * slot_stride + (size_t)kvh * hd, hd);
+    total = hsum(acc);
+#endif
+    for (; i < n; i++) total += s[i] = expf(s[i] - shift);
+    return total;
+}
+
+/* One task: one request's query heads q [heads, hd] over context tokens [t0, t1). */
+static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int t0,
+                         int t1, int page, int kv_heads, int hd, int group, float scale, partial_t *part, float *out) {
+    float scores[MAX_HEADS * ATTN_CHUNK];
+    chunk_scores(q, k_cache, table, t0, t1, page, kv_heads, hd, group, scale, scores);
+    for (int h = 0; h < kv_heads * group; h++) {
+        float *sh = scores + (size_t)h * ATTN_CHUNK, mx = -INFINITY;
+        for (int i = 0; i < t1 - t0; i++) mx = fmaxf(mx, sh[i]);
+        part[h] = (partial_t){mx, exp_shifted(sh, t1 - t0, mx)};
     }
-    const float inv = 1.f / total;
-    for (int j = 0; j < hd; j++) out[j] *= inv;
+    chunk_values(scores, v_cache, table, t0, t1, page, kv_heads, hd, group, out);
 }
 
 static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m->inter : m->hidden); }
@@ -293,23 +365,31 @@ static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m
    logits [B, vocab] float32 (out). Returns 0, or a negative code for inputs it cannot run. */
 int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *block_tables,
                 int table_width, uint16_t *kv, int64_t blocks, float *logits, int threads) {
-    if (B < 1 || B > MAX_BATCH) return -1;
-    for (int b = 0; b < B; b++)
+    if (B < 1 || B > MAX_BATCH || m->heads > MAX_HEADS) return -1;
+    for (int b = 0; b < B; b++) { /* bad ids would read or write outside the tables and the cache */
         if (positions[b] < 0 || positions[b] >= m->rope_len || tokens[b] < 0 || tokens[b] >= m->vocab) return -2;
+        if (positions[b] / m->page >= table_width) return -2;
+        for (int i = 0; i <= positions[b] / m->page; i++)
+            if (block_tables[b * table_width + i] < 0 || block_tables[b * table_width + i] >= blocks) return -2;
+    }
     const int H = m->hidden, hd = m->head_dim, nh = m->heads, nkv = m->kv_heads;
     const int qsz = nh * hd, kvsz = nkv * hd, qkv_n = qsz + 2 * kvsz, I = m->inter, group = nh / nkv;
     const size_t layer_elems = (size_t)2 * blocks * m->page * kvsz;
     const size_t K = max_k(m);
-    int max_len = 0;
-    for (int b = 0; b < B; b++) max_len = positions[b] + 1 > max_len ? (int)positions[b] + 1 : max_len;
 
     float *resid = malloc(sizeof(float) * B * H), *x = malloc(sizeof(float) * B * K);
     float *qkv = malloc(sizeof(float) * B * qkv_n), *attn = malloc(sizeof(float) * B * qsz);
     float *gu = malloc(sizeof(float) * B * 2 * I), *out = malloc(sizeof(float) * B * H);
-    float *scores = malloc(sizeof(float) * (size_t)threads * max_len);
+    /* attention tasks: (request, chunk of ATTN_CHUNK context tokens) */
+    int task_start[MAX_BATCH + 1] = {0};
+    for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
+    const int tasks = task_start[B];
+    partial_t *parts = malloc(sizeof(partial_t) * (size_t)tasks * nh);
+    float *part_out = malloc(sizeof(float) * (size_t)tasks * qsz);
     qact_t act = {malloc(B * K), malloc(sizeof(float) * B * K / QK), malloc(sizeof(float) * B * K / QK), 0};
-    if (!resid || !x || !qkv || !attn || !gu || !out || !scores || !act.q || !act.d || !act.s) {
-        free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(scores); free(act.q); free(act.d); free(act.s);
+    if (!resid || !x || !qkv || !attn || !gu || !out || !parts || !part_out || !act.q || !act.d || !act.s) {
+        free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
+        free(act.q); free(act.d); free(act.s);
         return -3;
     }
     for (int b = 0; b < B; b++)
@@ -338,12 +418,27 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                     vc[slot * kvsz + i] = f32_to_bf16(row[qsz + kvsz + i]);
                 }
             }
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < tasks; task++) {
+                int b = 0;
+                while (task >= task_start[b + 1]) b++;
+                const int t0 = (task - task_start[b]) * ATTN_CHUNK, len = (int)positions[b] + 1;
+                attend_chunk(qkv + (size_t)b * qkv_n, kc, vc, block_tables + b * table_width, t0,
+                             t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, nkv, hd, group, 1.f / sqrtf((float)hd),
+                             parts + (size_t)task * nh, part_out + (size_t)task * qsz);
+            }
 #pragma omp for schedule(static)
-            for (int task = 0; task < B * nh; task++) {
-                const int b = task / nh, h = task % nh;
-                attend_head(qkv + (size_t)b * qkv_n + h * hd, kc, vc, block_tables + b * table_width, (int)positions[b] + 1,
-                            m->page, nkv, hd, h / group, 1.f / sqrtf((float)hd), scores + (size_t)omp_get_thread_num() * max_len,
-                            attn + (size_t)b * qsz + h * hd);
+            for (int bh = 0; bh < B * nh; bh++) { /* merge each head's chunks by their log-sum-exp */
+                const int b = bh / nh, h = bh % nh;
+                float mx = -INFINITY, total = 0.f, *o = attn + (size_t)b * qsz + (size_t)h * hd;
+                for (int c = task_start[b]; c < task_start[b + 1]; c++) mx = fmaxf(mx, parts[(size_t)c * nh + h].max);
+                for (int j = 0; j < hd; j++) o[j] = 0.f;
+                for (int c = task_start[b]; c < task_start[b + 1]; c++) {
+                    const float w = expf(parts[(size_t)c * nh + h].max - mx), *po = part_out + (size_t)c * qsz + (size_t)h * hd;
+                    total += w * parts[(size_t)c * nh + h].sum;
+                    for (int j = 0; j < hd; j++) o[j] += w * po[j];
+                }
+                for (int j = 0; j < hd; j++) o[j] /= total;
             }
 #pragma omp single
             quantize_rows(attn, B, qsz, &act);
@@ -375,7 +470,8 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
         }
         matvec(&m->head, &act, B, logits);
     }
-    free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(scores); free(act.q); free(act.d); free(act.s);
+    free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
+    free(act.q); free(act.d); free(act.s);
     return 0;
 }
 

@@ -80,14 +80,33 @@ def test_logits_match_float32_transformers(native_llm, hf_fp32):
     assert kl < 0.05, f"KL(float32 || native) = {kl:.4f}"
 
 
-def test_batch_rows_are_independent(native_llm):
-    """Rows of one call at different positions give exactly what each gives alone."""
+def test_long_context_chunks_merge(native_llm, hf_fp32):
+    """Past 256 context tokens attention runs as several chunks merged by log-sum-exp: a ~600-token
+    prompt still gives float32's top token and distribution."""
     kernel = native_llm.core.runner.native
-    a = prompt_ids(native_llm, "Where is the office?")
+    text = " ".join(f"Rule {i}: employees file form {i * 7} before day {i + 3}." for i in range(32))
+    ids = prompt_ids(native_llm, text + " Which form comes before day 10?")
+    assert 512 < len(ids) <= 16 * 50  # three chunks
+    ours = feed(kernel, [(ids, list(range(41, 91)))])[0]
+    with torch.inference_mode():
+        ref = hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+    assert ours.argmax() == ref.argmax()
+    assert kl_from_float32(hf_fp32, ids, ours) < 0.05
+
+
+def test_batch_rows_are_independent(native_llm):
+    """Rows of one call, at different positions and chunk counts, give exactly what each gives alone."""
+    kernel = native_llm.core.runner.native
+    a = prompt_ids(native_llm, "Where is the office? " * 50)  # > 256 tokens: two attention chunks
     b = prompt_ids(native_llm, "年假怎么申请？")
-    n = min(len(a), len(b))
-    together = feed(kernel, [(a[:n], [20, 21, 22]), (b[:n], [30, 31, 32])])
-    alone = torch.cat([feed(kernel, [(a[:n], [20, 21, 22])]), feed(kernel, [(b[:n], [30, 31, 32])])])
+    ta, tb = list(range(41, 61)), [30, 31, 32]
+    feed(kernel, [(a[:-1], ta)])
+    feed(kernel, [(b[:-1], tb)])
+    run = lambda rows: kernel.run(torch.tensor([t[-1] for t, _ in rows]), torch.tensor([len(t) - 1 for t, _ in rows]),  # noqa: E731
+                                  torch.tensor([blocks + [0] * (20 - len(blocks)) for _, blocks in rows]))
+    together = run([(a, ta), (b, tb)])
+    alone = torch.cat([run([(a, ta)]), run([(b, tb)])])
+    assert len(a) > 256
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
 
 
@@ -149,8 +168,9 @@ def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tm
     table = torch.tensor([[1, 2]] * (MAX_BATCH + 1))
     with pytest.raises(NativeKernelError, match="1..8 requests"):
         kernel.run(torch.tensor([1] * (MAX_BATCH + 1)), torch.tensor([0] * (MAX_BATCH + 1)), table)
-    with pytest.raises(NativeKernelError, match="bad token id or position"):
-        kernel.run(torch.tensor([kernel.vocab]), torch.tensor([0]), table[:1])
+    for ids, pos, blocks in (([kernel.vocab], [0], [[1, 2]]), ([1], [40], [[1, 2]]), ([1], [20], [[1, 10**6]])):
+        with pytest.raises(NativeKernelError, match="out of range"):  # token id; position past the table; block id
+            kernel.run(torch.tensor(ids), torch.tensor(pos), torch.tensor(blocks))
     with pytest.raises(ConfigError, match="needs quantization='int4'"):
         EngineConfig(model=str(llm_gguf_path), cpu_decode_kernel="on").validate()
     with pytest.raises(ConfigError, match="auto/on/off"):
