@@ -3,7 +3,9 @@
 Asks every question of ``eval_facts.json`` (17 facts of the bundled handbook, each in English and
 Chinese) through the real assistant (text mode, the embedded model) and counts an answer correct
 when it contains every expected fact: numbers as whole numbers ("4" is not found in "14"),
-names such as form codes case-insensitively. Several engine variants (``--quantization``) run
+names such as form codes case-insensitively. An answer that names more than
+:data:`MAX_OTHER_NUMBERS` numbers besides the expected ones is wrong: a list of numbers can
+contain the right one by accident. Several engine variants (``--quantization``) run
 one after the other on the same questions, so what an optimization costs in answers is measured
 next to what it buys in speed.
 """
@@ -25,15 +27,28 @@ from pathlib import Path
 FACTS_FILE = Path(__file__).resolve().parent / "eval_facts.json"
 
 
+FACT_NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
+# A number standing alone: not part of a longer number, a time (9:00) or a code such as HR-01
+# or A4 (CJK characters around it are fine: 第4天).
+ANSWER_NUMBER = re.compile(r"(?<![A-Za-z0-9.,:\-])\d+(?:[.,]\d+)?(?![A-Za-z0-9:\-]|[.,]\d)")
+MAX_OTHER_NUMBERS = 3
+
+
 def contains_fact(answer: str, fact: str) -> bool:
     """Whether ``fact`` appears in ``answer``: a number as a whole number, text case-insensitively."""
-    if re.fullmatch(r"\d+(?:[.,]\d+)?", fact):
+    if FACT_NUMBER.fullmatch(fact):
         return re.search(rf"(?<![\d.,]){re.escape(fact)}(?![\d]|[.,]\d)", answer) is not None
     return fact.lower() in answer.lower()
 
 
+def other_numbers(answer: str, facts: list[str]) -> set[str]:
+    """The distinct stand-alone numbers of ``answer`` that are not expected facts."""
+    return set(ANSWER_NUMBER.findall(answer)) - set(facts)
+
+
 def is_correct(answer: str, facts: list[str]) -> bool:
-    return all(contains_fact(answer, f) for f in facts)
+    """Every fact present, and not hidden in a list of more than MAX_OTHER_NUMBERS other numbers."""
+    return all(contains_fact(answer, f) for f in facts) and len(other_numbers(answer, facts)) <= MAX_OTHER_NUMBERS
 
 
 @dataclass

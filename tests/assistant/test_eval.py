@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from assistant.eval import FACTS_FILE, contains_fact, is_correct, load_facts, main
+from assistant.eval import FACTS_FILE, contains_fact, is_correct, load_facts, main, other_numbers
 
 
 def test_numbers_match_as_whole_numbers_and_names_case_insensitively():
@@ -17,6 +17,14 @@ def test_numbers_match_as_whole_numbers_and_names_case_insensitively():
     assert contains_fact("第4天起需要医生证明", "4")
     assert is_correct("Apply with form HR-01 in PeopleHub.", ["HR-01", "PeopleHub"])
     assert not is_correct("Apply with form HR-01.", ["HR-01", "PeopleHub"])
+
+
+def test_a_list_of_numbers_does_not_pass_by_accident():
+    assert not is_correct("You may get 5, 10, 15, 20 or 25 days.", ["20"])
+    assert not is_correct("每年有5天、10天、15天、20天或25天年假。", ["20"])
+    # a real answer may cite a few other numbers; codes and times are not counted as numbers
+    assert is_correct("You get 20 days a year, can carry over 5, and apply 2 weeks ahead with HR-01 by 9:00.", ["20"])
+    assert other_numbers("Use form HR-01 or FIN-02 on A4 paper, 第4天", []) == {"4"}
 
 
 def test_the_shipped_facts_cover_both_languages():
