@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from assistant.timeline import STAGES, quantile
+from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
 from speech.word_errors import word_error_rate
 
 DEFAULT_QUESTIONS = (
@@ -236,7 +236,8 @@ def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
 ROWS = (
     ("endpoint", "VAD hangover (speech_end -> endpoint)"),
     ("asr_final", "ASR final after endpoint"),
-    ("llm_first_token", "LLM first token after ASR final"),
+    ("response_requested", "client's response.create after ASR final"),
+    ("llm_first_token", "LLM first token after ASR final (or response.create)"),
     ("first_chunk", "first speakable chunk after first token"),
     ("tts_first_audio", "TTS first audio after chunk"),
     ("first_audio_sent", "first audio sent after TTS"),
@@ -252,10 +253,13 @@ ROWS = (
 
 
 def table(phases: list[dict[str, Any]]) -> str:
-    """A markdown table: one row per stage, p50/p90/p99 per caller count."""
+    """A markdown table: one row per stage, p50/p90/p99 per caller count (an optional stage that no
+    turn recorded, such as ``response_requested`` with hands-free callers, has no row)."""
     head = "| stage (ms) | " + " | ".join(f"{p['callers']} caller(s) p50 / p90 / p99" for p in phases) + " |"
     lines = [head, "|---|" + "---|" * len(phases)]
     for key, label in ROWS:
+        if key in OPTIONAL_STAGES and not any(key in p["summary"] for p in phases):
+            continue
         cells = []
         for p in phases:
             s = p["summary"].get(key)
@@ -274,7 +278,7 @@ def plot(phases: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = dict(ROWS)
-    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
     rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
     fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
                              gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip
@@ -292,8 +296,9 @@ def plot(phases: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{phase['callers']} concurrent caller(s): from the end of speech to the first answer audio sent", fontsize=9)
         ax.set_xlabel("seconds after the end of speech")
         ax.grid(axis="x", alpha=0.3)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, [labels[s] for s in colors], loc="lower center", ncol=3, fontsize=7, frameon=False)
+    shown = [s for s in colors if s not in OPTIONAL_STAGES or any(s in p["summary"] for p in phases)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in shown]
+    fig.legend(handles, [labels[s] for s in shown], loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

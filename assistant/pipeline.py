@@ -443,6 +443,7 @@ class VoicePipeline:
         self._item_ids: list[str] = []  # every conversation item, in order (the protocol's view)
         self.conversation = Conversation()  # answered turns (the answerer's view)
         self._pending: list[str] = []  # user text not answered yet
+        self._heard: Timeline | None = None  # voice timeline of the last utterance in _pending, if it is the newest input
         self._utterances: dict[int, _Utterance] = {}
         self._speaking = False
         self._reply: Reply | None = None
@@ -512,8 +513,10 @@ class VoicePipeline:
                 raise TurnError("unsupported_value", "an assistant item must answer a user item")
             self.conversation.add("\n".join(self._pending), text)
             self._pending.clear()
+            self._heard = None
         elif text.strip():
             self._pending.append(text)
+            self._heard = None  # typed after any speech: answering it is a text turn
         self._item_ids.append(item_id or new_id("item"))
         return self._item_ids[-1]
 
@@ -525,14 +528,23 @@ class VoicePipeline:
         self, modalities: tuple[str, ...] | None = None, max_output_tokens: int | None = None,
         metadata: dict[str, str] | None = None,
     ) -> Reply:  # fmt: skip
-        """Answer the user's pending message(s) now (a typed turn, or a committed utterance)."""
+        """Answer the user's pending message(s) now (a typed turn, or a committed utterance).
+
+        If the newest pending input is a transcribed utterance (push to talk, or server VAD that
+        did not answer it), the turn keeps that utterance's voice timeline and records now as
+        ``response_requested``: the client's wait after the transcript is that stage's share, not
+        the LLM's. Otherwise it is a text turn, its speech stages all now."""
         if self.active_reply is not None:
             raise TurnError("conversation_already_has_active_response",
                             f"response {self.active_reply.id} is in progress; cancel it or wait for response.done")
         now = time.perf_counter()
-        timeline = Timeline("text", self._hangover_ms, early_prefill=self.config.early_prefill)
-        for stage in ("speech_end", "endpoint", "asr_final"):
-            timeline.mark(stage, now)
+        if self._heard is not None:
+            timeline = self._heard
+            timeline.mark("response_requested", now)
+        else:
+            timeline = Timeline("text", self._hangover_ms, early_prefill=self.config.early_prefill)
+            for stage in ("speech_end", "endpoint", "asr_final"):
+                timeline.mark(stage, now)
         return self._start_reply(timeline, modalities, max_output_tokens, metadata)
 
     def cancel_response(self, response_id: str | None = None) -> None:
@@ -615,6 +627,7 @@ class VoicePipeline:
         self._utterances.pop(event.utterance, None)
         if event.text.strip():
             self._pending.append(event.text)
+            self._heard = timeline  # a response.create for it keeps this timeline
         self.outbox.put(UserTranscriptDone(utterance.item_id, event.text, event.audio_end_s))
         td = self.settings.turn_detection
         if td is None or not td.create_response or self._speaking or self.active_reply is not None:
@@ -651,6 +664,7 @@ class VoicePipeline:
             raise TurnError("no_user_input", "there is no user message to answer; add one with conversation.item.create")
         question = "\n".join(self._pending)
         self._pending.clear()
+        self._heard = None
         rid = new_id("resp")
         reply = Reply(
             rid, new_id("item"), f"{self.id}-{rid}", question, self._generation.advance(), timeline,

@@ -1,11 +1,15 @@
 """Per-turn timeline: when each stage of a turn finished, on one clock (``time.perf_counter``).
 
 The stages, in order (shared/design.md §5): ``speech_end`` (the user's last voiced frame),
-``endpoint`` (the server decided the turn is over), ``asr_final``, ``llm_first_token``,
-``first_chunk`` (first speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
+``endpoint`` (the server decided the turn is over), ``asr_final``, ``response_requested`` (the
+client's ``response.create`` arrived; only in a spoken turn the server did not answer on its own,
+as with push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
+speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
 A stage's *share* is the time from the previous recorded stage to it, so the shares add up to the
-total (first to last recorded instant). The total is reported with the VAD hangover (from
-``speech_end``) and without it (from ``endpoint``), as the anchors report voice-to-voice both ways.
+total (first to last recorded instant): the client's wait before asking for the answer is the
+share of ``response_requested``, not part of ``llm_first_token``'s. The total is reported with the
+VAD hangover (from ``speech_end``) and without it (from ``endpoint``), as the anchors report
+voice-to-voice both ways.
 
 :class:`StreamClock` puts instants of the audio stream (seconds of audio received) on the same
 clock, and :class:`TimelineMetrics` aggregates finished turns for Prometheus.
@@ -29,11 +33,15 @@ STAGES = (
     "speech_end",
     "endpoint",
     "asr_final",
+    "response_requested",
     "llm_first_token",
     "first_chunk",
     "tts_first_audio",
     "first_audio_sent",
 )
+# Recorded only in some complete turns: ``response_requested`` only in a spoken turn answered on the
+# client's ``response.create`` (push to talk, or server VAD with ``create_response`` off).
+OPTIONAL_STAGES = ("response_requested",)
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -55,7 +63,9 @@ class BargeIn:
 @dataclass
 class Timeline:
     """The instants of one turn. ``source`` is "voice", or "text" for a typed turn, whose first
-    three instants are all the moment the client asked for the response."""
+    three instants are all the moment the client asked for the response. A spoken turn that the
+    client asked to answer (``response.create`` after the transcript, as with push to talk) stays
+    "voice" and records that moment as ``response_requested``."""
 
     source: str = "voice"
     hangover_ms: int = 0
@@ -99,7 +109,8 @@ class Timeline:
 
     @property
     def complete(self) -> bool:
-        return len(self.instants) == len(STAGES)
+        """Every stage recorded, but for the :data:`OPTIONAL_STAGES`, which may be missing."""
+        return all(s in self.instants for s in STAGES if s not in OPTIONAL_STAGES)
 
     def span_ms(self, start: str, end: str = "first_audio_sent") -> float | None:
         """ms from ``start`` to ``end``, or None if either was not recorded."""

@@ -18,6 +18,7 @@ LABELS = {
     "speech_end": "speech end",
     "endpoint": "VAD endpoint",
     "asr_final": "ASR final",
+    "response_requested": "answer requested",
     "llm_first_token": "LLM first token",
     "first_chunk": "first chunk",
     "tts_first_audio": "TTS first audio",
@@ -27,6 +28,7 @@ COLORS = {
     "speech_end": "#9ca3af",
     "endpoint": "#f59e0b",
     "asr_final": "#10b981",
+    "response_requested": "#a3a3a3",
     "llm_first_token": "#6366f1",
     "first_chunk": "#8b5cf6",
     "tts_first_audio": "#ec4899",
@@ -77,7 +79,8 @@ def figure(timeline: dict[str, Any]) -> Figure:
 
 def table(turns: list[tuple[int, dict[str, Any]]]) -> str:
     """A Markdown table, one row per turn (numbered), of each stage's share in ms and the tokens
-    ("–": the stage did not happen: no speech in a typed turn, no audio in a text answer)."""
+    ("–": the stage did not happen: no speech in a typed turn, no audio in a text answer, no
+    request for the answer in a hands-free turn, which the server answers on its own)."""
     head = "| turn | source | " + " | ".join(LABELS[s] for s in STAGES[1:]) + " | total | prompt / cached tokens |"
     rule = "|" + "---|" * (len(STAGES) + 3)
     rows = []

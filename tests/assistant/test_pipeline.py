@@ -130,7 +130,10 @@ async def test_without_turn_detection_nothing_is_answered_until_asked(services, 
     reply = client.pipeline.create_response(("text",))
     assert reply.question == transcript
     done = await client.wait_for(ResponseFinished)
-    assert done.reply.status in ("completed", "incomplete") and done.reply.timeline.source == "text"
+    timeline = done.reply.timeline
+    assert done.reply.status in ("completed", "incomplete") and timeline.source == "voice"  # a spoken turn, asked for
+    assert list(timeline.instants) == ["speech_end", "endpoint", "asr_final", "response_requested", "llm_first_token"]
+    assert timeline.shares_ms()["response_requested"] >= 500  # the half second we waited is not the LLM's
     assert not client.of(ResponseAudioDelta)
     await client.pipeline.close()
 

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
 from assistant.eval import FACTS_FILE
 from assistant.server import AssistantServer
-from assistant.timeline import STAGES
+from assistant.timeline import OPTIONAL_STAGES, STAGES
 from engine.serve import BackgroundServer
 from speech.asr import FasterWhisperBackend
 from speech.audio import resample, to_float32, to_pcm16
@@ -138,10 +138,11 @@ def first(events: list, kind: str):
     return next(e for e in events if e.type == kind)
 
 
-def check_timeline(timeline: dict, source: str = "voice") -> None:
-    """All seven stages, in order, and the shares add up to the totals."""
+def check_timeline(timeline: dict, source: str = "voice", requested: bool = False) -> None:
+    """Every stage, in order (``response_requested`` only if the client asked for the answer), and
+    the shares add up to the totals."""
     instants = timeline["instants_ms"]
-    assert list(instants) == list(STAGES), instants
+    assert list(instants) == [s for s in STAGES if requested or s not in OPTIONAL_STAGES], instants
     values = list(instants.values())
     assert values == sorted(values), instants
     assert timeline["source"] == source
@@ -311,6 +312,70 @@ async def test_commit_ends_the_turn_and_clear_drops_it(server, clips) -> None:
         assert word_error_rate(clip.text, transcript) <= 0.2, transcript
 
 
+async def test_a_push_to_talk_turn_keeps_its_voice_timeline_and_shows_the_wait_for_response_create(server, clips) -> None:
+    """turn_detection null: the client commits, gets the transcript, waits, then asks for the
+    answer. The turn is a voice turn with its speech stages, and the client's wait is the share of
+    ``response_requested``, not of the LLM's first token."""
+    clip = clips[5]
+    speech_only = clip.pcm[: len(clip.pcm) - 2 * RATE]  # without the trailing second of silence
+
+    def count(name: str, **labels: str) -> float:
+        try:
+            return metric(server, name, **labels)
+        except KeyError:  # a labelled series appears with its first observation
+            return 0.0
+
+    def voice_turns() -> float:
+        return sum(count("assistant_turns_total", source="voice", status=s) for s in ("completed", "incomplete"))
+
+    voice_before = voice_turns()
+    requested_before = count("assistant_turn_stage_seconds_count", stage="response_requested")
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        await recv_until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 12,
+                                           "audio": {"input": {"turn_detection": None}}})  # fmt: skip
+        updated = (await recv_until(conn, "session.updated"))[-1]
+        assert updated.session.audio.input.turn_detection is None
+        await send_audio(conn, speech_only, speed=2.0)
+        await conn.input_audio_buffer.commit()  # the push-to-talk button is released
+        events = await recv_until(conn, "conversation.item.input_audio_transcription.completed")
+        heard_at = time.perf_counter()
+        transcript = events[-1].transcript
+        assert word_error_rate(clip.text, transcript) <= 0.2, transcript
+        await asyncio.sleep(1.0)  # the client takes its time before asking for the answer
+        asked_at = time.perf_counter()
+        await conn.response.create()
+        events, first_delta_at = [], None
+        async with asyncio.timeout(120):
+            while not events or events[-1].type != "response.timeline":
+                events.append(await conn.recv())
+                if first_delta_at is None and events[-1].type == "response.output_audio_transcript.delta":
+                    first_delta_at = time.perf_counter()
+        types = [e.type for e in events]
+        assert types.count("response.created") == 1 and "error" not in types, types
+        done = first(events, "response.done").response
+        assert done.status in ("completed", "incomplete") and done.output[0].content[0].transcript.strip()
+
+    timeline = events[-1].timeline
+    assert timeline["source"] == "voice"
+    check_timeline(timeline, requested=True)  # speech_end, endpoint and asr_final of the utterance are there
+    shares = timeline["stages_ms"]
+    assert shares["asr_final"] > 0
+    # the server's clock is ours (the server runs in this process): asr_final came before we heard
+    # the transcript and response_requested after we asked, so the wait is inside that share...
+    waited_ms = (asked_at - heard_at) * 1000
+    assert waited_ms >= 1000 and shares["response_requested"] >= waited_ms - 0.01, (waited_ms, shares)
+    # ...and not in the LLM's: its first token came after we asked and before we got it
+    assert first_delta_at is not None
+    assert shares["llm_first_token"] <= (first_delta_at - asked_at) * 1000, shares
+    assert timeline["speech_end_to_first_audio_ms"] == timeline["total_ms"] > shares["response_requested"]
+    # /metrics counts it as a voice turn, with the wait as its own stage
+    async with asyncio.timeout(10):
+        while voice_turns() < voice_before + 1:
+            await asyncio.sleep(0.05)
+    assert count("assistant_turn_stage_seconds_count", stage="response_requested") == requested_before + 1
+
+
 # ---- many sessions ---------------------------------------------------------------------------------
 async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clips) -> None:
     prefix = prefix_tokens(server)
@@ -338,6 +403,8 @@ async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clip
     assert computed < prefix, (computed, prefix)
     # every stage of those turns is on /metrics, as histograms and as recent p50/p90/p99
     for stage in STAGES[1:]:
+        if stage in OPTIONAL_STAGES:  # hands-free turns: the server answered, nobody asked
+            continue
         assert metric(server, "assistant_turn_stage_seconds_count", stage=stage) >= 8
         for q in ("0.5", "0.9", "0.99"):
             assert metric(server, "assistant_turn_stage_recent_seconds", stage=stage, quantile=q) > 0

@@ -9,13 +9,15 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from assistant.timeline import STAGES, BargeIn, StreamClock, Timeline, TimelineMetrics, quantile
+from assistant.timeline import OPTIONAL_STAGES, STAGES, BargeIn, StreamClock, Timeline, TimelineMetrics, quantile
+
+HANDS_FREE = [s for s in STAGES if s not in OPTIONAL_STAGES]  # a turn the server answered on its own
 
 
-def full_timeline(gaps_ms: list[float], start: float = 100.0) -> Timeline:
+def full_timeline(gaps_ms: list[float], start: float = 100.0, stages: list[str] = HANDS_FREE) -> Timeline:
     timeline = Timeline("voice", hangover_ms=500)
     t = start
-    for stage, gap in zip(STAGES, [0.0, *gaps_ms]):
+    for stage, gap in zip(stages, [0.0, *gaps_ms], strict=True):
         t += gap / 1000
         timeline.mark(stage, t)
     return timeline
@@ -49,6 +51,26 @@ def test_totals_with_and_without_the_hangover() -> None:
     assert report["stages_ms"] == pytest.approx({"endpoint": 520, "asr_final": 300, "llm_first_token": 150,
                                                  "first_chunk": 400, "tts_first_audio": 60, "first_audio_sent": 2})  # fmt: skip
     assert report["hangover_ms"] == 500 and report["barge_in"] is None
+
+
+def test_the_wait_for_the_clients_request_is_its_own_share_not_the_llms() -> None:
+    """Push to talk: the transcript is ready, the client asks for the answer 1.2 s later."""
+    timeline = full_timeline([150, 300, 1200, 140, 400, 60, 2], stages=list(STAGES))
+    assert timeline.complete
+    report = timeline.to_dict()
+    assert report["stages_ms"] == pytest.approx({"endpoint": 150, "asr_final": 300, "response_requested": 1200,
+                                                 "llm_first_token": 140, "first_chunk": 400, "tts_first_audio": 60,
+                                                 "first_audio_sent": 2})  # fmt: skip
+    assert report["speech_end_to_first_audio_ms"] == pytest.approx(2252)  # what the user waited, wait included
+    assert report["endpoint_to_first_audio_ms"] == pytest.approx(2252 - 150)
+    metrics = TimelineMetrics()
+    metrics.observe(timeline, "completed")
+    metrics.observe(full_timeline([500, 300, 150, 400, 60, 2]), "completed")  # hands free: no request
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in f.samples}  # fmt: skip
+    assert samples[("assistant_turn_stage_seconds_count", (("stage", "response_requested"),))] == 1
+    assert samples[("assistant_turn_stage_seconds_sum", (("stage", "response_requested"),))] == pytest.approx(1.2)
+    assert samples[("assistant_turn_stage_seconds_sum", (("stage", "llm_first_token"),))] == pytest.approx(0.29)
 
 
 def test_a_stage_is_recorded_once_and_must_be_known() -> None:

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from assistant.timeline import STAGES
+from assistant.timeline import OPTIONAL_STAGES, STAGES
 from tests.conftest import REPO
 from tests.web.conftest import screenshot
 from web.waterfall import LABELS
@@ -50,7 +50,9 @@ def test_a_spoken_question_is_heard_answered_aloud_and_timed(page, browser, web_
     header = page.locator("#turns table thead").inner_text()
     assert all(LABELS[stage] in header.replace("\n", " ") for stage in STAGES[1:]), header
     row = last_turn_row(page)
-    shares = [float(cell) for cell in row[2 : 2 + len(STAGES) - 1]]  # every stage has a share (no "–")
+    cells = dict(zip(STAGES[1:], row[2 : 2 + len(STAGES) - 1], strict=True))
+    assert all(cells[stage] == "–" for stage in OPTIONAL_STAGES)  # hands free: nobody asked for the answer
+    shares = [float(cell) for stage, cell in cells.items() if stage not in OPTIONAL_STAGES]  # every other stage has one
     assert sum(shares) == pytest.approx(float(row[len(STAGES) + 1]), abs=len(STAGES))
     prompt, cached = (int(n) for n in row[-1].split("/"))
     assert 0 < cached <= prompt
