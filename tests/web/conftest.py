@@ -63,7 +63,7 @@ def question_wav(tmp_path_factory, question) -> Path:
     return write_wav(tmp_path_factory.mktemp("mic") / "question.wav", audio, MIC_RATE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after the web tests, whatever runs next
 def web_server(tmp_path_factory) -> Iterator[WebServer]:
     """``python -m web`` on a free port, with three handbook documents, Whisper tiny.en and short answers."""
     docs = tmp_path_factory.mktemp("handbook")
@@ -110,8 +110,8 @@ def _wait_for_url(proc: subprocess.Popen, log) -> str:
     raise RuntimeError(f"{url} did not answer within {START_TIMEOUT_S} s")
 
 
-@pytest.fixture(scope="session")
-def browser(question_wav) -> Iterator[Browser]:
+@pytest.fixture(scope="package")  # playwright's sync API runs an event loop on this thread until it
+def browser(question_wav) -> Iterator[Browser]:  # stops: asyncio.run() in later test files fails meanwhile
     if not CHROMIUM.exists():
         pytest.skip("Debian chromium is not installed (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
