@@ -152,55 +152,66 @@ def concat_block_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
                                   for f in ("qs", "d", "m")))
 
 
+@dataclass
+class NativeWeights:
+    """Every matrix of a Q4_1/Q8_0 GGUF in the C layout: per layer q|k|v, o, gate|up, down; the head."""
+
+    layers: list[tuple[BlockMatrix, BlockMatrix, BlockMatrix, BlockMatrix]]
+    head: BlockMatrix
+
+    @classmethod
+    def from_gguf(cls, tensors: dict, cfg: ModelConfig) -> "NativeWeights":
+        """From :func:`engine.quantization.gguf_tensors` of the model's file."""
+        mat = lambda name, heads=None: block_matrix(tensors[name], heads)  # noqa: E731
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            b = f"blk.{i}."
+            qkv = concat_block_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
+                                     mat(b + "attn_k.weight", cfg.num_key_value_heads), mat(b + "attn_v.weight")])
+            gate_up = concat_block_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
+            layers.append((qkv, mat(b + "attn_output.weight"), gate_up, mat(b + "ffn_down.weight")))
+        return cls(layers, mat("output.weight" if "output.weight" in tensors else "token_embd.weight"))
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + sum(m.nbytes for layer in self.layers for m in layer)
+
+
 # ---- the kernel ---------------------------------------------------------------------------------
 class CpuDecodeKernel:
-    """Holds the model in the C layout and runs decode-only steps of up to :data:`MAX_BATCH` requests."""
+    """Runs decode-only steps of up to :data:`MAX_BATCH` requests over :class:`NativeWeights`."""
 
     max_batch = MAX_BATCH
 
-    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, gguf_path: str, kv_storage: torch.Tensor, block_size: int) -> None:
-        import gguf
-
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, weights: NativeWeights, kv_storage: torch.Tensor,
+                 block_size: int) -> None:
         cfg: ModelConfig = model.config
         if kv_storage.dtype != torch.bfloat16 or not kv_storage.is_contiguous() or kv_storage.device.type != "cpu":
             raise NativeKernelError("the native decode step needs a contiguous bfloat16 KV cache on the CPU")
-        self.lib, self.kv = lib, kv_storage
+        self.lib, self.kv, self.weights = lib, kv_storage, weights
         self.num_blocks = kv_storage.shape[2]
         self.vocab = cfg.vocab_size
         self.threads = torch.get_num_threads()
-        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-        mat = lambda name, heads=None: block_matrix(tensors[name], heads)  # noqa: E731
         # Keep every array the C structs point to alive for the kernel's lifetime.
         fp32 = lambda t: t.detach().float().contiguous()  # noqa: E731
         self.embed = model.embed_tokens.weight.detach().to(torch.bfloat16).contiguous()
         self.cos_sin = model.rope.cos_sin.float().contiguous()
         self.final_norm = fp32(model.norm.weight)
-        self.matrices: list[BlockMatrix] = []
-        self.norms: list[torch.Tensor] = []
-        layers = []
-        for i, layer in enumerate(model.layers):
-            b = f"blk.{i}."
-            qkv = concat_block_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
-                               mat(b + "attn_k.weight", cfg.num_key_value_heads), mat(b + "attn_v.weight")])
-            gate_up = concat_block_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
-            o, down = mat(b + "attn_output.weight"), mat(b + "ffn_down.weight")
-            norms = [fp32(layer.input_layernorm.weight), fp32(layer.post_attention_layernorm.weight)]
-            self.matrices += [qkv, o, gate_up, down]
-            self.norms += norms
-            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), qkv.struct(), o.struct(), gate_up.struct(), down.struct()))
-        head = mat("output.weight" if "output.weight" in tensors else "token_embd.weight")
-        self.matrices.append(head)
-        self.layers = (_Layer * len(layers))(*layers)
+        self.norms = [fp32(w) for layer in model.layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self.layers = (_Layer * len(weights.layers))(*(
+            _Layer(self.norms[2 * i].data_ptr(), self.norms[2 * i + 1].data_ptr(), *(m.struct() for m in mats))
+            for i, mats in enumerate(weights.layers)))
         self.struct = _Model(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, block_size,
                              self.cos_sin.shape[0], cfg.rms_norm_eps, self.embed.data_ptr(), self.cos_sin.data_ptr(),
-                             self.final_norm.data_ptr(), head.struct(), ctypes.addressof(self.layers))
+                             self.final_norm.data_ptr(), weights.head.struct(), ctypes.addressof(self.layers))
 
     @property
     def weight_bytes_per_step(self) -> int:
         """Weight bytes one step reads: every block matrix and norm (one embedding row aside).
-        Also what the kernel holds besides the model (its embedding and RoPE table are the model's)."""
-        return sum(m.nbytes for m in self.matrices) + sum(t.nbytes for t in (self.final_norm, *self.norms))
+        The block copies live on the :class:`~engine.engine_core.LoadedModel`; the embedding and
+        the RoPE table are the model's own."""
+        return self.weights.nbytes + sum(t.nbytes for t in (self.final_norm, *self.norms))
 
     @property
     def simd(self) -> str:

@@ -25,7 +25,8 @@ from engine.metrics import EngineStats, StepTimes
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.quantization import quantize_from_gguf
+from engine.cpu_decode import NativeWeights
+from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.request import Request, RequestStatus
 from engine.sampling import SampleInput, Sampler, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -64,6 +65,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     device: torch.device
     dtype: torch.dtype
+    native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/cpu_decode.py
 
     @classmethod
     def load(cls, config: EngineConfig) -> "LoadedModel":
@@ -74,15 +76,19 @@ class LoadedModel:
             raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
                               f"(got {model_kind(config)} weights on {device.type})")
         model, model_config = load_model(config, device, dtype)
+        native = None
         if config.quantization == "int4":
+            tensors = gguf_tensors(config.model)  # one read for the int4 swap and the native copy
             try:
-                quantize_from_gguf(model, config.model)
+                quantize_from_gguf(model, tensors)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
+            if config.cpu_decode_kernel != "off":
+                native = NativeWeights.from_gguf(tensors, model_config)
         tokenizer = None
         if config.tokenizer or has_tokenizer(config):
             tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
-        return cls(model, model_config, tokenizer, device, dtype)
+        return cls(model, model_config, tokenizer, device, dtype, native)
 
 
 class EngineCore:
@@ -147,9 +153,11 @@ class EngineCore:
         from engine.config import default_cache_dir
         from engine.cpu_decode import CpuDecodeKernel, NativeKernelError, build_library
 
+        if self.loaded.native_weights is None:  # loaded with cpu_decode_kernel="off", shared with this engine
+            self.loaded.native_weights = NativeWeights.from_gguf(gguf_tensors(self.config.model), self.model_config)
         try:
             lib = build_library(self.config.cache_dir or default_cache_dir())
-            kernel = CpuDecodeKernel(lib, self.model, self.config.model, self.kv_cache.storage, self.config.block_size)
+            kernel = CpuDecodeKernel(lib, self.model, self.loaded.native_weights, self.kv_cache.storage, self.config.block_size)
         except NativeKernelError as e:
             if self.config.cpu_decode_kernel == "on":
                 raise ConfigError(f"cpu_decode_kernel='on': {e}") from e

@@ -142,17 +142,22 @@ def gguf_supports_int4(path: str) -> bool:
     import gguf
 
     ok = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0}
-    matrices = [t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    matrices = [t for t in gguf_tensors(path).values() if len(t.shape) == 2]
     return bool(matrices) and all(t.tensor_type in ok for t in matrices)
 
 
-def quantize_from_gguf(model: nn.Module, path: str, max_rows: int = INT4_MAX_ROWS) -> None:
-    """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
-    own blocks. The model must already hold the dense weights of the same file."""
+def gguf_tensors(path: str) -> dict:
+    """The tensors of a GGUF file by name (memory-mapped; parsing the header takes seconds for a
+    file with a large vocabulary, so read it once and pass the dict on)."""
     import gguf
 
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def quantize_from_gguf(model: nn.Module, tensors: dict, max_rows: int = INT4_MAX_ROWS) -> None:
+    """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
+    own blocks (``tensors``: :func:`gguf_tensors` of the file the model's dense weights came from)."""
     cfg = model.config
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
 
     def parts(name: str, heads: int | None = None) -> Int4Parts:
         return gguf_int4_parts(tensors[name], heads)

@@ -111,7 +111,7 @@ def test_batch_rows_are_independent(native_llm):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the SIMD variants are x86 builds")
-def test_portable_builds(native_llm, int4_model, llm_gguf_path, hf_fp32, tmp_path):
+def test_portable_builds(native_llm, int4_model, hf_fp32, tmp_path):
     """AVX2 without VNNI computes the same integer sums in the same order: the same logits. The
     scalar build sums floats in another order, which 30 layers of int8/bf16 rounding amplify to
     different but equally good logits: same top token, as close to float32."""
@@ -120,7 +120,7 @@ def test_portable_builds(native_llm, int4_model, llm_gguf_path, hf_fp32, tmp_pat
     fast = feed(kernel, [(ids, [50, 51, 52])])
     builds = {}
     for march in ("haswell", "x86-64"):
-        other = CpuDecodeKernel(build_library(tmp_path, march=march), int4_model.model, str(llm_gguf_path),
+        other = CpuDecodeKernel(build_library(tmp_path, march=march), int4_model.model, int4_model.native_weights,
                                 native_llm.core.kv_cache.storage, 16)
         builds[other.simd] = feed(other, [(ids, [50, 51, 52])])
     assert set(builds) == {"AVX2", "scalar"}
