@@ -233,6 +233,13 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
         gpu_ms = start.elapsed_time(end) / 50
         rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
         results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
+    if core.async_scheduling:  # what async scheduling buys: the same decode with it off
+        core.async_scheduling = False
+        core.block_manager.reset_prefix_cache()
+        _, tpot_sync = engine_decode(core, prompt, sizes.decode_tokens)
+        core.async_scheduling = True
+        rows.append(Row("decode batch 1, async scheduling", 1 / tpot, "tok/s", "same, async scheduling off", 1 / tpot_sync))
+        results.update(decode_bs1_sync_tok_s=1 / tpot_sync)
     if hf is not None:
         # HF's best: on a CPU float32 can beat bf16 (no AMX path for its small matmuls), so both run.
         dtype = next(hf.parameters()).dtype
@@ -401,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
     p.add_argument("--cpu-decode-kernel", default="auto", choices=("auto", "on", "off"),
                    help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -419,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(resolve("llm"))
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel,
+                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel, async_scheduling=args.async_scheduling,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
@@ -465,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
     hf = None
     print(format_table(rows))
-    print("\nwhere the host time of a step went (ms per step; 'forward' includes waiting for the device):")
+    print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
+          "reads samples back, waiting for the device):")
     for suite, b in breakdown.items():
         print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k)
               + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native)")

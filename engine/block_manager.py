@@ -60,10 +60,11 @@ class BlockManager:
         return blocks
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly computed full blocks under their content hashes."""
+        """Register the request's newly computed full blocks under their content hashes (only
+        blocks whose token ids the host knows: a pending sampled token is not hashed)."""
         if not self.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
         if full <= req.num_registered_blocks:
             return
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.extra_keys)

@@ -142,6 +142,12 @@ class EngineConfig:
     # Steps with prefill chunks of at most this many tokens replay everything but attention as
     # CUDA graphs (engine/cuda_graph.py); larger steps keep the GPU busy enough to run eagerly.
     piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
+    """Schedule and launch step N+1 while the device still runs step N, whose sampled tokens
+    feed N+1 on the device; the host reads them back and does its per-token work (detokenize,
+    stop checks) during N+1. ``auto``: on with CUDA (hides the host's share of each step), off
+    on the CPU (the forward runs on the host, nothing to overlap, and outputs would come one
+    step later)."""
     quantization: Literal["none", "int4"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
@@ -170,6 +176,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be 'none' or 'int4', got {self.quantization!r}")
         if self.quantization == "int4" and self.dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.cpu_decode_kernel not in ("auto", "on", "off"):
             raise ConfigError(f"cpu_decode_kernel must be auto/on/off, got {self.cpu_decode_kernel!r}")
         if self.cpu_decode_kernel == "on" and self.quantization != "int4":

@@ -23,18 +23,28 @@ from engine.loader import has_tokenizer, load_model, model_kind
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.metrics import EngineStats, StepTimes
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import DeviceTokens, ModelRunner, StepInputs
 from engine.outputs import RequestOutput
 from engine.cpu_decode import NativeWeights
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.request import Request, RequestStatus
-from engine.sampling import SampleInput, Sampler, SamplingParams
+from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose samples the host has not read yet."""
+
+    requests: list[Request]  # every request with a chunk in the step
+    sampled: list[Request]  # the requests it samples a token for, in sample-row order
+    sample: PendingSample | None
+    device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
 
 
 class RequestError(ValueError):
@@ -142,6 +152,9 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
+        # async scheduling: the step launched on the device whose samples the host has not read yet
+        self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
+        self._inflight: InflightStep | None = None
         self.num_steps = 0
         self.step_times = StepTimes()
         self.prompt_tokens_total = 0
@@ -236,36 +249,83 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the tokens the host has learned since the last call.
+
+        With async scheduling (``EngineConfig.async_scheduling``) the step launched here runs on
+        the device while the host reads back and processes the *previous* step's samples
+        (detokenize, stop checks, outputs), so the device does not idle during host work. Its
+        decodes take their input tokens from the previous step's samples on the device. A request
+        that stops on a token learned late has computed one token too many, which is dropped.
+        Without it (and always on the CPU by default) the step is launched and read back at once.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs = [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
-        if sched.is_empty:
+        if self._inflight is not None and any(c.completes_prompt and c.request.sampling_params.has_penalties for c in sched.chunks):
+            # Penalties read the request's output tokens on the host: learn them first.
+            outputs += self._finalize(self._take_inflight())
+            sched.chunks = [c for c in sched.chunks if not c.request.status.finished]
+        if not sched.chunks:
+            if self._inflight is not None:
+                outputs += self._finalize(self._take_inflight())
             return outputs
         t1 = time.perf_counter()
-        inputs = self.runner.prepare(sched.chunks)
+        inputs = self.runner.prepare(sched.chunks, self._inflight.device_tokens if self._inflight else None)
         t2 = time.perf_counter()
+        launched = self._launch(inputs)
+        t3 = time.perf_counter()
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            outputs += self._finalize(previous)
+        if not self.async_scheduling:
+            outputs += self._finalize(self._take_inflight())
+        self.step_times.record(
+            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), len(inputs.input_ids)
+        )
+        return outputs
+
+    def _launch(self, inputs: StepInputs) -> InflightStep:
+        """Queue the forward and the sampling of one step; account its tokens as computed and
+        its samples as pending."""
         logits = self.runner.execute(inputs)
         rows = [
             SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
             for c in inputs.sampled_chunks
         ]
-        sampled = self.sampler(logits, rows) if rows else None
-        t3 = time.perf_counter()
+        sample = self.sampler.sample(logits, rows) if rows else None
         self.num_steps += 1
         for c in inputs.chunks:
             req = c.request
             self.prompt_tokens_total += max(0, min(c.start + c.num_tokens, req.num_prompt_tokens) - c.start)
             req.num_computed_tokens += c.num_tokens
-            self.block_manager.cache_full_blocks(req)
-        for i, c in enumerate(inputs.sampled_chunks):
-            outputs.append(self._append_token(c.request, sampled.token_ids[i], sampled.logprobs[i], t3))
-        self.step_times.record(
-            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), len(inputs.input_ids)
-        )
+        sampled = [c.request for c in inputs.sampled_chunks]
+        for req in sampled:
+            req.num_pending_tokens += 1
+        device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
+        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens)
+
+    def _take_inflight(self) -> InflightStep:
+        step, self._inflight = self._inflight, None
+        return step
+
+    def _finalize(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's samples back (waiting for the device if it is still busy) and
+        turn them into outputs; requests finished meanwhile drop theirs."""
+        result = step.sample.result() if step.sample is not None else None
+        now = time.perf_counter()
+        for req in step.requests:  # before any finishes: its full blocks stay findable after it
+            if not req.status.finished:
+                self.block_manager.cache_full_blocks(req)
+        outputs = []
+        for i, req in enumerate(step.sampled):
+            if req.status.finished:  # aborted, or stopped by a token learned after this step launched
+                continue
+            req.num_pending_tokens -= 1
+            outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i], now))
         return outputs
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
@@ -287,7 +347,7 @@ class EngineCore:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif token in params.stop_token_ids:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        elif len(req.output_token_ids) >= params.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         text = detok.take_delta(finished=status is not None) if detok is not None else ""
         if status is not None:
@@ -322,6 +382,7 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(req, status)
+        req.num_pending_tokens = 0  # a token of a step in flight, if any, is dropped
         req.metrics.finished_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)

@@ -97,8 +97,9 @@ class EngineStats:
 class StepTimes:
     """Where the host time of engine steps went (seconds, summed since the last reset).
 
-    ``forward`` covers the model and sampling up to the host having the sampled tokens, so on a
-    GPU it includes waiting for the device; the other phases are pure host work.
+    ``forward`` launches the model and the sampling (on the CPU: runs them); ``postprocess``
+    reads samples back - on a GPU waiting for the device, with async scheduling for the step
+    before this one - and turns them into outputs. The other phases are pure host work.
     """
 
     steps: int = 0

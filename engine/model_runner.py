@@ -19,6 +19,16 @@ from engine.cuda_graph import CudaGraphRunner, PiecewiseGraphRunner
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
+from engine.transfer import to_device
+
+
+@dataclass
+class DeviceTokens:
+    """Tokens sampled by the step still in flight, left on the device (async scheduling): the
+    next step's decodes read their input token from here instead of waiting for the host."""
+
+    tokens: torch.Tensor  # [N] int64, one row per sampled request
+    row_of: dict[str, int]  # request id -> row
 
 
 @dataclass
@@ -56,7 +66,9 @@ class ModelRunner:
         steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
         self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:
+        """The step's tensors; a decode whose input token is still pending takes it from
+        ``pending`` with one device-side gather (no wait for the step in flight)."""
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
         bs = self.block_size
         ids: list[int] = []
@@ -66,11 +78,20 @@ class ModelRunner:
         slens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
+        fix_dst: list[int] = []  # flat rows whose token is pending, and their rows in ``pending``
+        fix_src: list[int] = []
         max_blocks = 1
         for c in chunks:
             req, start, n = c.request, c.start, c.num_tokens
             tokens = req.all_token_ids
-            ids += tokens[start : start + n]
+            if start + n > len(tokens):  # only a decode's single input token can be pending
+                if n != 1 or pending is None or req.request_id not in pending.row_of:
+                    raise RuntimeError(f"request {req.request_id}: tokens {start}..{start + n} are not known to the host")
+                fix_dst.append(len(ids))
+                fix_src.append(pending.row_of[req.request_id])
+                ids.append(0)
+            else:
+                ids += tokens[start : start + n]
             blocks = req.block_ids
             if n == 1:
                 positions.append(start)
@@ -90,14 +111,17 @@ class ModelRunner:
             qsl.append(qsl[-1] + q)
         # One host->device transfer for every per-step array (int64 views of one buffer).
         n_tok, n_req, width = len(ids), len(chunks), max_blocks
-        packed = ids + positions + slots + qsl + slens + sample_rows
+        packed = ids + positions + slots + qsl + slens + sample_rows + fix_dst + fix_src
         for c in chunks:
             packed += c.request.block_ids
             packed += [NULL_BLOCK] * (width - len(c.request.block_ids))
-        # numpy converts a Python list ~4x faster than torch.tensor (~1 ms saved at 256 requests).
-        buf = torch.from_numpy(np.array(packed, dtype=np.int64)).to(self.device)
-        sizes = [n_tok, n_tok, n_tok, n_req + 1, n_req, len(sample_rows), n_req * width]
-        t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_table = buf.split(sizes)
+        # numpy converts a Python list ~4x faster than torch.tensor (~1 ms saved at 256 requests);
+        # to_device queues the copy without waiting for the step in flight.
+        buf = to_device(np.array(packed, dtype=np.int64), torch.int64, self.device)
+        sizes = [n_tok, n_tok, n_tok, n_req + 1, n_req, len(sample_rows), len(fix_dst), len(fix_src), n_req * width]
+        t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_dst, t_src, t_table = buf.split(sizes)
+        if fix_dst:
+            t_ids[t_dst] = pending.tokens[t_src]
         meta = AttentionMetadata(
             slot_mapping=t_slots,
             query_start_loc=t_qsl,

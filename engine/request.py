@@ -41,6 +41,9 @@ class Request:
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until looked up
     num_preemptions: int = 0
+    # Sampled by a step still in flight, not yet read back (async scheduling): they count as
+    # tokens for scheduling, but are in neither token list until the host has them.
+    num_pending_tokens: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prompt + output, kept as one list: the runner slices it every step (no re-concatenation)
@@ -55,7 +58,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens plus the pending ones (the next decode's input may still be on the device)."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens, known or pending."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

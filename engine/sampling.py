@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from engine.transfer import to_device
+
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range; raised before anything is scheduled."""
@@ -99,6 +101,48 @@ class SampleOutput:
     logprobs: list[dict[int, float] | None]
 
 
+class PendingSample:
+    """One step's samples: on the device at once (the next step can read them there), on the
+    host when :meth:`result` is called. On a GPU the device -> host copies are queued behind the
+    sampling kernels into pinned memory, so launching this does not wait for the device."""
+
+    def __init__(
+        self, tokens: torch.Tensor, logprob_counts: list[int | None], chosen: torch.Tensor | None,
+        top_values: torch.Tensor | None, top_indices: torch.Tensor | None,
+    ) -> None:
+        self.tokens = tokens  # [N] int64 on the device
+        self.logprob_counts = logprob_counts
+        self._host = [_to_host(t) if t is not None else None for t in (tokens, chosen, top_values, top_indices)]
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> SampleOutput:
+        """Wait for the copies (only as long as the device still works on this step)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, chosen, top_values, top_indices = (t.tolist() if t is not None else None for t in self._host)
+        logprobs: list[dict[int, float] | None] = []
+        for i, k in enumerate(self.logprob_counts):
+            if k is None:
+                logprobs.append(None)
+                continue
+            entry = {tokens[i]: chosen[i]}
+            if k:
+                entry.update(zip(top_indices[i][:k], top_values[i][:k]))
+            logprobs.append(entry)
+        return SampleOutput(tokens, logprobs)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class Sampler:
     """Samples one token per row of ``logits`` [N, V] (float32)."""
 
@@ -106,8 +150,13 @@ class Sampler:
         self.default_generator = default_generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleInput]) -> SampleOutput:
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleInput]) -> PendingSample:
+        """Queue the sampling of every row; nothing here waits for the device (penalty rows
+        excepted: they read the request's output tokens from the host)."""
+        counts = [r.params.logprobs for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in counts) else None
         if any(r.params.has_penalties for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
@@ -117,32 +166,27 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = []
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None or raw_logprobs is None:
-                logprobs.append(None)
-                continue
-            entry = {token_list[i]: raw_logprobs[i, token_list[i]].item()}
-            if r.params.logprobs:
-                top = raw_logprobs[i].topk(r.params.logprobs)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
-            logprobs.append(entry)
-        return SampleOutput(token_list, logprobs)
+        chosen = top_values = top_indices = None
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            k = max(c or 0 for c in counts)
+            if k:
+                top_values, top_indices = raw_logprobs.topk(k, dim=-1)
+        return PendingSample(tokens, counts, chosen, top_values, top_indices)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleInput]) -> torch.Tensor:
         n, vocab = logits.shape
         device = logits.device
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device, dtype=logits.dtype)
+        temps = to_device([r.params.temperature or 1.0 for r in rows], logits.dtype, device)
         logits = logits / temps[:, None]
         top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
         top_p = [r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device, dtype=logits.dtype))
+            logits = _top_k_top_p(logits, to_device(top_k, torch.long, device), to_device(top_p, logits.dtype, device))
         probs = torch.softmax(logits, dim=-1)
         if any(p > 0.0 for p in min_p):
-            mp = torch.tensor(min_p, device=device, dtype=probs.dtype)
+            mp = to_device(min_p, probs.dtype, device)
             probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Exponential race (equivalent to a categorical draw): argmax(p / E), E ~ Exp(1).
         # Seeded requests draw their row from their own generator (reproducible whatever the
@@ -152,8 +196,8 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        if greedy.any():
+        if any(r.params.greedy for r in rows):
+            greedy = to_device([r.params.greedy for r in rows], torch.bool, device)
             sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
         return sampled
 

@@ -101,7 +101,7 @@ class Scheduler:
             decodes = [r for r in members if not r.is_prefilling]
             prefills = [r for r in members if r.is_prefilling]
             for req in decodes + prefills:
-                if req.status is not RequestStatus.RUNNING or budget[0] <= 0:
+                if req.status is not RequestStatus.RUNNING or budget[0] <= 0 or self._awaits_last_token(req):
                     continue
                 n = self._chunk_size(req, budget[0])
                 while not self.block_manager.allocate_slots(req, n):
@@ -142,6 +142,13 @@ class Scheduler:
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
+
+    def _awaits_last_token(self, req: Request) -> bool:
+        """Its last token is pending (async scheduling): it finishes when that token arrives,
+        so another decode would be wasted."""
+        return req.num_pending_tokens > 0 and (
+            req.num_output_tokens >= req.sampling_params.max_tokens or req.num_tokens >= self.config.max_model_len
+        )
 
     def _try_admit(
         self, req: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput, oversize_used: bool

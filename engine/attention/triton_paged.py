@@ -7,6 +7,7 @@ import torch
 from dataclasses import dataclass
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.transfer import to_device
 
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
 
@@ -122,7 +123,7 @@ def prefill_attention(
     tiles = meta.scratch.get("prefill_tiles")
     if tiles is None:
         reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes, config.block_m, hq // hkv)
-        tiles = (torch.tensor(reqs, dtype=torch.int32, device=q.device), torch.tensor(starts, dtype=torch.int32, device=q.device))
+        tiles = (to_device(reqs, torch.int32, q.device), to_device(starts, torch.int32, q.device))
         meta.scratch["prefill_tiles"] = tiles
     tile_req, tile_start = tiles
     if tile_req.numel() == 0:

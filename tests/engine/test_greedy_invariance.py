@@ -34,6 +34,9 @@ VARIANTS = {
     "no-chunking": dict(enable_chunked_prefill=False),
     "prefix-off": dict(enable_prefix_caching=False),
     "tiny-pool-preemption": dict(num_kv_blocks=31, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False),
+    "async": dict(async_scheduling="on"),
+    "async-chunk7-tiny-pool-preemption": dict(async_scheduling="on", num_kv_blocks=31, block_size=4, long_prefill_token_threshold=7,
+                                              enable_prefix_caching=False),
 }
 
 
@@ -43,7 +46,7 @@ def test_batched_variants_match_the_reference(variant, smollm, llm_gguf_path, pr
     llm = LLM(str(llm_gguf_path), loaded=smollm, **options)
     results = llm.generate(prompts, PARAMS)
     assert [r.token_ids for r in results] == reference
-    if variant == "tiny-pool-preemption":
+    if variant.endswith("tiny-pool-preemption"):
         assert llm.stats().num_preemptions > 0  # the pool really forced recomputation
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
