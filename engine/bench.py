@@ -17,6 +17,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from engine.memory import storage_bytes
 from engine.metrics import StepTimes
 from engine.quantization import Int4Linear
 from engine.sampling import SamplingParams
+from engine.sync_debug import report_host_syncs
 
 SUITES = ("latency", "prefill", "throughput", "prefix", "chunked")  # plus "serve": engine/bench_serve.py
 
@@ -392,6 +394,27 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown) -> None:
+    for suite in suites:
+        print(f"... {suite}", file=sys.stderr, flush=True)
+        core.step_times = StepTimes()
+        if suite == "latency":
+            rows += bench_latency(core, hf, sizes, rng, bw, results)
+        elif suite == "prefill":
+            rows += bench_prefill(core, hf, sizes, rng, flops, results)
+        elif suite == "throughput":
+            rows += bench_throughput(core, sizes, rng, results)
+        elif suite == "prefix":
+            rows += bench_prefix(core, sizes, rng, results)
+        elif suite == "chunked":
+            rows += bench_chunked(core, sizes, rng, results)
+        st = core.step_times
+        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "piecewise_steps": st.piecewise_steps,
+                                               "native_steps": st.native_steps, "decode_only_steps": st.decode_only_steps,
+                                               "decode_only_s": st.decode_only_time, "decode_only_tokens": st.decode_only_tokens}
+        print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the load generator against an OpenAI-compatible server
@@ -399,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", nargs="?", default="all", choices=("all", *SUITES))
+    p.add_argument("suite", nargs="*", default=["all"], choices=("all", *SUITES), help="one or more suites (default: all)")
     p.add_argument("--model", help="model path, or a config.json with --load-format dummy (default: embedded SmolLM2)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="auto")
@@ -410,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None,
+                   help="capture piecewise CUDA graphs only up to this many tokens a step (default: all sizes up to the step budget)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--sync-debug", action="store_true", help="print the stack of every place the host waits for the device (CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="KV pool sizing; leaves room for the HF baseline and its float32 check")
@@ -435,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = Sizes.for_device(device)
     config.max_num_seqs = args.max_num_seqs or (256 if device.type == "cuda" else max(32, sizes.throughput_requests))
     config.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+    if args.piecewise_max_tokens is not None:
+        config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if t <= args.piecewise_max_tokens)
     config.max_model_len = max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096)
     core = EngineCore(config, loaded)
     rng = random.Random(args.seed)
@@ -447,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_flops(device, core.dtype)
     rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
     results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = SUITES if "all" in args.suite else tuple(dict.fromkeys(args.suite))
     hf = None
     if not args.no_hf:
         from engine.hf_reference import build_hf_model
@@ -455,30 +483,18 @@ def main(argv: list[str] | None = None) -> int:
         hf = build_hf_model(core.model)
         rows.append(check_against_hf(core, hf, rng, results))
     breakdown: dict[str, dict[str, float]] = {}
-    for suite in suites:
-        print(f"... {suite}", file=sys.stderr, flush=True)
-        core.step_times = StepTimes()
-        if suite == "latency":
-            rows += bench_latency(core, hf, sizes, rng, bw, results)
-        elif suite == "prefill":
-            rows += bench_prefill(core, hf, sizes, rng, flops, results)
-        elif suite == "throughput":
-            rows += bench_throughput(core, sizes, rng, results)
-        elif suite == "prefix":
-            rows += bench_prefix(core, sizes, rng, results)
-        elif suite == "chunked":
-            rows += bench_chunked(core, sizes, rng, results)
-        st = core.step_times
-        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "piecewise_steps": st.piecewise_steps,
-                                               "native_steps": st.native_steps}
-        print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
+    with report_host_syncs() if args.sync_debug else nullcontext() as syncs:
+        run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown)
+    if syncs:
+        print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
     hf = None
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
           "reads samples back, waiting for the device):")
     for suite, b in breakdown.items():
-        print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k)
-              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native)")
+        print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k and "decode_only" not in k)
+              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native;"
+              f" {b['decode_only_steps']} decode-only steps took {b['decode_only_s']:.2f} s for {b['decode_only_tokens']} tokens)")
     print("\nmemory:\n" + core.memory.format())
     if args.json:
         record = {

@@ -140,8 +140,11 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     # Steps with prefill chunks of at most this many tokens replay everything but attention as
-    # CUDA graphs (engine/cuda_graph.py); larger steps keep the GPU busy enough to run eagerly.
-    piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+    # CUDA graphs (engine/cuda_graph.py); sizes above max_num_batched_tokens are not captured.
+    # Buckets are at most 25% apart: a step pads up to the next one.
+    piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768,
+                                                   896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
+                                                   7168, 8192)
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and launch step N+1 while the device still runs step N, whose sampled tokens
     feed N+1 on the device; the host reads them back and does its per-token work (detokenize,

@@ -135,12 +135,87 @@ def sweep_prefill_tiles(device: torch.device, mm: float) -> None:
         print(f"  {score:5.2f}  {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} target {target}")
 
 
+GEMV_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
+               "lm_head": (128256, 4096)}  # Llama-3.1-8B (N, K); the first four run 32 times a step
+
+
+def time_rotating(fn, copies: int, repeat: int = 10) -> float:
+    """Seconds per call of ``fn(i)`` over ``copies`` weight copies (more bytes than L2, as in a
+    real step where every layer reads new weights), launched from one CUDA graph (as in decode)."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3 / (repeat * copies)
+
+
+def sweep_gemv(device: torch.device, bw: float) -> None:
+    """cuBLAS (F.linear) against every Triton GEMV tile shape on the 8B projections at decode
+    batch sizes; prints the best per (shape, rows) and one step's projection time with each."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from engine.kernels.linear import GemvConfig, gemv
+
+    dot = [GemvConfig("dot", n, k, 4, s) for n, k, s in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 5))]
+    dot += [GemvConfig("dot", n, k, 8, s) for n, k, s in itertools.product((64, 128), (128, 256), (3, 5))]
+    summ = [GemvConfig("sum", n, k, 4, s) for n, k, s in itertools.product((4, 8, 16), (256, 512, 1024), (1, 3))]
+    print(f"{'projection':<14} {'rows':>4} {'cuBLAS us':>10} {'TB/s':>6} {'Triton us':>10} {'TB/s':>6} {'speedup':>8}  best tile (kind n k warps stages)")
+    step = {"cublas": {}, "triton": {}}
+    best_configs = {}
+    for (name, (n, k)), rows in itertools.product(GEMV_SHAPES.items(), (1, 8)):
+        nbytes = n * k * 2
+        copies = max(2, -(-(256 << 20) // nbytes))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0]).float()
+        base = time_rotating(lambda i: F.linear(x, ws[i]), copies)
+        results = []
+        for cfg in (dot + summ if rows == 1 else dot):
+            if not cfg.fits(rows, k):
+                continue
+            try:
+                out = gemv(x, ws[0], cfg).float()
+            except Exception as e:  # noqa: BLE001 - a tile may not fit shared memory: skip it
+                print(f"  {name} {cfg} skipped ({type(e).__name__})", file=sys.stderr)
+                continue
+            err = ((out - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"gemv {cfg} on {name}: relative error {err:.2e}")
+            results.append((time_rotating(lambda i, cfg=cfg: gemv(x, ws[i], cfg), copies), cfg))
+        results.sort(key=lambda r: r[0])
+        best, cfg = results[0]
+        best_configs[(name, rows)] = cfg
+        reps = 1 if name == "lm_head" else 32
+        step["cublas"][rows] = step["cublas"].get(rows, 0.0) + reps * base
+        step["triton"][rows] = step["triton"].get(rows, 0.0) + reps * min(best, base)
+        print(f"{name:<14} {rows:>4} {base * 1e6:>10.1f} {nbytes / base / 1e12:>6.2f} {best * 1e6:>10.1f} {nbytes / best / 1e12:>6.2f} "
+              f"{base / best:>7.2f}x  {cfg.kind} {cfg.block_n} {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+              + "".join(f" | {t * 1e6:.1f} {c.kind} {c.block_n} {c.block_k} w{c.num_warps} s{c.num_stages}" for t, c in results[1:3]))
+        del ws
+    for rows in (1, 8):
+        print(f"one decode step's projections at {rows} rows: cuBLAS {step['cublas'][rows] * 1e3:.3f} ms, "
+              f"best of cuBLAS/Triton per shape {step['triton'][rows] * 1e3:.3f} ms (copy bandwidth {bw / 1e9:.0f} GB/s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     p = argparse.ArgumentParser(prog="python -m engine.kernel_bench", description=__doc__)
     p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
     p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
+    p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
@@ -156,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: bf16 matmul {mm / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s (read + write)")
     if args.sweep:
         sweep_prefill_tiles(device, mm)
+        return 0
+    if args.gemv:
+        sweep_gemv(device, bw)
         return 0
     rows = []
     cases = {

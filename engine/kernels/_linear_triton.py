@@ -1,0 +1,55 @@
+"""Triton kernels for y = x @ W^T with few rows of x (decode): the weight streamed once.
+
+At decode batch sizes a projection is a matrix-vector product bound by reading W. A program
+owns BLOCK_N output columns (rows of W) over the whole K: it streams its slice of W through
+``num_stages`` pipelined loads and multiplies on tensor cores with x's rows padded to BLOCK_M
+(the padding rows cost no memory traffic).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_dot_kernel(
+    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    m_mask = offs_m[:, None] < M
+    n_mask = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the caller)
+        x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask, other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
+
+
+@triton.jit
+def gemv_sum_kernel(
+    X, W, Y, N, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of x (batch 1): multiply-and-reduce on the CUDA cores, no tensor-core padding."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    n_mask = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(X + k + offs_k).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=offs_n < N)
