@@ -141,6 +141,7 @@ class EngineCore:
             tokens = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens]
             if tokens:
                 self.runner.capture_piecewise_graphs(tokens)
+                self.scheduler.config.step_token_buckets = tuple(sorted(set(tokens)))
             self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
         if config.quantization == "int4" and config.cpu_decode_kernel != "off":
             self._attach_cpu_decode_kernel()

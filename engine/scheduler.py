@@ -28,6 +28,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # cap on one request's chunk per step
     max_model_len: int = 8192
+    # Token counts the runner replays as CUDA graphs (ascending; empty: none). A step of T tokens
+    # runs as the bucket above T, its padding rows computing nothing useful; with chunked
+    # prefill a large step is trimmed down to a bucket instead (see Scheduler._fit_to_bucket).
+    step_token_buckets: tuple[int, ...] = ()
+
+
+# Below this many tokens a step is bound by reading the weights, so padding it to the next bucket
+# is nearly free and trimming would only delay a prompt's first token by a step.
+FIT_BUCKET_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -135,7 +144,33 @@ class Scheduler:
             if chunk.request.metrics.first_scheduled_time is None:
                 chunk.request.metrics.first_scheduled_time = now
         out.chunks = list(scheduled.values())
+        self._fit_to_bucket(out.chunks)
         return out
+
+    def _fit_to_bucket(self, chunks: list[ScheduledChunk]) -> None:
+        """Shorten the last prefill chunks so a large step's token count is exactly a graph
+        bucket: the trimmed tokens run next step instead of padding rows running now (up to 25%
+        of a compute-bound step's matmuls). All or nothing; every chunk keeps at least one token."""
+        buckets = self.config.step_token_buckets
+        total = sum(c.num_tokens for c in chunks)
+        if not buckets or not self.config.enable_chunked_prefill or total < FIT_BUCKET_MIN_TOKENS or total > buckets[-1]:
+            return
+        below = bisect.bisect_right(buckets, total) - 1
+        if below < 0 or buckets[below] == total:
+            return
+        excess = total - buckets[below]
+        cuts = []
+        for c in reversed(chunks):  # the latest admitted prompts give up tokens first
+            if excess == 0:
+                break
+            cut = min(excess, c.num_tokens - 1) if c.num_tokens > 1 else 0
+            if cut:
+                cuts.append((c, cut))
+                excess -= cut
+        if excess:
+            return  # not enough prefill tokens to trim: run padded
+        for c, cut in cuts:
+            c.num_tokens -= cut
 
     def _chunk_size(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

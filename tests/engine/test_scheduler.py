@@ -119,3 +119,33 @@ def test_a_request_larger_than_the_whole_pool_is_stopped_not_livelocked():
     eng.run(max_steps=50)
     assert r.status.value == "length" and len(r.output_token_ids) == 5  # positions 0..7 then out of room
     eng.assert_idle_and_clean()
+
+
+BUCKETS = (512, 768, 1024, 1280, 1536, 2048)
+
+
+def test_a_large_step_is_trimmed_to_a_graph_bucket_and_the_rest_runs_next_step():
+    eng = SimulatedEngine(num_blocks=400, block_size=16, max_num_batched_tokens=2048, step_token_buckets=BUCKETS)
+    reqs = [eng.add(make_request(f"r{i}", 500, max_tokens=3)) for i in range(3)]
+    first = eng.step()
+    assert first.num_batched_tokens == 1280  # 1,500 tokens would pad to 1,536: the last prompt gives up 220
+    assert [c.num_tokens for c in first.chunks] == [500, 500, 280]
+    assert reqs[2].num_computed_tokens == 280 and not reqs[2].output_token_ids
+    second = eng.step()
+    assert {c.request.request_id: c.num_tokens for c in second.chunks} == {"r0": 1, "r1": 1, "r2": 220}
+    while eng.scheduler.has_work:
+        eng.step()
+    assert all(len(r.output_token_ids) == 3 for r in reqs)
+    assert eng.bm.num_free_blocks == eng.bm.num_usable_blocks
+
+
+def test_small_steps_and_unchunked_steps_are_not_trimmed():
+    small = SimulatedEngine(num_blocks=400, block_size=16, max_num_batched_tokens=2048, step_token_buckets=BUCKETS)
+    for i in range(2):
+        small.add(make_request(f"s{i}", 300))
+    assert small.step().num_batched_tokens == 600  # weight-bound: padding to 768 is cheaper than a later first token
+    whole = SimulatedEngine(num_blocks=400, block_size=16, max_num_batched_tokens=2048, step_token_buckets=BUCKETS,
+                            enable_chunked_prefill=False)
+    for i in range(3):
+        whole.add(make_request(f"w{i}", 500))
+    assert whole.step().num_batched_tokens == 1500  # without chunking a prompt runs whole
