@@ -225,16 +225,11 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
     graphs = core.runner.graphs
     if graphs is not None and graphs.bucket(1) == 1:
         # The device alone: replay the batch-1 graph back to back (last request's buffers).
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graphs.graphs[1].replay()
-        start.record()
-        for _ in range(50):
-            graphs.graphs[1].replay()
-        end.record()
-        torch.cuda.synchronize(core.device)
-        gpu_ms = start.elapsed_time(end) / 50
+        gpu_ms = replay_ms(graphs.graphs[1])
         rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
         results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
+        if core.model.decode_kernel_max_rows:
+            rows += decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results)
     if core.async_scheduling:  # what async scheduling buys: the same decode with it off
         core.async_scheduling = False
         core.block_manager.reset_prefix_cache()
@@ -254,6 +249,39 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
         rows.append(Row("decode batch 1 vs HF generate()", 1 / tpot, "tok/s", f"HF generate() same model ({best}, best of {'/'.join(by_dtype)})", by_dtype[best]))
         results.update(hf_decode_bs1_tok_s=by_dtype[best], hf_decode_bs1_tok_s_by_dtype=by_dtype)
     return rows
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(times):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / times
+
+
+def decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
+    """What the decode GEMVs buy: the batch-1 graph captured again with cuBLAS projections, its
+    replay time and the engine's decode speed with it."""
+    from engine.cuda_graph import CudaGraphRunner
+    from engine.kernels.linear import DECODE_MAX_ROWS
+
+    runner, fused_graphs = core.runner, core.runner.graphs
+    core.model.decode_kernel_max_rows = 0
+    try:
+        plain = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], fused_graphs.block_tables.shape[1], core.device)
+        runner.graphs = plain
+        core.block_manager.reset_prefix_cache()
+        _, plain_tpot = engine_decode(core, prompt, sizes.decode_tokens)
+        plain_ms = replay_ms(plain.graphs[1])  # like the other replay: with the decoded request's context
+    finally:
+        runner.graphs = fused_graphs
+        core.model.decode_kernel_max_rows = DECODE_MAX_ROWS
+    results.update(decode_bs1_unfused_tok_s=1 / plain_tpot, decode_bs1_unfused_graph_ms=plain_ms)
+    return [Row("decode batch 1, decode GEMVs (engine/kernels/linear.py)", 1 / tpot, "tok/s", "same, cuBLAS projections", 1 / plain_tpot),
+            Row("decode batch 1: graph replay, decode GEMVs", gpu_ms, "ms", "same, cuBLAS projections", plain_ms, False)]
 
 
 def bench_prefill(core, hf, sizes, rng, flops, results) -> list[Row]:

@@ -145,6 +145,9 @@ class EngineConfig:
     piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768,
                                                    896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
                                                    7168, 8192)
+    decode_kernels: bool = True
+    """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up and the lm_head as Triton GEMVs
+    (engine/kernels/linear.py, measured faster than cuBLAS there); off: cuBLAS throughout."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and launch step N+1 while the device still runs step N, whose sampled tokens
     feed N+1 on the device; the host reads them back and does its per-token work (detokenize,

@@ -18,6 +18,8 @@ from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels.linear import DECODE_MAX_ROWS
+from engine.kernels.triton_utils import triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import has_tokenizer, load_model, model_kind
 from engine.memory import MemoryLedger, tensor_bytes
@@ -132,6 +134,8 @@ class EngineCore:
             ),
             self.block_manager,
         )
+        fused = config.decode_kernels and self.device.type == "cuda" and triton_available()
+        self.model.decode_kernel_max_rows = DECODE_MAX_ROWS if fused else 0
         backend = select_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
         if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":

@@ -209,6 +209,25 @@ def sweep_gemv(device: torch.device, bw: float) -> None:
               f"best of cuBLAS/Triton per shape {step['triton'][rows] * 1e3:.3f} ms (copy bandwidth {bw / 1e9:.0f} GB/s)")
 
 
+def time_decode_linear(device: torch.device) -> None:
+    """The decode GEMV with its chosen tile (engine/kernels/linear.py) against cuBLAS on the 8B
+    shapes at batch 1, weights rotated past L2: the check behind ``decode_tile``."""
+    import torch.nn.functional as F
+
+    from engine.kernels.linear import decode_linear
+
+    print(f"{'projection (batch 1)':<16} {'cuBLAS us':>10} {'GEMV us':>9} {'GEMV TB/s':>10}")
+    for name, (n, k) in GEMV_SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-(256 << 20) // nbytes))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        a = time_rotating(lambda i: F.linear(x, ws[i]), copies)
+        b = time_rotating(lambda i: decode_linear(x, ws[i]), copies)
+        print(f"{name:<16} {a * 1e6:>10.1f} {b * 1e6:>9.1f} {nbytes / b / 1e12:>10.2f}")
+        del ws
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
     p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
     p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
+    p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
@@ -234,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gemv:
         sweep_gemv(device, bw)
+        return 0
+    if args.decode_linear:
+        time_decode_linear(device)
         return 0
     rows = []
     cases = {

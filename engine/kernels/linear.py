@@ -1,11 +1,12 @@
-"""Projections at decode batch sizes: a Triton GEMV that streams the weight once (CUDA).
+"""Projections of a batch-1 decode step (CUDA): a Triton GEMV that streams the weight once.
 
-``gemv(x, w, config)`` computes ``x @ w.T`` for x of at most ``BLOCK_M`` rows with the kernel
-and tile shape in ``config``; ``python -m engine.kernel_bench --gemv`` times it against cuBLAS
-(``F.linear``) on Llama-3.1-8B's projection shapes. The model does not use it: on the H200 the
-best tile per shape was within 0-12% of cuBLAS (2% of a batch-1 step's projection time,
-docs/performance.md), so it is kept as the measured baseline for a fused decode GEMV (norm or
-activation in its prologue), which is where a custom kernel could still pay.
+``decode_linear(x, w)`` computes x @ w.T for x of at most ``DECODE_MAX_ROWS`` rows, optionally
+straight into float32 (the lm_head's logits, no cast kernel). On the H200 at batch 1 it beats
+cuBLAS on q|k|v, o_proj, gate|up and the lm_head (15.2 / 12.3 / 56.7 / 233.6 us against 15.3 /
+12.6 / 60.5 / 247.8), not on down_proj (33.6 against 31.3), which keeps cuBLAS; at 8 rows cuBLAS
+was ahead on q|k|v and gate|up (docs/results/2026-11-29-h200-gemv-sweep.txt), so only batch-1
+steps use it (``LlamaForCausalLM.decode_kernel_max_rows``). ``python -m engine.kernel_bench
+--gemv`` sweeps its tiles against cuBLAS; :func:`decode_tile` holds the winners.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+DECODE_MAX_ROWS = 1  # measured faster than cuBLAS at batch 1 only (see above)
+TILE_ROWS = 16  # x's rows are padded to one 16-row tensor-core tile
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -23,31 +27,57 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
-    block_m: int = 16
+    block_m: int = TILE_ROWS
 
     def fits(self, rows: int, k: int) -> bool:
-        return k % self.block_k == 0 and (rows <= self.block_m if self.kind == "dot" else rows == 1)
+        return rows <= self.block_m if self.kind == "dot" else (rows == 1 and k % self.block_k == 0)
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
+def decode_tile(n: int, k: int) -> GemvConfig:
+    """The tile for an [n, k] weight: the fastest in the H200 sweep for each 8B shape at batch 1
+    (docs/results/2026-11-29-h200-gemv-sweep.txt), by size class for other shapes."""
+    if n <= 4096:  # o_proj, down_proj: few columns, so narrow tiles to occupy every SM
+        return GemvConfig("dot", 32, 256, 4, 5)
+    if n <= 16384:  # q|k|v
+        return GemvConfig("dot", 64, 128, 4, 5)
+    if n <= 65536:  # gate|up
+        return GemvConfig("dot", 128, 128, 4, 3)
+    return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
+
+
+# ---- references ----------------------------------------------------------------------------
+def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return F.linear(x, w).to(out_dtype or x.dtype)
+
+
+# ---- Triton --------------------------------------------------------------------------------
+def decode_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows."""
+    from engine.kernels._linear_triton import decode_linear_kernel
+
+    config = config or decode_tile(*w.shape)
+    m, (n, k) = x.shape[0], w.shape
+    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} do not fit {config}")
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    decode_linear_kernel[(-(-n // config.block_n),)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] with the Triton kernel named by ``config``."""
-    from engine.kernels._linear_triton import gemv_dot_kernel, gemv_sum_kernel
-
-    m, k = x.shape
-    n = w.shape[0]
-    if not config.fits(m, k) or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"gemv {config} cannot take x {tuple(x.shape)} and w {tuple(w.shape)}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (-(-n // config.block_n),)
+    """Plain x @ w^T with the kernel and tile named by ``config`` (the sweep's candidates)."""
     if config.kind == "dot":
-        gemv_dot_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                              BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                              num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
-        gemv_sum_kernel[grid](x, w, y, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                              num_warps=config.num_warps, num_stages=config.num_stages)
+        return decode_linear(x, w, config=config)
+    from engine.kernels._linear_triton import gemv_sum_kernel
+
+    n, k = w.shape
+    if not config.fits(x.shape[0], k):
+        raise ValueError(f"gemv {config} cannot take x {tuple(x.shape)} and w {tuple(w.shape)}")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    gemv_sum_kernel[(-(-n // config.block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                               num_warps=config.num_warps, num_stages=config.num_stages)
     return y

@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
+from engine.kernels.linear import decode_linear
 from engine.model.rope import RotaryEmbedding
 
 
@@ -94,6 +95,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        # Steps of at most this many tokens run q|k|v, o_proj, gate|up and the lm_head as Triton
+        # GEMVs (engine/kernels/linear.py); 0: cuBLAS. Set by the engine (EngineConfig.
+        # decode_kernels, CUDA only) before it captures graphs; tests set it on the CPU to run
+        # the same kernels in Triton's interpreter.
+        self.decode_kernel_max_rows = 0
 
     def forward(
         self,
@@ -119,22 +125,31 @@ class LlamaForCausalLM(nn.Module):
 
     def first_piece(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
-        h = self.embed_tokens(input_ids)
-        x, residual = self.layers[0].input_layernorm(h)
-        return self.layers[0].self_attn.qkv_proj(x), residual
+        return self._norm_qkv(0, self.embed_tokens(input_ids), None)
+
+    def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
+        if x.shape[0] <= self.decode_kernel_max_rows:
+            return decode_linear(x, linear.weight)
+        return linear(x)
+
+    def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
+        layer = self.layers[i]
+        x, residual = layer.input_layernorm(h, residual)
+        return self._proj(layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[i]
-        h = layer.self_attn.o_proj(attn)
+        h = self._proj(layer.self_attn.o_proj, attn)
         x, residual = layer.post_attention_layernorm(h, residual)
-        return layer.mlp(x), residual
+        mlp = layer.mlp  # down_proj stays on cuBLAS: faster than the GEMV at its shape
+        return mlp.down_proj(silu_and_mul(self._proj(mlp.gate_up_proj, x))), residual
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
         h, residual = self._after_attention(i, attn, residual)
-        nxt = self.layers[i + 1]
-        x, residual = nxt.input_layernorm(h, residual)
-        return nxt.self_attn.qkv_proj(x), residual
+        return self._norm_qkv(i + 1, h, residual)
 
     def last_piece(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
@@ -143,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
+        if hidden.shape[0] <= self.decode_kernel_max_rows:  # float32 straight from the accumulator: no cast kernel
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return decode_linear(hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
