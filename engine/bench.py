@@ -330,6 +330,8 @@ def bench_throughput(core, sizes, rng, results) -> list[Row]:
     # step shapes compile here, not inside the timed run (on a fresh H200 lease they cost 1.4-2.7
     # s each, ~9 s of a ~36 s run: 7.1k vs 8.9k out tok/s, docs/performance.md).
     run(max(1, sizes.throughput_requests // 5))
+    print(f"    warm-up's slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in core.step_times.slowest]}",
+          file=sys.stderr)
     core.step_times = StepTimes()
     reqs, seconds = run(sizes.throughput_requests)
     out_tokens = sum(len(r.output_token_ids) for r in reqs)

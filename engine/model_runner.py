@@ -110,16 +110,27 @@ class ModelRunner:
         for q in qlens:
             qsl.append(qsl[-1] + q)
         # One host->device transfer for every per-step array (int64 views of one buffer).
-        n_tok, n_req, width = len(ids), len(chunks), max_blocks
-        packed = ids + positions + slots + qsl + slens + sample_rows + fix_dst + fix_src
+        n_req, width = len(chunks), max_blocks
+        table: list[int] = []
         for c in chunks:
-            packed += c.request.block_ids
-            packed += [NULL_BLOCK] * (width - len(c.request.block_ids))
+            table += c.request.block_ids
+            table += [NULL_BLOCK] * (width - len(c.request.block_ids))
+        segments = [ids, positions, slots, qsl, slens, sample_rows, fix_dst, fix_src, table]
+        packed: list[int] = []
+        for seg in segments:
+            # Every view starts 16-byte aligned: Triton compiles a kernel per alignment of its
+            # pointer arguments, so views at odd offsets made new variants compile mid-run
+            # (1.4-2.7 s steps on an H200, docs/performance.md).
+            packed += seg
+            packed += [0] * (len(seg) % 2)
         # numpy converts a Python list ~4x faster than torch.tensor (~1 ms saved at 256 requests);
         # to_device queues the copy without waiting for the step in flight.
         buf = to_device(np.array(packed, dtype=np.int64), torch.int64, self.device)
-        sizes = [n_tok, n_tok, n_tok, n_req + 1, n_req, len(sample_rows), len(fix_dst), len(fix_src), n_req * width]
-        t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_dst, t_src, t_table = buf.split(sizes)
+        views, offset = [], 0
+        for seg in segments:
+            views.append(buf[offset : offset + len(seg)])
+            offset += len(seg) + len(seg) % 2
+        t_ids, t_pos, t_slots, t_qsl, t_slens, t_rows, t_dst, t_src, t_table = views
         if fix_dst:
             t_ids[t_dst] = pending.tokens[t_src]
         meta = AttentionMetadata(

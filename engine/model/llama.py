@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        if x.shape[0] <= self.decode_kernel_max_rows:
+        if 0 < x.shape[0] <= self.decode_kernel_max_rows:
             return decode_linear(x, linear.weight)
         return linear(x)
 
@@ -158,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
-        if hidden.shape[0] <= self.decode_kernel_max_rows:  # float32 straight from the accumulator: no cast kernel
+        if 0 < hidden.shape[0] <= self.decode_kernel_max_rows:  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             return decode_linear(hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding

@@ -53,3 +53,43 @@ def test_triton_backend_on_the_cpu_is_a_clear_error(tmp_path):
     if not torch.cuda.is_available():  # on a CUDA machine this configuration is valid
         with pytest.raises(ConfigError, match="CUDA is not available"):
             EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
+
+
+def test_every_per_step_tensor_starts_16_byte_aligned(tiny_llama_dir):
+    """Triton compiles one kernel variant per alignment of its pointer arguments: views of the
+    step's packed buffer at odd offsets made new variants compile in the middle of serving."""
+    from engine import LLM, SamplingParams
+
+    core = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4).core
+    core.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    core.step()  # now a decode ...
+    core.add_request([4, 5, 6, 7], SamplingParams(max_tokens=4))  # ... beside a 4-token prompt: 5 tokens, 2 requests
+    sched = core.scheduler.schedule()
+    inputs = core.runner.prepare(sched.chunks)
+    meta = inputs.meta
+    assert len(inputs.input_ids) == 5 and meta.num_requests == 2
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
+               "slot_mapping": meta.slot_mapping, "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens,
+               "block_tables": meta.block_tables}
+    assert {name: t.data_ptr() % 16 for name, t in tensors.items()} == dict.fromkeys(tensors, 0)
+    assert inputs.positions.tolist() == [3, 0, 1, 2, 3] and meta.seq_lens.tolist() == [4, 4]
+
+
+def test_the_cpu_engine_never_launches_a_triton_kernel(tiny_llama_dir):
+    """In a fresh process without Triton's interpreter (this test session may have it on, for the
+    kernel tests): chunked prefill, so some steps sample no row and the lm_head gets 0 rows - a
+    GEMV guard that let 0 rows through crashed every such CPU step."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama_dir)!r}, num_kv_blocks=64, block_size=4, max_num_batched_tokens=4)\n"
+        "out = llm.generate([list(range(1, 12)), [7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+        "print([len(o.token_ids) for o in out])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[3, 3]"
