@@ -266,9 +266,8 @@ def decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
     """What the decode GEMVs buy: the batch-1 graph captured again with cuBLAS projections, its
     replay time and the engine's decode speed with it."""
     from engine.cuda_graph import CudaGraphRunner
-    from engine.kernels.linear import DECODE_MAX_ROWS
 
-    runner, fused_graphs = core.runner, core.runner.graphs
+    runner, fused_graphs, gemv_rows = core.runner, core.runner.graphs, core.model.decode_kernel_max_rows
     core.model.decode_kernel_max_rows = 0
     try:
         plain = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], fused_graphs.block_tables.shape[1], core.device)
@@ -278,7 +277,7 @@ def decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
         plain_ms = replay_ms(plain.graphs[1])  # like the other replay: with the decoded request's context
     finally:
         runner.graphs = fused_graphs
-        core.model.decode_kernel_max_rows = DECODE_MAX_ROWS
+        core.model.decode_kernel_max_rows = gemv_rows
     results.update(decode_bs1_unfused_tok_s=1 / plain_tpot, decode_bs1_unfused_graph_ms=plain_ms)
     return [Row("decode batch 1, decode GEMVs (engine/kernels/linear.py)", 1 / tpot, "tok/s", "same, cuBLAS projections", 1 / plain_tpot),
             Row("decode batch 1: graph replay, decode GEMVs", gpu_ms, "ms", "same, cuBLAS projections", plain_ms, False)]

@@ -159,22 +159,23 @@ def time_rotating(fn, copies: int, repeat: int = 10) -> float:
     return start.elapsed_time(end) * 1e-3 / (repeat * copies)
 
 
-def sweep_gemv(device: torch.device, bw: float) -> None:
-    """cuBLAS (F.linear) against every Triton GEMV tile shape on the 8B projections at decode
-    batch sizes; prints the best per (shape, rows) and one step's projection time with each."""
+def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> None:
+    """cuBLAS (F.linear) against Triton GEMV tile shapes on the 8B projections at decode batch
+    sizes; prints the best per (shape, rows) and one step's projection time with each. With
+    ``chosen_only``: batch 1 and only the tile ``decode_tile`` picks (the check behind it)."""
     import itertools
 
     import torch.nn.functional as F
 
-    from engine.kernels.linear import GemvConfig, gemv
+    from engine.kernels.linear import GemvConfig, decode_tile, gemv
 
     dot = [GemvConfig("dot", n, k, 4, s) for n, k, s in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 5))]
     dot += [GemvConfig("dot", n, k, 8, s) for n, k, s in itertools.product((64, 128), (128, 256), (3, 5))]
     summ = [GemvConfig("sum", n, k, 4, s) for n, k, s in itertools.product((4, 8, 16), (256, 512, 1024), (1, 3))]
+    row_counts = (1,) if chosen_only else (1, 8)
     print(f"{'projection':<14} {'rows':>4} {'cuBLAS us':>10} {'TB/s':>6} {'Triton us':>10} {'TB/s':>6} {'speedup':>8}  best tile (kind n k warps stages)")
     step = {"cublas": {}, "triton": {}}
-    best_configs = {}
-    for (name, (n, k)), rows in itertools.product(GEMV_SHAPES.items(), (1, 8)):
+    for (name, (n, k)), rows in itertools.product(GEMV_SHAPES.items(), row_counts):
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -182,7 +183,8 @@ def sweep_gemv(device: torch.device, bw: float) -> None:
         ref = F.linear(x, ws[0]).float()
         base = time_rotating(lambda i: F.linear(x, ws[i]), copies)
         results = []
-        for cfg in (dot + summ if rows == 1 else dot):
+        candidates = [decode_tile(n, k)] if chosen_only else (dot + summ if rows == 1 else dot)
+        for cfg in candidates:
             if not cfg.fits(rows, k):
                 continue
             try:
@@ -196,7 +198,6 @@ def sweep_gemv(device: torch.device, bw: float) -> None:
             results.append((time_rotating(lambda i, cfg=cfg: gemv(x, ws[i], cfg), copies), cfg))
         results.sort(key=lambda r: r[0])
         best, cfg = results[0]
-        best_configs[(name, rows)] = cfg
         reps = 1 if name == "lm_head" else 32
         step["cublas"][rows] = step["cublas"].get(rows, 0.0) + reps * base
         step["triton"][rows] = step["triton"].get(rows, 0.0) + reps * min(best, base)
@@ -204,28 +205,9 @@ def sweep_gemv(device: torch.device, bw: float) -> None:
               f"{base / best:>7.2f}x  {cfg.kind} {cfg.block_n} {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
               + "".join(f" | {t * 1e6:.1f} {c.kind} {c.block_n} {c.block_k} w{c.num_warps} s{c.num_stages}" for t, c in results[1:3]))
         del ws
-    for rows in (1, 8):
+    for rows in row_counts:
         print(f"one decode step's projections at {rows} rows: cuBLAS {step['cublas'][rows] * 1e3:.3f} ms, "
               f"best of cuBLAS/Triton per shape {step['triton'][rows] * 1e3:.3f} ms (copy bandwidth {bw / 1e9:.0f} GB/s)")
-
-
-def time_decode_linear(device: torch.device) -> None:
-    """The decode GEMV with its chosen tile (engine/kernels/linear.py) against cuBLAS on the 8B
-    shapes at batch 1, weights rotated past L2: the check behind ``decode_tile``."""
-    import torch.nn.functional as F
-
-    from engine.kernels.linear import decode_linear
-
-    print(f"{'projection (batch 1)':<16} {'cuBLAS us':>10} {'GEMV us':>9} {'GEMV TB/s':>10}")
-    for name, (n, k) in GEMV_SHAPES.items():
-        nbytes = n * k * 2
-        copies = max(2, -(-(256 << 20) // nbytes))
-        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        a = time_rotating(lambda i: F.linear(x, ws[i]), copies)
-        b = time_rotating(lambda i: decode_linear(x, ws[i]), copies)
-        print(f"{name:<16} {a * 1e6:>10.1f} {b * 1e6:>9.1f} {nbytes / b / 1e12:>10.2f}")
-        del ws
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,11 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep_prefill_tiles(device, mm)
         return 0
-    if args.gemv:
-        sweep_gemv(device, bw)
-        return 0
-    if args.decode_linear:
-        time_decode_linear(device)
+    if args.gemv or args.decode_linear:
+        sweep_gemv(device, bw, chosen_only=args.decode_linear)
         return 0
     rows = []
     cases = {

@@ -163,7 +163,7 @@ class Scheduler:
         for c in reversed(chunks):  # the latest admitted prompts give up tokens first
             if excess == 0:
                 break
-            cut = min(excess, c.num_tokens - 1) if c.num_tokens > 1 else 0
+            cut = min(excess, c.num_tokens - 1)
             if cut:
                 cuts.append((c, cut))
                 excess -= cut

@@ -127,11 +127,13 @@ class LlamaForCausalLM(nn.Module):
         """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
         return self._norm_qkv(0, self.embed_tokens(input_ids), None)
 
+    def _use_gemv(self, x: torch.Tensor) -> bool:
+        """Rows few enough for the decode GEMV (never 0: a step may sample no row)."""
+        return 0 < x.shape[0] <= self.decode_kernel_max_rows
+
     def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        if 0 < x.shape[0] <= self.decode_kernel_max_rows:
-            return decode_linear(x, linear.weight)
-        return linear(x)
+        return decode_linear(x, linear.weight) if self._use_gemv(x) else linear(x)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
@@ -158,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
-        if 0 < hidden.shape[0] <= self.decode_kernel_max_rows:  # float32 straight from the accumulator: no cast kernel
+        if self._use_gemv(hidden):  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             return decode_linear(hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding
