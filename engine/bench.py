@@ -18,13 +18,14 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, LoadedModel
+from engine.kernels.decode_kernels import DecodeKernels
 from engine.memory import storage_bytes
 from engine.metrics import StepTimes
 from engine.quantization import Int4Linear
@@ -228,8 +229,8 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
         gpu_ms = replay_ms(graphs.graphs[1])
         rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
         results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
-        if core.model.decode_kernel_max_rows:
-            rows += decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results)
+        if core.model.decode_kernels.max_rows:
+            rows += decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results)
     if core.async_scheduling:  # what async scheduling buys: the same decode with it off
         core.async_scheduling = False
         core.block_manager.reset_prefix_cache()
@@ -262,25 +263,48 @@ def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 50) -> float:
     return start.elapsed_time(end) / times
 
 
-def decode_gemvs_off(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
-    """What the decode GEMVs buy: the batch-1 graph captured again with cuBLAS projections, its
-    replay time and the engine's decode speed with it."""
+def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
+    """What each part of the batch-1 decode path buys: the path with one part changed."""
+    variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
+    if path.pdl:
+        variants["same, PDL off"] = replace(path, pdl=False)
+    if path.fused_swiglu:
+        variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
+    variants["same, down_proj " + ("on cuBLAS" if path.gemv_down else "as a GEMV too")] = replace(path, gemv_down=not path.gemv_down)
+    return variants
+
+
+def decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
+    """The batch-1 graph captured again for each variant of the decode path (DecodeKernels): its
+    replay time and the engine's decode speed with it, against the configured path."""
     from engine.cuda_graph import CudaGraphRunner
 
-    runner, fused_graphs, gemv_rows = core.runner, core.runner.graphs, core.model.decode_kernel_max_rows
-    core.model.decode_kernel_max_rows = 0
-    try:
-        plain = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], fused_graphs.block_tables.shape[1], core.device)
-        runner.graphs = plain
-        core.block_manager.reset_prefix_cache()
-        _, plain_tpot = engine_decode(core, prompt, sizes.decode_tokens)
-        plain_ms = replay_ms(plain.graphs[1])  # like the other replay: with the decoded request's context
-    finally:
-        runner.graphs = fused_graphs
-        core.model.decode_kernel_max_rows = gemv_rows
-    results.update(decode_bs1_unfused_tok_s=1 / plain_tpot, decode_bs1_unfused_graph_ms=plain_ms)
-    return [Row("decode batch 1, decode GEMVs (engine/kernels/linear.py)", 1 / tpot, "tok/s", "same, cuBLAS projections", 1 / plain_tpot),
-            Row("decode batch 1: graph replay, decode GEMVs", gpu_ms, "ms", "same, cuBLAS projections", plain_ms, False)]
+    runner, graphs, path = core.runner, core.runner.graphs, core.model.decode_kernels
+    rows, by_variant = [], {}
+    for name, variant in decode_path_variants(path).items():
+        core.model.decode_kernels = variant
+        try:
+            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], core.device)
+            runner.graphs = other
+            core.block_manager.reset_prefix_cache()
+            _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)
+            other_ms = replay_ms(other.graphs[1])  # like the other replay: with the decoded request's context
+        finally:
+            runner.graphs = graphs
+            core.model.decode_kernels = path
+        del other
+        by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
+        rows += [Row(f"decode batch 1 ({path_name(path)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
+                 Row("  graph replay", gpu_ms, "ms", name, other_ms, False)]
+    results.update(decode_bs1_path=asdict(path), decode_bs1_variants=by_variant)
+    return rows
+
+
+def path_name(path: DecodeKernels) -> str:
+    if not path.max_rows:
+        return "cuBLAS"
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", "down GEMV" if path.gemv_down else "", "PDL" if path.pdl else ""]
+    return ", ".join(p for p in parts if p)
 
 
 def bench_prefill(core, hf, sizes, rng, flops, results) -> list[Row]:
@@ -471,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
+    p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+                   help="programmatic dependent launch on the batch-1 decode path (auto: on with a Hopper+ GPU)")
     p.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="capture piecewise CUDA graphs only up to this many tokens a step (default: all sizes up to the step budget)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -493,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(resolve("llm"))
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
                           quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel, async_scheduling=args.async_scheduling,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+                          pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
     sizes = Sizes.for_device(device)

@@ -146,8 +146,14 @@ class EngineConfig:
                                                    896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
                                                    7168, 8192)
     decode_kernels: bool = True
-    """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up and the lm_head as Triton GEMVs
-    (engine/kernels/linear.py, measured faster than cuBLAS there); off: cuBLAS throughout."""
+    """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
+    lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:
+    cuBLAS throughout (engine/kernels/decode_kernels.py)."""
+    pdl: Literal["auto", "on", "off"] = "auto"
+    """Programmatic dependent launch for the batch-1 decode path's Triton kernels: each may start
+    while the previous one finishes, prefetching its weights into L2 (engine/kernels/_pdl_triton.py).
+    ``auto``: on where supported (decode_kernels on, a compute capability 9.0+ GPU); ``on`` fails
+    elsewhere."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and launch step N+1 while the device still runs step N, whose sampled tokens
     feed N+1 on the device; the host reads them back and does its per-token work (detokenize,
@@ -184,6 +190,10 @@ class EngineConfig:
             raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
+        if self.pdl not in ("auto", "on", "off"):
+            raise ConfigError(f"pdl must be auto/on/off, got {self.pdl!r}")
+        if self.pdl == "on" and not self.decode_kernels:
+            raise ConfigError("pdl='on' applies to the batch-1 decode kernels: it needs decode_kernels=True")
         if self.cpu_decode_kernel not in ("auto", "on", "off"):
             raise ConfigError(f"cpu_decode_kernel must be auto/on/off, got {self.cpu_decode_kernel!r}")
         if self.cpu_decode_kernel == "on" and self.quantization != "int4":

@@ -18,8 +18,9 @@ from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels.decode_kernels import DecodeKernels
 from engine.kernels.linear import DECODE_MAX_ROWS
-from engine.kernels.triton_utils import triton_available
+from engine.kernels.triton_utils import pdl_supported, triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import has_tokenizer, load_model, model_kind
 from engine.memory import MemoryLedger, tensor_bytes
@@ -134,8 +135,7 @@ class EngineCore:
             ),
             self.block_manager,
         )
-        fused = config.decode_kernels and self.device.type == "cuda" and triton_available()
-        self.model.decode_kernel_max_rows = DECODE_MAX_ROWS if fused else 0
+        self.model.decode_kernels = self._decode_kernels(config)
         backend = select_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
         if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
@@ -166,6 +166,18 @@ class EngineCore:
         self.generation_tokens_total = 0
 
     # ---- setup helpers ------------------------------------------------------------------------
+    def _decode_kernels(self, config: EngineConfig) -> DecodeKernels:
+        """The batch-1 decode path from the config: CUDA with Triton only."""
+        if not (config.decode_kernels and self.device.type == "cuda" and triton_available()):
+            if config.pdl == "on":
+                raise ConfigError(f"pdl='on' needs the Triton decode kernels on a CUDA device, not {self.device}")
+            return DecodeKernels()
+        pdl = config.pdl == "on" or (config.pdl == "auto" and pdl_supported(self.device))
+        if config.pdl == "on" and not pdl_supported(self.device):
+            raise ConfigError(f"pdl='on' needs compute capability 9.0+, {torch.cuda.get_device_name(self.device)} has "
+                              f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        return DecodeKernels(max_rows=DECODE_MAX_ROWS, pdl=pdl)
+
     def _attach_cpu_decode_kernel(self) -> None:
         """Small decode-only steps run as one native call (engine/cpu_decode.py)."""
         from engine.config import default_cache_dir

@@ -20,14 +20,17 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
 import triton
 import triton.language as tl
 
+from engine.kernels._pdl_triton import pdl_wait
+
 
 @triton.jit
 def rope_store_kernel(
     Q, K, V, POS, COS_SIN, K_CACHE, V_CACHE, SLOT,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_cslot, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
@@ -64,8 +67,9 @@ def decode_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,8 +115,9 @@ def decode_kernel(
 def combine_kernel(
     O_PART, LSE_PART, OUT,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_out_t, stride_out_h,
-    NUM_SPLITS, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)

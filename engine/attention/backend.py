@@ -39,13 +39,16 @@ class AttentionBackend:
 
     def rope_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, pdl: bool = False,
     ) -> torch.Tensor:
         """Rotate q and k by their positions (``cos_sin`` table [positions, head_dim]: cos | sin),
-        write k and v to ``meta.slot_mapping``; return the rotated q."""
+        write k and v to ``meta.slot_mapping``; return the rotated q. ``pdl``: the caller's
+        kernels use programmatic dependent launch (CUDA backends may too; others ignore it)."""
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, pdl: bool = False,
+    ) -> torch.Tensor:
         """q [T, Hq, D] against cache (k, v) each [blocks, page, Hkv, D] -> [T, Hq, D]."""
         raise NotImplementedError
 

@@ -155,7 +155,7 @@ def decode_attention_views(
 class TorchReferenceAttention(AttentionBackend):
     name = "torch"
 
-    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta):  # type: ignore[override]
+    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta, pdl=False):  # type: ignore[override]
         rot = meta.scratch.get("cos_sin")
         if rot is None:  # gathered once per step, shared by every layer
             rot = signed_cos_sin(*cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1))
@@ -164,7 +164,7 @@ class TorchReferenceAttention(AttentionBackend):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         return q
 
-    def attend(self, q, kv_cache, meta, scale):  # type: ignore[override]
+    def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         if q.device.type == "cpu":
             if "decode_views" not in meta.scratch:  # planned once per step, shared by every layer
                 meta.scratch["decode_views"] = decode_view_plan(meta, kv_cache[0].shape[1])

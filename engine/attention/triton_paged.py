@@ -7,6 +7,7 @@ import torch
 from dataclasses import dataclass
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.kernels.triton_utils import launch_options
 from engine.transfer import to_device
 
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
@@ -42,8 +43,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
 
 def rope_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, *, pdl: bool = False,
 ) -> torch.Tensor:
+    """``pdl``: launch with programmatic dependent launch (Hopper+, engine/kernels/_pdl_triton.py)."""
     from engine.attention._triton_kernels import rope_store_kernel
 
     k_cache, v_cache = kv_cache
@@ -56,16 +58,16 @@ def rope_and_store(
         q, k, v, positions, cos_sin, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         kc.stride(0), kc.stride(1),
-        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=_pow2(hq), HKV_PAD=_pow2(hkv), HALF_PAD=_pow2(half),
+        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=_pow2(hq), HKV_PAD=_pow2(hkv), HALF_PAD=_pow2(half), USE_PDL=pdl, **launch_options(pdl),
     )
     return q
 
 
 def decode_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out: torch.Tensor,
+    scale: float, out: torch.Tensor, *, pdl: bool = False,
 ) -> torch.Tensor:
-    """q [B, Hq, D] (one query per request) -> out [B, Hq, D]."""
+    """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`."""
     from engine.attention._triton_kernels import combine_kernel, decode_kernel
 
     k_cache, v_cache = kv_cache
@@ -82,12 +84,12 @@ def decode_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     combine_kernel[(b, hq)](
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad,
+        NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
@@ -148,7 +150,7 @@ def prefill_attention(
         combine_kernel[(t - first, hq)](
             o_part[first:], lse[first:], out[first:],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad,
+            NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=False,
         )
     return out
 
@@ -156,14 +158,14 @@ def prefill_attention(
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
 
-    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta):  # type: ignore[override]
-        return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
+    def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta, pdl=False):  # type: ignore[override]
+        return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
 
-    def attend(self, q, kv_cache, meta, scale):  # type: ignore[override]
+    def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd])
+            decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd], pdl=pdl)
         if nd < meta.num_requests:
             prefill_attention(q, kv_cache, meta, scale, out)
         return out

@@ -3,9 +3,12 @@
 import triton
 import triton.language as tl
 
+from engine.kernels._pdl_triton import pdl_wait
+
 
 @triton.jit
-def silu_and_mul_kernel(X, OUT, f, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(X, OUT, f, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < f

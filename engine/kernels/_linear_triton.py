@@ -15,32 +15,56 @@ the SwiGLU one 279 us against 32.4.
 import triton
 import triton.language as tl
 
+from engine.kernels._pdl_triton import pdl_wait, prefetch_l2
+
 
 @triton.jit
 def decode_linear_kernel(
     X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
+    its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
+    PREFETCH_K > 0 (with PDL): the first PREFETCH_K columns of this program's weight rows are
+    requested into L2 before waiting for the previous kernel - weights never depend on it."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
     n_mask = offs_n[:, None] < N
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
+    if PREFETCH_K > 0:  # one request per 128-byte line of bf16, rows clamped into the matrix
+        lines = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + (tl.arange(0, PREFETCH_K // 64) * 64)[None, :]
+        prefetch_l2(lines)
+        if GATED:
+            prefetch_l2(lines + up_offset)
+    pdl_wait(USE_PDL)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w_ptrs = w_rows + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:  # no mask along the contiguous dimension
             x = tl.load(x_ptrs, mask=m_mask, other=0.0)
             w = tl.load(w_ptrs, mask=n_mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset, mask=n_mask, other=0.0, eviction_policy="evict_first")
         else:
             k_ok = (k + offs_k)[None, :] < K
             x = tl.load(x_ptrs, mask=m_mask & k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=n_mask & k_ok, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset, mask=n_mask & k_ok, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 

@@ -5,7 +5,7 @@ straight into float32 (the lm_head's logits, no cast kernel). On the H200 at bat
 cuBLAS on q|k|v, o_proj, gate|up and the lm_head (15.2 / 12.3 / 56.7 / 233.6 us against 15.3 /
 12.6 / 60.5 / 247.8), not on down_proj (33.6 against 31.3), which keeps cuBLAS; at 8 rows cuBLAS
 was ahead on q|k|v and gate|up (docs/results/2026-11-29-h200-gemv-sweep.txt), so only batch-1
-steps use it (``LlamaForCausalLM.decode_kernel_max_rows``). ``python -m engine.kernel_bench
+steps use it (``DecodeKernels.max_rows``, engine/kernels/decode_kernels.py). ``python -m engine.kernel_bench
 --gemv`` sweeps its tiles against cuBLAS; :func:`decode_tile` holds the winners.
 """
 
@@ -51,19 +51,41 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 
 
 # ---- Triton --------------------------------------------------------------------------------
-def decode_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows."""
+PREFETCH_BYTES = 8 << 20  # with PDL: weight bytes a GEMV asks L2 for before the previous kernel ends
+
+
+def prefetch_columns(rows: int, k: int, budget: int = PREFETCH_BYTES) -> int:
+    """Leading columns of an [rows, k] bf16 weight to prefetch into L2 under ``budget`` bytes:
+    a power of two >= 64 (one 128-byte line per 64 columns), at most k; 0 if even 64 is over."""
+    cols = min(k, budget // (2 * rows))
+    return 0 if cols < 64 else 1 << (cols.bit_length() - 1)
+
+
+def decode_linear(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+    *, gated: bool = False, pdl: bool = False,
+) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
+
+    ``gated``: w is gate|up stacked ([2F, K]) and the result is silu(x @ gate^T) * (x @ up^T)
+    [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
+    (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): the kernel
+    prefetches its first weight columns into L2 while the previous kernel finishes."""
     from engine.kernels._linear_triton import decode_linear_kernel
+    from engine.kernels.triton_utils import launch_options
 
     config = config or decode_tile(*w.shape)
-    m, (n, k) = x.shape[0], w.shape
-    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} do not fit {config}")
+    m, (rows, k) = x.shape[0], w.shape
+    n = rows // 2 if gated else rows
+    block_n = config.block_n // 2 if gated else config.block_n  # same weight rows per program
+    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2):
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} do not fit {config}")
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    decode_linear_kernel[(-(-n // config.block_n),)](
+    decode_linear_kernel[(-(-n // block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        GATED=gated, PREFETCH_K=prefetch_columns(rows, k) if pdl else 0, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y
 

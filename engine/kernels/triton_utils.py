@@ -20,3 +20,14 @@ def use_triton(t: torch.Tensor) -> bool:
     """Triton kernels for CUDA tensors; CPU tensors take the torch reference. (Tests run the
     Triton versions on the CPU under ``TRITON_INTERPRET=1`` by calling them directly.)"""
     return t.is_cuda and triton_available()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a CUDA device of compute capability 9.0+ (Hopper)."""
+    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """Extra launch keywords for a Triton kernel: ``launch_pdl`` only when used (the CPU
+    interpreter never sees it)."""
+    return {"launch_pdl": True} if pdl else {}

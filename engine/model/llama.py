@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
+from engine.kernels.decode_kernels import DecodeKernels
 from engine.kernels.linear import decode_linear
 from engine.model.rope import RotaryEmbedding
 
@@ -25,11 +26,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual): with a residual, normalises ``x + residual``."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps), x
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, pdl=pdl), x
+        return add_rms_norm(x, residual, self.weight, self.eps, pdl=pdl)
 
 
 class LlamaAttention(nn.Module):
@@ -53,6 +54,7 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        pdl: bool = False,
     ) -> torch.Tensor:
         """The part between the projections: RoPE, KV write, paged attention -> [T, q_size].
         Piecewise CUDA graphs run exactly this eagerly (its launch shape depends on the batch)."""
@@ -61,8 +63,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = backend.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta)
-        return backend.attend(q, kv_cache, meta, self.scale).reshape(t, self.q_size)
+        q = backend.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta, pdl)
+        return backend.attend(q, kv_cache, meta, self.scale, pdl).reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -95,11 +97,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        # Steps of at most this many tokens run q|k|v, o_proj, gate|up and the lm_head as Triton
-        # GEMVs (engine/kernels/linear.py); 0: cuBLAS. Set by the engine (EngineConfig.
-        # decode_kernels, CUDA only) before it captures graphs; tests set it on the CPU to run
-        # the same kernels in Triton's interpreter.
-        self.decode_kernel_max_rows = 0
+        # The batch-1 decode path (Triton GEMVs, PDL); off by default. Set by the engine
+        # (EngineConfig.decode_kernels / .pdl, CUDA only) before it captures graphs; tests set it
+        # on the CPU to run the same kernels in Triton's interpreter.
+        self.decode_kernels = DecodeKernels()
 
     def forward(
         self,
@@ -117,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         qkv, residual = self.first_piece(input_ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i])
+            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i], self._pdl(qkv))
             if i == last:
                 return self.last_piece(attn, residual)
             qkv, residual = self.middle_piece(i, attn, residual)
@@ -128,25 +129,34 @@ class LlamaForCausalLM(nn.Module):
         return self._norm_qkv(0, self.embed_tokens(input_ids), None)
 
     def _use_gemv(self, x: torch.Tensor) -> bool:
-        """Rows few enough for the decode GEMV (never 0: a step may sample no row)."""
-        return 0 < x.shape[0] <= self.decode_kernel_max_rows
+        """Whether this step's ``x`` takes the batch-1 decode path (DecodeKernels)."""
+        return self.decode_kernels.applies(x.shape[0])
+
+    def _pdl(self, x: torch.Tensor) -> bool:
+        return self.decode_kernels.pdl and self._use_gemv(x)
 
     def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        return decode_linear(x, linear.weight) if self._use_gemv(x) else linear(x)
+        return decode_linear(x, linear.weight, pdl=self._pdl(x)) if self._use_gemv(x) else linear(x)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
         layer = self.layers[i]
-        x, residual = layer.input_layernorm(h, residual)
+        x, residual = layer.input_layernorm(h, residual, self._pdl(h))
         return self._proj(layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[i]
+        layer, pdl = self.layers[i], self._pdl(attn)
         h = self._proj(layer.self_attn.o_proj, attn)
-        x, residual = layer.post_attention_layernorm(h, residual)
-        mlp = layer.mlp  # down_proj stays on cuBLAS: faster than the GEMV at its shape
-        return mlp.down_proj(silu_and_mul(self._proj(mlp.gate_up_proj, x))), residual
+        x, residual = layer.post_attention_layernorm(h, residual, pdl)
+        mlp = layer.mlp
+        if self._use_gemv(x) and self.decode_kernels.fused_swiglu:
+            act = decode_linear(x, mlp.gate_up_proj.weight, gated=True, pdl=pdl)
+        else:
+            act = silu_and_mul(self._proj(mlp.gate_up_proj, x), pdl=pdl)
+        if self.decode_kernels.gemv_down:
+            return self._proj(mlp.down_proj, act), residual
+        return mlp.down_proj(act), residual  # cuBLAS: faster than the plain GEMV at its shape
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
@@ -156,13 +166,13 @@ class LlamaForCausalLM(nn.Module):
     def last_piece(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
         h, residual = self._after_attention(len(self.layers) - 1, attn, residual)
-        return self.norm(h, residual)[0]
+        return self.norm(h, residual, self._pdl(h))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
         if self._use_gemv(hidden):  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return decode_linear(hidden, weight, torch.float32)
+            return decode_linear(hidden, weight, torch.float32, pdl=self._pdl(hidden))
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -93,3 +93,51 @@ def test_the_cpu_engine_never_launches_a_triton_kernel(tiny_llama_dir):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[3, 3]"
+
+
+def test_gemv_weight_prefetch_fits_its_budget_in_whole_lines():
+    from engine.kernels.linear import PREFETCH_BYTES, prefetch_columns
+
+    for rows, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        cols = prefetch_columns(rows, k)
+        assert 2 * rows * cols <= PREFETCH_BYTES
+        assert cols == 0 or (cols >= 64 and cols & (cols - 1) == 0 and cols <= k)  # whole 128-byte lines, a power of 2
+        assert cols == 0 or 2 * rows * min(k, 2 * cols) > PREFETCH_BYTES or cols == k  # the largest such
+    assert prefetch_columns(128256, 4096) == 0  # the lm_head: 64 columns of every row are over 8 MiB
+    assert prefetch_columns(10, 100) == 64 and prefetch_columns(10, 63) == 0
+
+
+def test_the_decode_path_applies_to_steps_of_1_to_max_rows_tokens():
+    from engine.kernels.decode_kernels import DecodeKernels
+
+    assert not DecodeKernels().applies(1)  # the default is the plain (cuBLAS) path
+    path = DecodeKernels(max_rows=1)
+    assert path.applies(1) and not path.applies(0) and not path.applies(2)
+
+
+def test_pdl_on_without_a_hopper_gpu_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="pdl='on' needs the Triton decode kernels on a CUDA device"):
+        EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, pdl="on"))
+    with pytest.raises(ConfigError, match="needs decode_kernels=True"):
+        EngineConfig(model=str(tiny_llama_dir), pdl="on", decode_kernels=False).validate()
+    with pytest.raises(ConfigError, match="pdl must be auto/on/off"):
+        EngineConfig(model=str(tiny_llama_dir), pdl="yes").validate()
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    assert core.model.decode_kernels.max_rows == 0 and not core.model.decode_kernels.pdl  # auto: off on the CPU
+
+
+def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
+    from dataclasses import fields
+
+    from engine.bench import decode_path_variants
+    from engine.kernels.decode_kernels import DecodeKernels
+
+    path = DecodeKernels(max_rows=1, pdl=True)
+    variants = decode_path_variants(path)
+    assert variants["cuBLAS projections, separate SwiGLU"].max_rows == 0
+    for name, variant in variants.items():
+        if variant.max_rows:
+            changed = [f.name for f in fields(DecodeKernels) if getattr(variant, f.name) != getattr(path, f.name)]
+            assert len(changed) == 1, (name, changed)
+    assert {v.pdl for v in variants.values() if v.max_rows} == {True, False}
+    assert "same, PDL off" not in decode_path_variants(DecodeKernels(max_rows=1))

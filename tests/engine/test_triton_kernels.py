@@ -21,11 +21,17 @@ from engine.attention.backend import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import paged_attention_reference, rotate, write_kv  # noqa: E402
 from engine.attention.triton_paged import decode_attention, prefill_attention, rope_and_store  # noqa: E402
 from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from engine.kernels.decode_kernels import DecodeKernels  # noqa: E402
 from engine.kernels.norm import add_rms_norm_ref, add_rms_norm_triton  # noqa: E402
+from engine.kernels.triton_utils import pdl_supported  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+# Programmatic dependent launch runs on Hopper+ only; elsewhere (and in the interpreter) the
+# kernels are checked without it.
+PDL = pdl_supported(DEVICE)
+PDL_CASES = [False, True] if PDL else [False]
 
 
 def rel(a, b):
@@ -65,14 +71,15 @@ def build_batch(query_lens, ctx_lens, hkv, dim, page, seed):
     return (k_cache, v_cache), meta
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
 @pytest.mark.parametrize("hq,hkv,dim,page", [(4, 1, 16, 4), (6, 2, 64, 16), (8, 8, 32, 8)])
-def test_decode_attention_matches_reference(hq, hkv, dim, page):
+def test_decode_attention_matches_reference(hq, hkv, dim, page, pdl):
     seed = random.randrange(1 << 30)
     ctx = [0, 5, 37, 130, 1][: 4 if DEVICE.type == "cpu" else 5]
     cache, meta = build_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out)
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl)
     ref = paged_attention_reference(q, cache, meta, dim**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
@@ -93,7 +100,8 @@ def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page):
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
-def test_rope_and_store_match_reference():
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_rope_and_store_match_reference(pdl):
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     t, hq, hkv, dim, page = 13, 6, 2, 64, 4
@@ -109,21 +117,22 @@ def test_rope_and_store_match_reference():
     cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
     q_ref, k_ref = rotate(q, cos, sin), rotate(k, cos, sin)
     write_kv(k_ref, v, cache_b, slots)
-    q_out = rope_and_store(q.clone(), k, v, positions, cos_sin, cache_a, slots)
+    q_out = rope_and_store(q.clone(), k, v, positions, cos_sin, cache_a, slots, pdl=pdl)
     assert rel(q_out, q_ref) < TOL and rel(cache_a[0], cache_b[0]) < TOL and torch.equal(cache_a[1], cache_b[1])
 
 
-def test_fused_norm_and_activation_match_reference():
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_fused_norm_and_activation_match_reference(pdl):
     x = torch.randn(7, 72, device=DEVICE, dtype=DTYPE)
     r = torch.randn(7, 72, device=DEVICE, dtype=DTYPE)
     w = torch.randn(72, device=DEVICE, dtype=DTYPE)
-    out, res = add_rms_norm_triton(x, r, w, 1e-5)
+    out, res = add_rms_norm_triton(x, r, w, 1e-5, pdl=pdl)
     ref_out, ref_res = add_rms_norm_ref(x, r, w, 1e-5)
     assert rel(out, ref_out) < TOL and rel(res, ref_res) < TOL
-    only, _ = add_rms_norm_triton(x, None, w, 1e-5)
+    only, _ = add_rms_norm_triton(x, None, w, 1e-5, pdl=pdl)
     assert rel(only, torch.nn.functional.rms_norm(x, (72,), w, 1e-5)) < TOL
     g = torch.randn(5, 2 * 1500, device=DEVICE, dtype=DTYPE)
-    assert rel(silu_and_mul_triton(g), silu_and_mul_ref(g)) < TOL
+    assert rel(silu_and_mul_triton(g, pdl=pdl), silu_and_mul_ref(g)) < TOL
 
 
 def test_short_chunk_after_a_long_context_splits_the_context():
@@ -143,17 +152,28 @@ def test_short_chunk_after_a_long_context_splits_the_context():
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_decode_gemv_matches_reference(rows):
-    """Odd widths (K not a multiple of the tile: masked) and the even path, bf16 or float32 out."""
+def test_decode_gemv_matches_reference(rows, pdl):
+    """Odd widths (K not a multiple of the tile: masked) and the even path, bf16 or float32 out;
+    the gated form (SwiGLU in the epilogue) against silu(gate) * up of the plain product."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
 
-    for k, n, config in ((200, 300, None), (256, 100, GemvConfig("dot", 16, 64, 4, 2))):
+    for k, n, config in ((200, 300, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2)), (4096, 64, GemvConfig("dot", 32, 512, 4, 2))):
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
-        assert rel(decode_linear(x, w, config=config), decode_linear_ref(x, w)) < TOL
-        logits = decode_linear(x, w, torch.float32, config)
+        assert rel(decode_linear(x, w, config=config, pdl=pdl), decode_linear_ref(x, w)) < TOL
+        logits = decode_linear(x, w, torch.float32, config, pdl=pdl)
         assert logits.dtype == torch.float32 and rel(logits, decode_linear_ref(x, w, torch.float32)) < TOL
+        gated = decode_linear(x, w, config=config, gated=True, pdl=pdl)
+        assert gated.shape == (rows, n // 2) and rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
+
+
+def test_a_gated_gemv_needs_gate_and_up_halves():
+    from engine.kernels.linear import decode_linear
+
+    with pytest.raises(ValueError, match="gated=True"):
+        decode_linear(torch.randn(1, 64, device=DEVICE, dtype=DTYPE), torch.randn(33, 64, device=DEVICE, dtype=DTYPE), gated=True)
 
 
 def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_dir):
@@ -164,11 +184,20 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_d
     prompt = [5, 17, 33, 2, 90, 41, 7]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outputs = {}
-    for rows in (0, 1):
+    paths = {"plain": DecodeKernels(), "gemv": DecodeKernels(max_rows=1), "gemv+swiglu kernel": DecodeKernels(max_rows=1, fused_swiglu=False),
+             "gemv+down": DecodeKernels(max_rows=1, gemv_down=True)}
+    if PDL:
+        paths["gemv+pdl"] = DecodeKernels(max_rows=1, pdl=True)
+    for name, path in paths.items():
         llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
-        llm.core.model.decode_kernel_max_rows = rows
-        outputs[rows] = llm.generate([prompt], params)[0]
-    plain, gemv = outputs[0], outputs[1]
-    assert gemv.token_ids == plain.token_ids
-    for a, b in zip(plain.logprobs, gemv.logprobs):
-        assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4)
+        llm.core.model.decode_kernels = path
+        outputs[name] = llm.generate([prompt], params)[0]
+    if PDL:  # as the engine runs it: its own path (PDL on), captured in CUDA graphs
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
+        assert llm.core.model.decode_kernels.pdl
+        outputs["engine, graphs"] = llm.generate([prompt], params)[0]
+    plain = outputs.pop("plain")
+    for name, out in outputs.items():
+        assert out.token_ids == plain.token_ids, name
+        for a, b in zip(plain.logprobs, out.logprobs):
+            assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4), name

@@ -1,0 +1,27 @@
+"""Device side of programmatic dependent launch (PDL, Hopper+), shared by the decode kernels.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream
+is still running. Before :func:`pdl_wait` it may only *read memory nothing in flight writes*
+(weights); everything else - reading the previous kernel's output, any store - comes after it.
+Calling ``gdc_launch_dependents`` right after the wait lets the next kernel start its own
+prologue now: at most two kernels overlap, and the earlier one has passed its own wait.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's writes, then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (one prefetch per element, no register result): a
+    weight read that may run before :func:`pdl_wait`, while the previous kernel finishes."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
