@@ -4,8 +4,10 @@ At batch 1 an 8B decode step is ~3.5 ms of memory traffic spread over ~400 kerne
 one by one from Python that becomes ~80 ms (measured for HF eager on an H200). Captured once per
 bucket, a step is a few host->device copies into persistent buffers and one replay.
 
-:class:`CudaGraphRunner`: decode-only batches (one query per request), the whole forward as one
-graph per batch-size bucket. Padding rows point at the null block with context length 0.
+:class:`CudaGraphRunner`: decode-only batches (one query per request), the whole forward and the
+lm_head (every decode row is sampled) as one graph per batch-size bucket: at batch 1 the lm_head
+follows the last norm inside the graph instead of after an eager row gather and a launch gap.
+Padding rows point at the null block with context length 0.
 
 :class:`PiecewiseGraphRunner`: steps with prefill chunks. Their attention launch shape depends on
 the batch (tiles per request, context splits), so it runs eagerly; everything else - the
@@ -64,11 +66,12 @@ class CudaGraphRunner:
             meta = self._meta(bs)
             with torch.inference_mode():
                 for _ in range(2):  # compile Triton kernels, settle cuBLAS heuristics
-                    model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers)
+                    model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers))
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers)
+                    hidden = model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers)
+                    self.outputs[bs] = model.compute_logits(hidden)
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -89,7 +92,8 @@ class CudaGraphRunner:
         return graph_bucket(self.batch_sizes, num_seqs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:
-        """Copy one decode batch into the persistent buffers, replay, return hidden [n, H]."""
+        """Copy one decode batch into the persistent buffers, replay, return logits [n, vocab]
+        (float32) for its n rows."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

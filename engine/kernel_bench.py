@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 
 import torch
 
@@ -56,33 +57,42 @@ def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
     return flops, kv + qo
 
 
-def profile_decode_step(model_config: str, batch: int, context: int) -> None:
-    """Where the device time of one eager decode step goes, kernel by kernel (torch.profiler),
-    for the model in ``model_config`` with random weights."""
+def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto") -> None:
+    """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
+    model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
+    batch-1 decode path): the kernels' summed time against the steps' wall time shows the gaps.
+    With PDL a kernel's span includes its wait for the previous one: profile ``pdl="off"`` for
+    kernel times that add up."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
     from engine.sampling import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model_config, load_format="dummy", enable_cuda_graphs=False,
-                                   gpu_memory_utilization=0.5, max_model_len=context + 64))
+    core = EngineCore(EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=context + 64,
+                                   piecewise_cuda_graph_sizes=(), async_scheduling="off", pdl=pdl))
     rng = random.Random(0)
     for _ in range(batch):
-        core.add_request([rng.randrange(100, 1000) for _ in range(context)], SamplingParams(max_tokens=64, ignore_eos=True))
+        core.add_request([rng.randrange(100, 1000) for _ in range(context)], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     while any(len(r.output_token_ids) < 2 for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     for _ in range(3):
         core.step()
+    steps = 10
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        core.step()
+        for _ in range(steps):
+            core.step()
         torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events)
-    print(f"decode step, batch {batch}, context {context}: {total / 1e3:.3f} ms of kernel time")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
-        print(f"  {e.device_time_total / 1e3:8.3f} ms {100 * e.device_time_total / total:5.1f}%  x{e.count:<4} {e.key[:90]}")
+    total = sum(e.device_time_total for e in events) / steps / 1e3
+    print(f"decode step, batch {batch}, context {context}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
+          f"per step, {wall:.3f} ms wall (profiled; the rest is gaps between kernels and host time)")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
+        per_step = e.device_time_total / steps / 1e3
+        print(f"  {per_step:8.3f} ms {100 * per_step / total:5.1f}%  x{e.count // steps:<4} {e.device_time_total / e.count:7.2f} us each  {e.key[:80]}")
 
 
 def sweep_prefill_tiles(device: torch.device, mm: float) -> None:
@@ -219,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
     p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     if args.profile_decode:
-        profile_decode_step(args.profile_decode, args.batch, args.context)
+        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl)
         return 0
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

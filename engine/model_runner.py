@@ -157,8 +157,9 @@ class ModelRunner:
         pieces = self.piecewise.bucket(len(inputs.input_ids)) if self.piecewise and bucket is None else None
         if bucket is not None:
             self.last_step_mode = "graph"
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)
-        elif pieces is not None:
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)  # the graph ends with the lm_head
+            return logits if len(inputs.sampled_chunks) == meta.num_requests else logits[inputs.sample_rows]
+        if pieces is not None:
             self.last_step_mode = "piecewise"
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, pieces)
         else:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels.argmax import argmax_rows
 from engine.transfer import to_device
 
 
@@ -163,7 +164,7 @@ class Sampler:
                 if r.params.has_penalties:
                     _apply_penalties(logits[i], r)
         if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, rows)
         chosen = top_values = top_indices = None
@@ -195,10 +196,10 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax_rows(probs / noise)
         if any(r.params.greedy for r in rows):
             greedy = to_device([r.params.greedy for r in rows], torch.bool, device)
-            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy, argmax_rows(logits), sampled)
         return sampled
 
 

@@ -137,7 +137,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        return decode_linear(x, linear.weight, pdl=self._pdl(x)) if self._use_gemv(x) else linear(x)
+        return self._gemv(x, linear.weight) if self._use_gemv(x) else linear(x)
+
+    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+        path = self.decode_kernels
+        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl, prefetch_bytes=path.prefetch_bytes)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
@@ -151,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if self._use_gemv(x) and self.decode_kernels.fused_swiglu:
-            act = decode_linear(x, mlp.gate_up_proj.weight, gated=True, pdl=pdl)
+            act = self._gemv(x, mlp.gate_up_proj.weight, gated=True)
         else:
             act = silu_and_mul(self._proj(mlp.gate_up_proj, x), pdl=pdl)
         if self.decode_kernels.gemv_down:
@@ -172,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32 for the selected rows of ``hidden``."""
         if self._use_gemv(hidden):  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return decode_linear(hidden, weight, torch.float32, pdl=self._pdl(hidden))
+            return self._gemv(hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

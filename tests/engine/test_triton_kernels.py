@@ -201,3 +201,19 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_d
         assert out.token_ids == plain.token_ids, name
         for a, b in zip(plain.logprobs, out.logprobs):
             assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4), name
+
+
+def test_argmax_matches_torch_ties_included():
+    """Greedy tokens: the first index of each row's maximum, across chunk borders and at the end."""
+    from engine.kernels.argmax import CHUNK, argmax_rows_triton
+
+    n = 2 * CHUNK + 77  # a partial last chunk
+    x = torch.randn(5, n, device=DEVICE)
+    x[1, CHUNK + 3] = x[1, 2 * CHUNK + 70] = 100.0  # a tie across chunks: the first wins
+    x[2, 5] = x[2, 9] = 50.0  # a tie inside one chunk
+    x[3, n - 1] = 1e9  # the very last column
+    x[4] = float("-inf")
+    x[4, CHUNK] = -1e30
+    got = argmax_rows_triton(x)
+    assert got.dtype == torch.int64 and got.tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows_triton(torch.empty(0, n, device=DEVICE)).shape == (0,)
