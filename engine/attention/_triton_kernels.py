@@ -11,7 +11,8 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
 - ``decode_kernel`` + ``combine_kernel``: split-KV ("flash decoding") attention for one query per
   request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
   over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
-  Splitting keeps the GPU busy when few requests have long contexts.
+  Splitting keeps the GPU busy when few requests have long contexts; a batch large enough to
+  fill the GPU unsplit (one slice) writes its output directly and launches no combine.
 - ``prefill_kernel``: FlashAttention-style tiles of (query, head) rows of one GQA group against
   the paged context, with a causal mask offset by the request's cached context: chunked prefill
   and prefix-cache hits.
@@ -62,8 +63,8 @@ def rope_store_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def decode_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -107,8 +108,11 @@ def decode_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     omask = (g < GROUP)[:, None] & (d < D)[None, :]
-    tl.store(O_PART + b * stride_ot + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=omask)
-    tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
+    if NUM_SPLITS == 1:  # the whole context: the final output, no combine pass (a runtime branch)
+        tl.store(OUT + b * stride_out_t + heads[:, None] * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        tl.store(O_PART + b * stride_ot + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=omask)
+        tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
 @triton.jit(do_not_specialize=["stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])

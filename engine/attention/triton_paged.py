@@ -75,17 +75,22 @@ def decode_attention(
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     splits = decode_splits(b, hkv)
-    o_part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    # float32 partials only when split (a dummy otherwise: one kernel signature, one compile)
+    shape = (b, hq, splits, dim) if splits > 1 else (1, 1, 1, 1)
+    o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     d_pad = _pow2(dim, 16)
     decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
         USE_PDL=pdl, num_warps=4, **launch_options(pdl),
     )
+    if splits == 1:
+        return out
     combine_kernel[(b, hq)](
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),

@@ -85,6 +85,22 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, pdl):
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
+def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
+    """Enough (request, KV head) programs for one context slice each: no partials, no combine."""
+    from engine.attention.triton_paged import TARGET_PROGRAMS, decode_splits
+
+    seed = random.randrange(1 << 30)
+    hq, hkv, dim, page = 8, 8, 16, 4
+    n = -(-TARGET_PROGRAMS // hkv)
+    assert decode_splits(n, hkv) == 1
+    cache, meta = build_batch([1] * n, [(7 * i) % 45 for i in range(n)], hkv, dim, page, seed)
+    q = torch.randn(n, hq, dim, device=DEVICE, dtype=DTYPE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out)
+    assert not out.isnan().any()
+    assert rel(out, paged_attention_reference(q, cache, meta, dim**-0.5)) < TOL, f"seed {seed}"
+
+
 @pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (6, 3, 64, 16)])
 def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page):
     seed = random.randrange(1 << 30)
