@@ -57,20 +57,25 @@ def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
     return flops, kv + qo
 
 
-def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto") -> None:
+def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0) -> None:
     """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
     model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
     batch-1 decode path): the kernels' summed time against the steps' wall time shows the gaps.
     With PDL a kernel's span includes its wait for the previous one: profile ``pdl="off"`` for
-    kernel times that add up."""
+    kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
+    ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
+    attention)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
     from engine.sampling import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=context + 64,
-                                   piecewise_cuda_graph_sizes=(), async_scheduling="off", pdl=pdl))
+    steps = 10
+    config = EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=context + prefill + 64,
+                          async_scheduling="off", pdl=pdl, max_num_seqs=batch + steps, max_num_batched_tokens=max(2048, batch + prefill))
+    config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + steps)
+    core = EngineCore(config)
     rng = random.Random(0)
     for _ in range(batch):
         core.add_request([rng.randrange(100, 1000) for _ in range(context)], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -78,17 +83,19 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
         core.step()
     for _ in range(3):
         core.step()
-    steps = 10
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
+            if prefill:
+                core.add_request([rng.randrange(100, 1000) for _ in range(prefill)], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
             core.step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e3
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / steps / 1e3
-    print(f"decode step, batch {batch}, context {context}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
+    kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
+    print(f"{kind}, batch {batch}, context {context}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
           f"per step, {wall:.3f} ms wall (profiled; the rest is gaps between kernels and host time)")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3
@@ -229,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
     p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=0, help="with --profile-decode: each profiled step also prefills a prompt this long")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     if args.profile_decode:
-        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl)
+        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill)
         return 0
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

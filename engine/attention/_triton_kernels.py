@@ -64,12 +64,19 @@ def rope_store_kernel(
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
+    K_NEW, V_NEW, POS, COS_SIN, SLOT,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
+    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr,
 ):
+    """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
+    kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
+    the cache at SLOT and attends to them from registers (the cache read never meets its own
+    write) - no rope_store kernel in a decode step."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -83,7 +90,22 @@ def decode_kernel(
     d = tl.arange(0, D_PAD)
     heads = kvh * GROUP + g
     qmask = (g < GROUP)[:, None] & (d < D)[None, :]
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q_row = Q + b * stride_qt + heads[:, None] * stride_qh
+    if FUSED_ROPE:  # rotate-half RoPE: x[d] * cos[d % HALF] -/+ x[d +/- HALF] * sin[d % HALF]
+        dmask = d < D
+        lo = d < HALF
+        j = tl.where(lo, d, d - HALF)
+        partner = tl.where(lo, d + HALF, d - HALF)
+        pos = tl.load(POS + b).to(tl.int64)
+        cos = tl.load(COS_SIN + pos * stride_cs + j, mask=dmask, other=0.0).to(tl.float32)
+        sin = tl.load(COS_SIN + pos * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32) * tl.where(lo, -1.0, 1.0)
+        q = (tl.load(q_row + d[None, :], mask=qmask, other=0.0).to(tl.float32) * cos[None, :]
+             + tl.load(q_row + partner[None, :], mask=qmask, other=0.0).to(tl.float32) * sin[None, :]).to(Q.dtype.element_ty)
+        last = end == seq_len  # this split owns the last position: the token being decoded
+        owner = (start < end) & last
+        end = tl.where(last, end - 1, end)  # the cache holds every position before it
+    else:
+        q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -103,6 +125,25 @@ def decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
+        k_row = K_NEW + b * stride_knt + kvh * stride_knh
+        k_new = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
+                 + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin).to(K_CACHE.dtype.element_ty)
+        v_new = tl.load(V_NEW + b * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0).to(V_CACHE.dtype.element_ty)
+        slot = tl.load(SLOT + b).to(tl.int64)
+        dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
+        write = d < tl.where(owner, D, 0)  # dmask for the owner, nothing for the other splits
+        tl.store(K_CACHE + dst, k_new, mask=write)
+        tl.store(V_CACHE + dst, v_new, mask=write)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        s_new = tl.where(owner, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p_new = tl.exp(s_new - m_safe)
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

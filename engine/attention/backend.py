@@ -53,6 +53,16 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+    def rope_store_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, pdl: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`rope_and_store` then :meth:`attend` - what a layer calls; a backend may fuse
+        the two (the Triton backend does for decode steps)."""
+        q = self.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta, pdl)
+        return self.attend(q, kv_cache, meta, scale, pdl)
+
+
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` picks Triton on CUDA when it imports, else the torch reference."""
     from engine.attention.torch_ref import TorchReferenceAttention

@@ -63,11 +63,27 @@ def rope_and_store(
     return q
 
 
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode step's raw k and v [B, Hkv, D] (the last token of each request), its positions,
+    the RoPE table and its cache slots: what :func:`decode_attention` needs to do RoPE and the KV
+    write itself."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def decode_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out: torch.Tensor, *, pdl: bool = False,
+    scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`."""
+    """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
+
+    ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
+    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this)."""
     from engine.attention._triton_kernels import combine_kernel, decode_kernel
 
     k_cache, v_cache = kv_cache
@@ -80,14 +96,17 @@ def decode_attention(
     o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     d_pad = _pow2(dim, 16)
+    k_new, v_new, positions, cos_sin, slots = (new.k, new.v, new.positions, new.cos_sin, new.slot_mapping) if new else (q, q, seq_lens, q, seq_lens)
     decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
+        k_new, v_new, positions, cos_sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
-        USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, num_warps=4, **launch_options(pdl),
     )
     if splits == 1:
         return out
@@ -165,6 +184,13 @@ class TritonPagedAttention(AttentionBackend):
 
     def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta, pdl=False):  # type: ignore[override]
         return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
+
+    def rope_store_attend(self, q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
+        if meta.num_decodes < meta.num_requests:  # prefill chunks: their own RoPE + write pass
+            return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)
+        out = torch.empty_like(q)  # a decode step: one kernel per layer does RoPE, the KV write and attention
+        new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new)
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)

@@ -63,8 +63,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = backend.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta, pdl)
-        return backend.attend(q, kv_cache, meta, self.scale, pdl).reshape(t, self.q_size)
+        return backend.rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, self.scale, pdl).reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):

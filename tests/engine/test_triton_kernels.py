@@ -85,6 +85,37 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, pdl):
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
+@pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 16, 4, False), (8, 4, 64, 16, False), (8, 8, 32, 8, True)])
+def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unsplit, pdl):
+    """A decode step in one kernel: RoPE on q and k, the new k/v written to their slots, attention
+    over the cached context plus the new token - against rope + write + reference attention."""
+    from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    n = -(-TARGET_PROGRAMS // hkv) if unsplit else 5
+    ctx = [(0, 5, 37, 130, 63)[i % 5] + i // 5 for i in range(n)]  # a fresh request, page borders, a split border
+    cache, meta = build_batch([1] * n, ctx, hkv, dim, page, seed)
+    qkv = torch.randn(n, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)  # strided views, as in the model
+    q, k, v = q.reshape(n, hq, dim), k.view(n, hkv, dim), v.view(n, hkv, dim)
+    positions = torch.tensor(ctx, device=DEVICE)
+    angles = torch.rand(256, dim // 2, device=DEVICE) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
+    ref_cache = (cache[0].clone(), cache[1].clone())
+    q_ref = rotate(q, cos, sin)
+    write_kv(rotate(k, cos, sin), v, ref_cache, meta.slot_mapping)
+    ref = paged_attention_reference(q_ref, ref_cache, meta, dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl,
+                     new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping))
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(cache[0], ref_cache[0]) < TOL and torch.equal(cache[1], ref_cache[1]), f"seed {seed}"
+
+
 def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     """Enough (request, KV head) programs for one context slice each: no partials, no combine."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, decode_splits
