@@ -268,9 +268,6 @@ def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if path.pdl:
         variants["same, PDL off"] = replace(path, pdl=False)
-        if path.prefetch_bytes:
-            variants["same, no L2 weight prefetch"] = replace(path, prefetch_bytes=0)
-        variants[f"same, {4 * path.prefetch_bytes >> 20 or 8} MiB L2 prefetch"] = replace(path, prefetch_bytes=4 * path.prefetch_bytes or 8 << 20)
     if path.fused_swiglu:
         variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
     variants["same, down_proj " + ("on cuBLAS" if path.gemv_down else "as a GEMV too")] = replace(path, gemv_down=not path.gemv_down)

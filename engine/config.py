@@ -151,7 +151,7 @@ class EngineConfig:
     cuBLAS throughout (engine/kernels/decode_kernels.py)."""
     pdl: Literal["auto", "on", "off"] = "auto"
     """Programmatic dependent launch for the batch-1 decode path's Triton kernels: each may start
-    while the previous one finishes, prefetching its weights into L2 (engine/kernels/_pdl_triton.py).
+    while the previous one finishes (engine/kernels/_pdl_triton.py).
     ``auto``: on where supported (decode_kernels on, a compute capability 9.0+ GPU); ``on`` fails
     elsewhere."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"

@@ -5,9 +5,12 @@ owns BLOCK_N output columns (rows of W) over the whole K: it streams its slice o
 ``num_stages`` pipelined loads and multiplies on tensor cores with x's rows padded to BLOCK_M
 (the padding rows cost no memory traffic). No split-K, so no second reduction kernel.
 
-Tried and not kept (H200, ``kernel_bench --decode-linear``): computing the operand in the
-loop - RMSNorm(x + residual) before q|k|v or gate|up, silu(gate) * up before down_proj - so that
-op needs no kernel of its own. A computed operand cannot be prefetched like a loaded one: the
+Tried and not kept (H200): (1) with PDL, asking L2 for the first weight columns before waiting
+for the previous kernel (``prefetch.global.L2``): 8 MiB a projection was within noise of none
+(batch-1 graph replay 4.20 / 4.19 ms), 32 MiB 8% slower (``engine.bench latency``, 2026-11-30).
+(2) Computing the operand in the loop - RMSNorm(x + residual) before q|k|v or gate|up,
+silu(gate) * up before down_proj - so that op needs no kernel of its own
+(``kernel_bench --decode-linear``). A computed operand cannot be prefetched like a loaded one: the
 norm versions took 44.5 / 78.7 us where the separate kernels and cuBLAS took 17.3 / 63.1 us,
 the SwiGLU one 279 us against 32.4.
 """
@@ -15,35 +18,27 @@ the SwiGLU one 279 us against 32.4.
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_wait, prefetch_l2
+from engine.kernels._pdl_triton import pdl_wait
 
 
 @triton.jit
 def decode_linear_kernel(
     X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
-    its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
-    PREFETCH_K > 0 (with PDL): the first PREFETCH_K columns of this program's weight rows are
-    requested into L2 before waiting for the previous kernel - weights never depend on it."""
+    its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
     n_mask = offs_n[:, None] < N
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
-    if PREFETCH_K > 0:  # one request per 128-byte line of bf16, rows clamped into the matrix
-        lines = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + (tl.arange(0, PREFETCH_K // 64) * 64)[None, :]
-        prefetch_l2(lines)
-        if GATED:
-            prefetch_l2(lines + up_offset)
     pdl_wait(USE_PDL)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_rows + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):

@@ -18,10 +18,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at ``ptrs`` (one prefetch per element, no register result): a
-    weight read that may run before :func:`pdl_wait`, while the previous kernel finishes."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kernels.linear import PREFETCH_BYTES
-
 
 @dataclass(frozen=True)
 class DecodeKernels:
@@ -13,15 +11,14 @@ class DecodeKernels:
     ``max_rows`` tokens run q|k|v, o_proj, gate|up (and ``gemv_down``: down_proj) and the lm_head
     as Triton GEMVs (engine/kernels/linear.py) instead of cuBLAS; ``fused_swiglu``: the gate|up
     GEMV applies SwiGLU in its epilogue (one kernel fewer per layer); ``pdl``: every Triton kernel
-    of the step launches with programmatic dependent launch, so its launch and its weights' first
-    ``prefetch_bytes`` (into L2) overlap the previous kernel's tail (Hopper+). The engine sets this before it captures
+    of the step launches with programmatic dependent launch, so its launch overlaps the previous
+    kernel's tail (Hopper+). The engine sets this before it captures
     CUDA graphs (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
 
     max_rows: int = 0
     fused_swiglu: bool = True
     gemv_down: bool = False
     pdl: bool = False
-    prefetch_bytes: int = PREFETCH_BYTES
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

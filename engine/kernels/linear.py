@@ -51,27 +51,16 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 
 
 # ---- Triton --------------------------------------------------------------------------------
-PREFETCH_BYTES = 8 << 20  # with PDL: weight bytes a GEMV asks L2 for before the previous kernel ends
-
-
-def prefetch_columns(rows: int, k: int, budget: int = PREFETCH_BYTES) -> int:
-    """Leading columns of an [rows, k] bf16 weight to prefetch into L2 under ``budget`` bytes:
-    a power of two >= 64 (one 128-byte line per 64 columns), at most k; 0 if even 64 is over."""
-    cols = min(k, budget // (2 * rows))
-    return 0 if cols < 64 else 1 << (cols.bit_length() - 1)
-
-
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-    *, gated: bool = False, pdl: bool = False, prefetch_bytes: int = PREFETCH_BYTES,
+    *, gated: bool = False, pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
 
     ``gated``: w is gate|up stacked ([2F, K]) and the result is silu(x @ gate^T) * (x @ up^T)
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
-    (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): the kernel
-    prefetches its first weight columns (``prefetch_bytes`` in all) into L2 while the previous
-    kernel finishes."""
+    (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): its launch
+    overlaps the previous kernel's tail."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -85,7 +74,7 @@ def decode_linear(
     decode_linear_kernel[(-(-n // block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
-        GATED=gated, PREFETCH_K=prefetch_columns(rows, k, prefetch_bytes) if pdl else 0, USE_PDL=pdl,
+        GATED=gated, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
         path = self.decode_kernels
-        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl, prefetch_bytes=path.prefetch_bytes)
+        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""

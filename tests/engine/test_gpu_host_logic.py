@@ -95,18 +95,6 @@ def test_the_cpu_engine_never_launches_a_triton_kernel(tiny_llama_dir):
     assert run.stdout.strip().splitlines()[-1] == "[3, 3]"
 
 
-def test_gemv_weight_prefetch_fits_its_budget_in_whole_lines():
-    from engine.kernels.linear import PREFETCH_BYTES, prefetch_columns
-
-    for rows, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-        cols = prefetch_columns(rows, k)
-        assert 2 * rows * cols <= PREFETCH_BYTES
-        assert cols == 0 or (cols >= 64 and cols & (cols - 1) == 0 and cols <= k)  # whole 128-byte lines, a power of 2
-        assert cols == 0 or 2 * rows * min(k, 2 * cols) > PREFETCH_BYTES or cols == k  # the largest such
-    assert prefetch_columns(128256, 4096) == 0  # the lm_head: 64 columns of every row are over 8 MiB
-    assert prefetch_columns(10, 100) == 64 and prefetch_columns(10, 63) == 0
-
-
 def test_the_decode_path_applies_to_steps_of_1_to_max_rows_tokens():
     from engine.kernels.decode_kernels import DecodeKernels
 
