@@ -3,7 +3,9 @@
 Tokens of all requests in a step are flattened into one [T] batch (no padding); attention knows
 where each request's tokens start and which KV blocks it owns from :class:`AttentionMetadata`.
 Q/K/V and gate/up projections are fused into one matmul each, the residual add is fused into
-the next RMSNorm, and RoPE is fused into the KV-cache write: fewer kernel launches per layer.
+the next RMSNorm, and RoPE is fused into the KV-cache write (on CUDA decode steps, into the
+attention kernel too): fewer kernel launches per layer. Steps of one token can take the batch-1
+decode path (:class:`~engine.kernels.decode_kernels.DecodeKernels`: Triton GEMVs, PDL).
 """
 
 from __future__ import annotations
@@ -139,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
         return self._gemv(x, linear.weight) if self._use_gemv(x) else linear(x)
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
-        path = self.decode_kernels
-        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl)
+        return decode_linear(x, weight, out_dtype, gated=gated, pdl=self.decode_kernels.pdl)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""

@@ -1,7 +1,8 @@
 """Triton kernels against the torch reference, with fresh random inputs every run.
 
 On a CUDA machine they run natively; on the CPU (CI) they run in Triton's interpreter, which
-checks the same indexing, masking and arithmetic. Odd lengths, partial last pages, shuffled
+checks the same indexing, masking and arithmetic - in a pytest process of their own, started by
+test_triton_interpreter.py with TRITON_INTERPRET=1 (see conftest.py). Odd lengths, partial last pages, shuffled
 (gapped) block tables, GQA groups, and mixed decode + chunked-prefill batches are covered.
 """
 
@@ -13,8 +14,9 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("without CUDA this module needs TRITON_INTERPRET=1 set before Python starts "
+                       "(tests/engine/test_triton_interpreter.py runs it so)")
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed by the test extra)")
 
 from engine.attention.backend import AttentionMetadata  # noqa: E402
