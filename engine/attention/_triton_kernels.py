@@ -8,12 +8,11 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
-- ``decode_kernel``: split-KV ("flash decoding") attention for one query per request. A program
-  handles all query heads of one KV head (GQA: K/V are read once per group) over one slice of
-  the context; the last slice of a (request, KV head) to finish merges the slices by their
-  log-sum-exp. Splitting keeps the GPU busy when few requests have long contexts; a batch large
-  enough to fill the GPU unsplit (one slice) writes its output directly.
-- ``combine_kernel``: the same merge as a kernel of its own, for the prefill kernel's splits.
+- ``decode_kernel`` + ``combine_kernel``: split-KV ("flash decoding") attention for one query per
+  request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
+  over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
+  Splitting keeps the GPU busy when few requests have long contexts; a batch large enough to
+  fill the GPU unsplit (one slice) writes its output directly and launches no combine.
 - ``prefill_kernel``: FlashAttention-style tiles of (query, head) rows of one GQA group against
   the paged context, with a causal mask offset by the request's cached context: chunked prefill
   and prefix-cache hits.
@@ -64,24 +63,20 @@ def rope_store_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def decode_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART, COUNTERS,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
     K_NEW, V_NEW, POS, COS_SIN, SLOT,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, SPLITS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    USE_PDL: tl.constexpr, FUSED_ROPE: tl.constexpr, HALF: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
+    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
     the cache at SLOT and attends to them from registers (the cache read never meets its own
-    write) - no rope_store kernel in a decode step.
-
-    COUNTERS (split runs): one int32 per (request, KV head), zero between launches. Each split
-    counts itself in after storing its partial result; the last one merges all splits into OUT
-    and resets the counter - no combine kernel."""
+    write) - no rope_store kernel in a decode step."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,22 +157,6 @@ def decode_kernel(
     else:
         tl.store(O_PART + b * stride_ot + heads[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=omask)
         tl.store(LSE_PART + b * stride_lt + heads * stride_lh + split, lse, mask=g < GROUP)
-        tl.debug_barrier()  # every thread's partial is stored before the count below releases it
-        counter = COUNTERS + b * NUM_KV_HEADS + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:  # the last split: merge
-            s = tl.arange(0, SPLITS_PAD)
-            smask = s < NUM_SPLITS
-            for gi in tl.static_range(GROUP):
-                h = kvh * GROUP + gi
-                lse_s = tl.load(LSE_PART + b * stride_lt + h * stride_lh + s, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_s, 0)
-                w = tl.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))
-                total = tl.sum(w, 0)
-                o = tl.load(O_PART + b * stride_ot + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                            mask=smask[:, None] & (d < D)[None, :], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-                tl.store(OUT + b * stride_out_t + h * stride_out_h + d, merged.to(OUT.dtype.element_ty), mask=d < D)
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (CUDA graph replays included)
 
 
 @triton.jit(do_not_specialize=["stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])

@@ -79,4 +79,4 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchReferenceAttention()
     from engine.attention.triton_paged import TritonPagedAttention
 
-    return TritonPagedAttention(device)
+    return TritonPagedAttention()

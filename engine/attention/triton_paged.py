@@ -78,15 +78,13 @@ class NewTokens:
 
 def decode_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, counters: torch.Tensor | None = None,
+    scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
-    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
-    ``counters``: int32 zeros, at least :data:`TARGET_PROGRAMS` of them, left zero again by every
-    launch - the split merge's arrival counts (a backend keeps one; without, a fresh one)."""
-    from engine.attention._triton_kernels import decode_kernel
+    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this)."""
+    from engine.attention._triton_kernels import combine_kernel, decode_kernel
 
     k_cache, v_cache = kv_cache
     b, hq, dim = q.shape
@@ -98,13 +96,9 @@ def decode_attention(
     o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     d_pad = _pow2(dim, 16)
-    if splits > 1 and counters is None:
-        counters = torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=q.device)
-    if splits > 1 and counters.numel() < b * hkv:
-        raise ValueError(f"decode_attention: {counters.numel()} split counters for {b} x {hkv} (request, KV head) pairs")
     k_new, v_new, positions, cos_sin, slots = (new.k, new.v, new.positions, new.cos_sin, new.slot_mapping) if new else (q, q, seq_lens, q, seq_lens)
     decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse, seq_lens if counters is None else counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
         k_new, v_new, positions, cos_sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -112,8 +106,14 @@ def decode_attention(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
-        SPLITS_PAD=MAX_SPLITS, NUM_KV_HEADS=hkv, USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, num_warps=4,
-        **launch_options(pdl),
+        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, num_warps=4, **launch_options(pdl),
+    )
+    if splits == 1:
+        return out
+    combine_kernel[(b, hq)](
+        o_part, lse, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
@@ -182,11 +182,6 @@ def prefill_attention(
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self, device: torch.device) -> None:
-        # the decode kernel's split-merge arrival counts: zero between launches, one buffer for
-        # every layer and step (launches on one stream never overlap their merges)
-        self.counters = torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=device)
-
     def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta, pdl=False):  # type: ignore[override]
         return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
 
@@ -195,13 +190,13 @@ class TritonPagedAttention(AttentionBackend):
             return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)
         out = torch.empty_like(q)  # a decode step: one kernel per layer does RoPE, the KV write and attention
         new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new, counters=self.counters)
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new)
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd], pdl=pdl, counters=self.counters)
+            decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd], pdl=pdl)
         if nd < meta.num_requests:
             prefill_attention(q, kv_cache, meta, scale, out)
         return out
