@@ -12,8 +12,9 @@ class DecodeKernels:
     as Triton GEMVs (engine/kernels/linear.py) instead of cuBLAS; ``fused_swiglu``: the gate|up
     GEMV applies SwiGLU in its epilogue (one kernel fewer per layer); ``pdl``: every Triton kernel
     of the step launches with programmatic dependent launch, so its launch overlaps the previous
-    kernel's tail (Hopper+). The engine sets this before it captures
-    CUDA graphs (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
+    kernel's tail (Hopper+). ``gemv_down`` is off because it measured slower than cuBLAS; the
+    bench keeps it as an A/B. The engine sets this before it captures CUDA graphs
+    (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
 
     max_rows: int = 0
     fused_swiglu: bool = True
