@@ -52,7 +52,6 @@ class AttentionBackend:
         """q [T, Hq, D] against cache (k, v) each [blocks, page, Hkv, D] -> [T, Hq, D]."""
         raise NotImplementedError
 
-
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, pdl: bool = False,

@@ -118,6 +118,31 @@ def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unspl
     assert rel(cache[0], ref_cache[0]) < TOL and torch.equal(cache[1], ref_cache[1]), f"seed {seed}"
 
 
+@pytest.mark.parametrize("query_lens,ctx_lens", [([1, 1, 1], [0, 9, 40]), ([1, 1, 6], [12, 3, 20])])
+def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps(query_lens, ctx_lens):
+    """What a layer calls (rope_store_attend): a decode-only step takes the fused kernel, a step
+    with a prefill chunk RoPE + write, then attention; both as the torch backend, cache included."""
+    from engine.attention.torch_ref import TorchReferenceAttention
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    hq, hkv, dim, page = 4, 2, 16, 4
+    cache, meta = build_batch(query_lens, ctx_lens, hkv, dim, page, seed)
+    t = sum(query_lens)
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.reshape(t, hq, dim), k.view(t, hkv, dim), v.view(t, hkv, dim)
+    positions = torch.tensor([c + i for c, n in zip(ctx_lens, query_lens) for i in range(n)], device=DEVICE)
+    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    ref_cache = (cache[0].clone(), cache[1].clone())
+    ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
+    out = TritonPagedAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, cache, meta, dim**-0.5)
+    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(cache[0], ref_cache[0]) < TOL and torch.equal(cache[1], ref_cache[1]), f"seed {seed}"
+
+
 def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     """Enough (request, KV head) programs for one context slice each: no partials, no combine."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, decode_splits
