@@ -60,7 +60,8 @@ def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
 def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0) -> None:
     """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
     model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
-    batch-1 decode path): the kernels' summed time against the steps' wall time shows the gaps.
+    batch-1 decode path): the kernels' summed time against the wall time of as many steps run
+    unprofiled just before shows the gaps.
     With PDL a kernel's span includes its wait for the previous one: profile ``pdl="off"`` for
     kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
     ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
@@ -73,8 +74,8 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
 
     steps = 10
     config = EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=context + prefill + 64,
-                          async_scheduling="off", pdl=pdl, max_num_seqs=batch + steps, max_num_batched_tokens=max(2048, batch + prefill))
-    config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + steps)
+                          async_scheduling="off", pdl=pdl, max_num_seqs=batch + 2 * steps, max_num_batched_tokens=max(2048, batch + prefill))
+    config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + 2 * steps)
     core = EngineCore(config)
     rng = random.Random(0)
     for _ in range(batch):
@@ -83,20 +84,24 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
         core.step()
     for _ in range(3):
         core.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def run_steps() -> None:
         for _ in range(steps):
             if prefill:
                 core.add_request([rng.randrange(100, 1000) for _ in range(prefill)], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
             core.step()
         torch.cuda.synchronize()
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run_steps()  # unprofiled: the profiler's own overhead would swamp the wall time
     wall = (time.perf_counter() - t0) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / steps / 1e3
     kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
     print(f"{kind}, batch {batch}, context {context}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
-          f"per step, {wall:.3f} ms wall (profiled; the rest is gaps between kernels and host time)")
+          f"per step; {wall:.3f} ms wall per step unprofiled (the rest: gaps between kernels, host time)")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3
         print(f"  {per_step:8.3f} ms {100 * per_step / total:5.1f}%  x{e.count // steps:<4} {e.device_time_total / e.count:7.2f} us each  {e.key[:80]}")
