@@ -182,6 +182,51 @@ def combine_kernel(
     tl.store(OUT + b * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _prefill_block(
+    acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
+    stride_kb, stride_ks, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One BLOCK_N slice of keys for a tile of rows; m_i is in base 2 (scores times qk_scale =
+    softmax scale x log2(e), applied in float32 inside the exponent's FMA).
+    MASKED=False is the hot path: keys every row of the tile may see, all inside the context, so
+    no causal mask, no bounds masks and no -inf guards (most of a long context)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < hi
+    if MASKED:
+        page = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        kvmask = n_valid[:, None] & (d < D)[None, :]
+    else:
+        page = tl.load(table + offs_n // PAGE).to(tl.int64)
+        kvmask = (offs_n >= 0)[:, None] & (d < D)[None, :]  # true unless the head dim is padded
+    kv = page * stride_kb + (offs_n % PAGE) * stride_ks + kv_head
+    if D == D_PAD and not MASKED:
+        k = tl.load(K_CACHE + kv[:, None] + d[None, :])
+    else:
+        k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = m_new
+    if MASKED:  # a row may have seen no key yet: keep exp2 away from (-inf) - (-inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if D == D_PAD and not MASKED:
+        v = tl.load(V_CACHE + kv[:, None] + d[None, :])
+    else:
+        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def prefill_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART,
@@ -195,7 +240,11 @@ def prefill_kernel(
     Rows pack the GQA group: row m is query ``m // GROUP`` of query head ``kvh*GROUP + m % GROUP``,
     so every K/V tile loaded serves all heads that share it. With NUM_SPLITS > 1 the slices'
     partial results go to O_PART/LSE_PART for combine_kernel (a short question after a long
-    cached prefix has few rows, so the context is what gets spread over the GPU)."""
+    cached prefix has few rows, so the context is what gets spread over the GPU).
+
+    The slice runs in two loops: keys that every row of the tile sees (all of a cached prefix,
+    and the chunk's own keys before the tile's first query) without any mask, then the causal
+    diagonal with masks. The softmax runs in base 2 (exp2: one instruction)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,29 +272,22 @@ def prefill_kernel(
     per_split = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, hi)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        page = tl.load(BLOCK_TABLES + r * stride_bt + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-        kv = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
-        kvmask = n_valid[:, None] & (d < D)[None, :]
-        k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    seen_by_all = tl.minimum(ctx + row0 // GROUP + 1, hi)  # keys before it: no row of the tile masks them
+    mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
+    table = BLOCK_TABLES + r * stride_bt
+    kv_head = kvh * stride_kh
+    qk_scale = scale * LOG2E
+    for n0 in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _prefill_block(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
+                                       stride_kb, stride_ks, D, D_PAD, PAGE, BLOCK_N, False)
+    for n0 in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _prefill_block(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
+                                       stride_kb, stride_ks, D, D_PAD, PAGE, BLOCK_N, True)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:  # a runtime branch: split counts never trigger a recompile
         tl.store(OUT + tok[:, None] * stride_out_t + head[:, None] * stride_out_h + d[None, :], out.to(OUT.dtype.element_ty), mask=qmask)
-    else:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    else:  # combine_kernel merges in natural log: lse = ln(l) + m * ln(2)
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
         tl.store(O_PART + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=qmask)
         tl.store(LSE_PART + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)

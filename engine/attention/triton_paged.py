@@ -17,13 +17,14 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 class PrefillConfig:
     """Tile shape of the paged prefill kernel (measured by ``python -m engine.kernel_bench``)."""
 
-    # H200 sweep (python -m engine.kernel_bench --sweep; docs/performance.md): 128x128 tiles with
-    # 8 warps were the fastest single shape over chunks of 32-480 queries after 32k context
-    # (1.1-1.6x the old 64x64/4/2; 3 or 4 stages within 2%) and tied on a fresh 8 x 2,048 prefill.
+    # H200 (docs/performance.md, 2026-11-30 04:0x): with the unmasked main loop 128x128 tiles, 8
+    # warps, 3 or 4 stages were fastest for chunks of 96-480 queries after 32k context and for a
+    # fresh 8 x 2,048 prefill (128x64 and 64x64 10-25% slower); 4 stages was 2x slower once on a
+    # 30-query chunk, so 3.
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 PREFILL = PrefillConfig()
@@ -118,15 +119,21 @@ def decode_attention(
     return out
 
 
-def prefill_tiles(query_lens: list[int], first: int, block_m: int, group: int) -> tuple[list[int], list[int]]:
+def prefill_tiles(
+    query_lens: list[int], seq_lens: list[int], first: int, block_m: int, group: int
+) -> tuple[list[int], list[int]]:
     """(request index, first row) of every BLOCK_M tile of (query, head-in-group) rows of the
-    requests from ``first`` on."""
-    reqs, starts = [], []
+    requests from ``first`` on, heaviest first: a tile attends to the keys up to its last row's
+    position, and launching the longest tiles in the first wave keeps a causal prefill's
+    critical path at one long tile instead of a wave plus one (longest-processing-time-first)."""
+    tiles = []
     for i in range(first, len(query_lens)):
+        ctx = seq_lens[i] - query_lens[i]
         for m0 in range(0, query_lens[i] * group, block_m):
-            reqs.append(i)
-            starts.append(m0)
-    return reqs, starts
+            keys = ctx + min(query_lens[i], (m0 + block_m - 1) // group + 1)
+            tiles.append((-keys, i, m0))
+    tiles.sort()
+    return [i for _, i, _ in tiles], [m0 for _, _, m0 in tiles]
 
 
 def prefill_splits(num_programs: int, max_context: int) -> int:
@@ -148,7 +155,7 @@ def prefill_attention(
     hkv = k_cache.shape[2]
     tiles = meta.scratch.get("prefill_tiles")
     if tiles is None:
-        reqs, starts = prefill_tiles(meta.query_lens_host, meta.num_decodes, config.block_m, hq // hkv)
+        reqs, starts = prefill_tiles(meta.query_lens_host, meta.seq_lens_host, meta.num_decodes, config.block_m, hq // hkv)
         tiles = (to_device(reqs, torch.int32, q.device), to_device(starts, torch.int32, q.device))
         meta.scratch["prefill_tiles"] = tiles
     tile_req, tile_start = tiles

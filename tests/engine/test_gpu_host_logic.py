@@ -33,13 +33,18 @@ def test_prefill_splits_only_for_few_programs_over_long_contexts():
     assert prefill_splits(1, 10**6) <= MAX_SPLITS
 
 
-def test_prefill_tiles_cover_every_query_head_row_once():
-    query_lens, group, block_m = [1, 1, 30, 70], 4, 64
-    reqs, starts = prefill_tiles(query_lens, first=2, block_m=block_m, group=group)
+def test_prefill_tiles_cover_every_query_head_row_once_heaviest_first():
+    query_lens, seq_lens, group, block_m = [1, 1, 30, 70], [5, 9, 130, 70], 4, 64
+    reqs, starts = prefill_tiles(query_lens, seq_lens, first=2, block_m=block_m, group=group)
     covered = {(r, s + i) for r, s in zip(reqs, starts) for i in range(block_m) if s + i < query_lens[r] * group}
     expected = {(r, m) for r in (2, 3) for m in range(query_lens[r] * group)}
     assert covered == expected
+    assert len(set(zip(reqs, starts))) == len(reqs)  # no tile twice
     assert set(reqs) == {2, 3}  # decodes (the first two) are not prefill tiles
+    # keys each tile attends: its request's cached context plus its queries up to the last row
+    keys = [seq_lens[r] - query_lens[r] + min(query_lens[r], (s + block_m - 1) // group + 1) for r, s in zip(reqs, starts)]
+    assert keys == sorted(keys, reverse=True)
+    assert (reqs[0], starts[0]) == (2, 64)  # 100 cached + 30 queries outweighs the fresh 70's last tile
 
 
 def test_triton_backend_on_the_cpu_is_a_clear_error(tmp_path):

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from engine.attention.backend import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import paged_attention_reference, rotate, write_kv  # noqa: E402
-from engine.attention.triton_paged import decode_attention, prefill_attention, rope_and_store  # noqa: E402
+from engine.attention.triton_paged import PREFILL, PrefillConfig, decode_attention, prefill_attention, rope_and_store  # noqa: E402
 from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from engine.kernels.decode_kernels import DecodeKernels  # noqa: E402
 from engine.kernels.norm import add_rms_norm_ref, add_rms_norm_triton  # noqa: E402
@@ -159,8 +159,11 @@ def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     assert rel(out, paged_attention_reference(q, cache, meta, dim**-0.5)) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("tiles", [PREFILL, PrefillConfig(16, 16, 4, 1)])
 @pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (6, 3, 64, 16)])
-def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page):
+def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page, tiles):
+    """Small tiles put most keys in the kernel's unmasked loop (cached context and the chunk's
+    earlier keys) and leave the causal diagonal to the masked one; the default tiles mask all."""
     seed = random.randrange(1 << 30)
     query_lens = [1, 1, 19, 70, 3]  # two decodes, then prefills: fresh, after cached context, tiny
     ctx_lens = [12, 40, 0, 33, 90]
@@ -168,7 +171,7 @@ def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page):
     q = torch.randn(sum(query_lens), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
     decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], dim**-0.5, out[:2])
-    prefill_attention(q, cache, meta, dim**-0.5, out)
+    prefill_attention(q, cache, meta, dim**-0.5, out, tiles)
     ref = paged_attention_reference(q, cache, meta, dim**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
