@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._pdl_triton import pdl_wait
+from engine.kernels.cached_launch import CachedLaunch
 
 
 @triton.jit
@@ -291,3 +292,11 @@ def prefill_kernel(
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
         tl.store(O_PART + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :], out, mask=qmask)
         tl.store(LSE_PART + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
+
+
+# What triton_paged launches: these run eagerly between the piecewise graphs of mixed steps, where
+# the JIT's per-launch dispatch was most of a step's host time (engine/kernels/cached_launch.py).
+rope_store_launch = CachedLaunch(rope_store_kernel)
+decode_launch = CachedLaunch(decode_kernel)
+combine_launch = CachedLaunch(combine_kernel)
+prefill_launch = CachedLaunch(prefill_kernel)

@@ -47,7 +47,7 @@ def rope_and_store(
     kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, *, pdl: bool = False,
 ) -> torch.Tensor:
     """``pdl``: launch with programmatic dependent launch (Hopper+, engine/kernels/_pdl_triton.py)."""
-    from engine.attention._triton_kernels import rope_store_kernel
+    from engine.attention._triton_kernels import rope_store_launch
 
     k_cache, v_cache = kv_cache
     t, hq, dim = q.shape
@@ -55,7 +55,7 @@ def rope_and_store(
     half = dim // 2
     kc = k_cache.view(-1, hkv, dim)
     vc = v_cache.view(-1, hkv, dim)
-    rope_store_kernel[(t,)](
+    rope_store_launch[(t,)](
         q, k, v, positions, cos_sin, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         kc.stride(0), kc.stride(1),
@@ -85,7 +85,7 @@ def decode_attention(
 
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
     applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this)."""
-    from engine.attention._triton_kernels import combine_kernel, decode_kernel
+    from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache
     b, hq, dim = q.shape
@@ -98,7 +98,7 @@ def decode_attention(
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     d_pad = _pow2(dim, 16)
     k_new, v_new, positions, cos_sin, slots = (new.k, new.v, new.positions, new.cos_sin, new.slot_mapping) if new else (q, q, seq_lens, q, seq_lens)
-    decode_kernel[(b, hkv, splits)](
+    decode_launch[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
         k_new, v_new, positions, cos_sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -111,7 +111,7 @@ def decode_attention(
     )
     if splits == 1:
         return out
-    combine_kernel[(b, hq)](
+    combine_launch[(b, hq)](
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=pdl, **launch_options(pdl),
@@ -148,7 +148,7 @@ def prefill_attention(
     config: PrefillConfig = PREFILL,
 ) -> torch.Tensor:
     """Attention for the prefill requests of the batch (those after the decodes)."""
-    from engine.attention._triton_kernels import combine_kernel, prefill_kernel
+    from engine.attention._triton_kernels import combine_launch, prefill_launch
 
     k_cache, v_cache = kv_cache
     t, hq, dim = q.shape
@@ -167,7 +167,7 @@ def prefill_attention(
     shape = (t, hq, splits, dim) if splits > 1 else (1, 1, 1, 1)
     o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
-    prefill_kernel[(tile_req.numel(), hkv, splits)](
+    prefill_launch[(tile_req.numel(), hkv, splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out, o_part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -178,7 +178,7 @@ def prefill_attention(
     )
     if splits > 1:
         first = meta.num_decodes  # decode rows come first, one token each
-        combine_kernel[(t - first, hq)](
+        combine_launch[(t - first, hq)](
             o_part[first:], lse[first:], out[first:],
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=False,

@@ -294,3 +294,25 @@ def test_argmax_matches_torch_ties_included():
     got = argmax_rows_triton(x)
     assert got.dtype == torch.int64 and got.tolist() == x.argmax(dim=-1).tolist()
     assert argmax_rows_triton(torch.empty(0, n, device=DEVICE)).shape == (0,)
+
+
+def test_cached_launch_compiles_again_for_a_misaligned_view():
+    """The attention kernels launch through CachedLaunch: after an aligned q, a view starting
+    one element in (not 16-byte aligned) must get its own compiled variant, not reuse the aligned
+    one (whose loads assume alignment); every launch still matches the reference."""
+    from engine.attention._triton_kernels import decode_launch
+
+    seed = random.randrange(1 << 30)
+    hq, hkv, dim, page, n = 4, 2, 32, 16, 5
+    cache, meta = build_batch([1] * n, [3, 40, 17, 64, 9], hkv, dim, page, seed)
+    flat = torch.randn(n * hq * dim + 1, device=DEVICE, dtype=DTYPE)
+    counts = []
+    for q in (flat[:-1].view(n, hq, dim), flat[1:].view(n, hq, dim)):  # aligned, then misaligned
+        for _ in range(2):  # the second launch of each takes the compiled path
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out)
+            # the reference on an aligned copy: cuDNN's attention rejects the misaligned view itself
+            assert rel(out, paged_attention_reference(q.clone(), cache, meta, dim**-0.5)) < TOL, f"seed {seed}"
+        counts.append(decode_launch.num_specializations)
+    # compiled (CUDA): the misaligned q is one more variant; the interpreter compiles nothing
+    assert counts[1] == counts[0] + 1 if DEVICE.type == "cuda" else counts == [0, 0]
