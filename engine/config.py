@@ -145,6 +145,13 @@ class EngineConfig:
     piecewise_cuda_graph_sizes: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768,
                                                    896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
                                                    7168, 8192)
+    mixed_cuda_graph_max_chunk: int = 512
+    """Steps of decodes plus one prefill chunk of at most this many tokens run as one CUDA graph,
+    attention included, per (decode bucket, chunk length), captured the second time that shape
+    is seen (a long prompt chunked while others decode; a question after a cached prefix). 0: off
+    (such steps take the piecewise graphs, attention eager)."""
+    mixed_cuda_graph_max_graphs: int = 16
+    """How many mixed-step graphs are kept (least recently used goes)."""
     decode_kernels: bool = True
     """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
     lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:
@@ -178,6 +185,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mixed_cuda_graph_max_chunk < 0 or self.mixed_cuda_graph_max_graphs < 1:
+            raise ConfigError("mixed_cuda_graph_max_chunk must be >= 0 (0: off) and mixed_cuda_graph_max_graphs >= 1, got "
+                              f"{self.mixed_cuda_graph_max_chunk} and {self.mixed_cuda_graph_max_graphs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

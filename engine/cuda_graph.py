@@ -16,15 +16,20 @@ projections, norms and MLPs between two attentions - is one graph per (token buc
 32k prefix was host-bound at ~20 ms of eager launches (H200 host) for ~10 ms of device work.
 Padding rows compute garbage that no attention reads and no sample uses (every op of a piece is
 row-wise).
+
+:class:`MixedGraphRunner`: steps of decodes plus one prefill chunk whose shape repeats, attention
+included, as one graph per (decode bucket, chunk length): no eager launch at all.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter, OrderedDict
 
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.block_manager import NULL_BLOCK
 from engine.model import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -194,3 +199,139 @@ class PiecewiseGraphRunner:
             self.attn_out[:n].copy_(attn)
             pieces[i + 1].replay()
         return self.hidden[:n]
+
+
+class MixedGraphRunner:
+    """Steps of decodes plus one prefill chunk, attention included, as one CUDA graph per
+    (decode bucket, chunk length).
+
+    The piecewise runner leaves attention eager: ~32 x 5 Triton launches and their Python, about
+    12-15 ms of host time per step on the H200 host (docs/performance.md) - a step of 32 decodes
+    and a 32-token chunk after 32k of context needs ~6 ms of device time, so it was host-bound at
+    3x the streams' decode step. That shape is the common one: a long prompt chunked at a fixed
+    budget while others decode, or a question after a cached prefix, repeated step after step.
+
+    Layout in the graph: rows ``[0, Db)`` decodes (real ones first, then padding rows with
+    context 1 on the null block), rows ``[Db, Db + C)`` the chunk. Everything a launch shape
+    depends on is fixed by the key: decode splits by Db, prefill tiles by C, prefill splits by
+    ``max_model_len`` (empty splits only write an empty partial). The per-step values (tokens,
+    positions, slots, context lengths, block tables) are copied into persistent buffers.
+
+    A key is captured the second time it is seen (a one-off shape is not worth a capture, ~50 ms
+    of host time), at most ``max_graphs`` of them (least recently used goes). On the CPU nothing
+    is captured: the same padded batch runs eagerly (tests of the layout and row mapping).
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        decode_buckets: list[int], max_chunk: int, max_blocks_per_seq: int, max_model_len: int, max_graphs: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.backend, self.kv_layers, self.device = model, backend, kv_layers, device
+        self.decode_buckets = sorted({0, *decode_buckets})  # 0: a lone chunk (a question after a cached prefix)
+        self.max_chunk, self.max_model_len, self.max_graphs = max_chunk, max_model_len, max_graphs
+        dmax = self.decode_buckets[-1]
+        tmax = dmax + max_chunk
+        self.input_ids = torch.zeros(tmax, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tmax, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(tmax, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(dmax + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(dmax + 2, dtype=torch.int32, device=device)
+        self.arange = self.query_start_loc.clone()  # decodes' query starts; the chunk's end is per key
+        self.block_tables = torch.zeros(dmax + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # key -> (graph, its hidden-state output, the metadata whose scratch tensors it reads)
+        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = OrderedDict()
+        self.seen: Counter[tuple[int, int]] = Counter()
+        self.captures = 0
+        self.padding_rows = 0  # decode rows padded so far (diagnostics, tests)
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def key(self, meta: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
+        """(decode bucket, chunk length) for a step this runner can take, else None."""
+        d = meta.num_decodes
+        if meta.num_requests != d + 1 or num_tokens - d > self.max_chunk:
+            return None
+        db = graph_bucket(self.decode_buckets, d)
+        return None if db is None else (db, num_tokens - d)
+
+    def ready(self, key: tuple[int, int]) -> bool:
+        """Counts a sighting; True when the key has a graph or is seen for the second time."""
+        self.seen[key] += 1
+        return key in self.graphs or self.seen[key] >= 2
+
+    def _meta(self, db: int, c: int, seq_lens_host: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[: db + c],
+            query_start_loc=self.query_start_loc[: db + 2],
+            seq_lens=self.seq_lens[: db + 1],
+            block_tables=self.block_tables[: db + 1],
+            query_lens_host=[1] * db + [c],
+            seq_lens_host=seq_lens_host,
+            num_decodes=db,
+            max_seq_len=max(seq_lens_host),
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, key: tuple[int, int],
+            sample_rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states [len(sample_rows), H] of the step's sampled rows (indices into its
+        unpadded order: decodes, then the chunk)."""
+        db, c = key
+        d = meta.num_decodes
+        t = db + c
+        self.input_ids[:d].copy_(input_ids[:d])
+        self.input_ids[db:t].copy_(input_ids[d:])
+        self.positions[:d].copy_(positions[:d])
+        self.positions[db:t].copy_(positions[d:])
+        self.slot_mapping[:d].copy_(meta.slot_mapping[:d])
+        self.slot_mapping[db:t].copy_(meta.slot_mapping[d:])
+        self.seq_lens[:d].copy_(meta.seq_lens[:d])
+        self.seq_lens[db : db + 1].copy_(meta.seq_lens[d:])
+        width = meta.block_tables.shape[1]
+        self.block_tables[:d, :width].copy_(meta.block_tables[:d])
+        self.block_tables[db, :width].copy_(meta.block_tables[d])
+        self.query_start_loc[: db + 1].copy_(self.arange[: db + 1])
+        self.query_start_loc[db + 1].fill_(t)
+        self.padding_rows += db - d
+        if db > d:  # padding decodes: token 0 at position 0, one key and their own KV in the null block's slot 0
+            for buf in (self.input_ids, self.positions, self.slot_mapping):
+                buf[d:db].zero_()
+            self.seq_lens[d:db].fill_(1)
+            self.block_tables[d:db, 0].fill_(NULL_BLOCK)
+        if self.pool is None:  # CPU: the padded batch eagerly, with its real host-side lengths
+            lens = meta.seq_lens_host
+            hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend,
+                                self._meta(db, c, lens[:d] + [1] * (db - d) + lens[d:]), self.kv_layers)
+        else:
+            hidden = self._replay(key)
+        rows = sample_rows + (sample_rows >= d).to(sample_rows.dtype) * (db - d)
+        return hidden[rows]
+
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(*key)
+            if len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        graph, hidden, _ = entry
+        graph.replay()
+        return hidden
+
+    def _capture(self, db: int, c: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]:
+        """Warm up (the step's own data is already in the buffers: its KV writes are the same
+        on replay), then capture. The metadata's host values are the key's worst case, so the
+        prefill splits do not depend on this step's context; its prefill tiles are built by the
+        warm-up, outside the capture (a host->device copy inside one would replay from a freed
+        staging buffer)."""
+        meta = self._meta(db, c, [1] * db + [self.max_model_len])
+        t = db + c
+        with torch.inference_mode():
+            self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
+        self.captures += 1
+        log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)
+        return graph, hidden, meta

@@ -66,8 +66,6 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
     ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
     attention)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
     from engine.sampling import SamplingParams
@@ -91,20 +89,58 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
             core.step()
         torch.cuda.synchronize()
 
+    kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
+    print_step_profile(core, run_steps, steps, f"{kind}, batch {batch}, context {context}")
+
+
+def print_step_profile(core, run_steps, steps: int, label: str) -> None:
+    """Wall time of ``run_steps`` unprofiled (the profiler's own overhead would swamp it), then
+    its kernels under torch.profiler: per-step kernel time, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run_steps()  # unprofiled: the profiler's own overhead would swamp the wall time
+    run_steps()
     wall = (time.perf_counter() - t0) / steps * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_steps()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / steps / 1e3
-    kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
-    print(f"{kind}, batch {batch}, context {context}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
+    print(f"{label}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
           f"per step; {wall:.3f} ms wall per step unprofiled (the rest: gaps between kernels, host time)")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3
         print(f"  {per_step:8.3f} ms {100 * per_step / total:5.1f}%  x{e.count // steps:<4} {e.device_time_total / e.count:7.2f} us each  {e.key[:80]}")
+
+
+def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) -> None:
+    """Where the time of a chunked-prefill step goes: ``batch`` streams decode while a
+    ``long``-token prompt is prefilled ``budget`` tokens a step (as bench's chunked suite);
+    profiled near the prompt's end, where its chunks attend to the most context."""
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.sampling import SamplingParams
+
+    steps = 10
+    config = EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=long + 256,
+                          async_scheduling="off", max_num_seqs=batch + 1, max_num_batched_tokens=budget)
+    core = EngineCore(config)
+    rng = random.Random(0)
+    for _ in range(batch):
+        core.add_request([rng.randrange(100, 1000) for _ in range(64)], SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    while core.scheduler.waiting or any(len(r.output_token_ids) < 2 for r in core.scheduler.running):
+        core.step()
+    long_req = core.add_request([rng.randrange(100, 1000) for _ in range(long)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    chunk = budget - batch
+    while long_req.num_computed_tokens < long - (2 * steps + 2) * chunk:
+        core.step()
+
+    def run_steps() -> None:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+
+    print_step_profile(core, run_steps, steps, f"{batch} decodes + a {chunk}-token chunk at ~{long_req.num_computed_tokens} context")
 
 
 def sweep_prefill_tiles(device: torch.device, mm: float) -> None:
@@ -237,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m engine.kernel_bench", description=__doc__)
     p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
+    p.add_argument("--profile-chunked", metavar="CONFIG", help="instead: profile steps of --batch decodes plus a chunk of a "
+                   "--long-token prompt, --budget tokens a step, near the prompt's end")
+    p.add_argument("--long", type=int, default=32000, help="with --profile-chunked")
+    p.add_argument("--budget", type=int, default=64, help="with --profile-chunked: max_num_batched_tokens")
     p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
     p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
     p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
@@ -247,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.profile_decode:
         profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill)
+        return 0
+    if args.profile_chunked:
+        profile_chunked_step(args.profile_chunked, args.batch, args.long, args.budget)
         return 0
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

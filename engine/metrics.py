@@ -109,6 +109,8 @@ class StepTimes:
     postprocess: float = 0.0
     graph_steps: int = 0  # decode-only steps replayed from CUDA graphs
     graph_forward: float = 0.0
+    mixed_steps: int = 0  # decodes + one prefill chunk replayed as one CUDA graph, attention included
+    mixed_forward: float = 0.0
     piecewise_steps: int = 0  # steps replayed as piecewise CUDA graphs (attention eager)
     piecewise_forward: float = 0.0
     native_steps: int = 0  # CPU decode-only steps run as one native call (engine/cpu_decode.py)
@@ -119,7 +121,7 @@ class StepTimes:
     slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
-        """Account one step: phase boundaries t0..t4, how the forward ran (``graph``,
+        """Account one step: phase boundaries t0..t4, how the forward ran (``graph``, ``mixed``,
         ``piecewise``, ``native`` or ``eager``), batch shape."""
         self.steps += 1
         self.schedule += t1 - t0
@@ -129,6 +131,9 @@ class StepTimes:
         if mode == "graph":
             self.graph_steps += 1
             self.graph_forward += t3 - t2
+        elif mode == "mixed":
+            self.mixed_steps += 1
+            self.mixed_forward += t3 - t2
         elif mode == "piecewise":
             self.piecewise_steps += 1
             self.piecewise_forward += t3 - t2
@@ -150,9 +155,10 @@ class StepTimes:
         n = max(self.steps, 1)
         out = {k: 1e3 * getattr(self, k) / n for k in ("schedule", "prepare", "forward", "postprocess")}
         out["graph_forward"] = 1e3 * self.graph_forward / max(self.graph_steps, 1)
+        out["mixed_forward"] = 1e3 * self.mixed_forward / max(self.mixed_steps, 1)
         out["piecewise_forward"] = 1e3 * self.piecewise_forward / max(self.piecewise_steps, 1)
         out["native_forward"] = 1e3 * self.native_forward / max(self.native_steps, 1)
-        eager_steps = self.steps - self.graph_steps - self.piecewise_steps - self.native_steps
-        eager = self.forward - self.graph_forward - self.piecewise_forward - self.native_forward
+        eager_steps = self.steps - self.graph_steps - self.mixed_steps - self.piecewise_steps - self.native_steps
+        eager = self.forward - self.graph_forward - self.mixed_forward - self.piecewise_forward - self.native_forward
         out["eager_forward"] = 1e3 * eager / max(eager_steps, 1)
         return out

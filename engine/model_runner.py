@@ -15,7 +15,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.cpu_decode import CpuDecodeKernel
-from engine.cuda_graph import CudaGraphRunner, PiecewiseGraphRunner
+from engine.cuda_graph import CudaGraphRunner, MixedGraphRunner, PiecewiseGraphRunner
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
@@ -52,8 +52,9 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
+        self.mixed: MixedGraphRunner | None = None
         self.native: CpuDecodeKernel | None = None  # CPU: small decode-only steps as one C call
-        self.last_step_mode = "eager"  # graph | piecewise | native | eager: how the last forward ran
+        self.last_step_mode = "eager"  # graph | mixed | piecewise | native | eager: how the last forward ran
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
@@ -65,6 +66,14 @@ class ModelRunner:
         """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
         steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
         self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device)
+
+    def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int) -> None:
+        """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens replay whole
+        (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner)."""
+        self.mixed = MixedGraphRunner(
+            self.model, self.backend, self.kv_layers, decode_buckets, max_chunk, -(-max_model_len // self.block_size),
+            max_model_len, max_graphs, self.device,
+        )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:
         """The step's tensors; a decode whose input token is still pending takes it from
@@ -159,6 +168,10 @@ class ModelRunner:
             self.last_step_mode = "graph"
             logits = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)  # the graph ends with the lm_head
             return logits if len(inputs.sampled_chunks) == meta.num_requests else logits[inputs.sample_rows]
+        mixed = self.mixed.key(meta, len(inputs.input_ids)) if self.mixed and not decode_only else None
+        if mixed is not None and self.mixed.ready(mixed):
+            self.last_step_mode = "mixed"
+            return self.model.compute_logits(self.mixed.run(inputs.input_ids, inputs.positions, meta, mixed, inputs.sample_rows))
         if pieces is not None:
             self.last_step_mode = "piecewise"
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, pieces)

@@ -15,6 +15,9 @@ from engine import EngineConfig, LoadedModel
 # of their own (test_triton_interpreter.py), and in this session the kernels stay compiled: a CPU
 # code path that wrongly launches one fails here instead of silently running interpreted.
 collect_ignore = [] if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else ["test_triton_kernels.py"]
+# CUDA graph capture needs a GPU; the runners' layout logic has CPU tests (test_greedy_invariance.py).
+if not torch.cuda.is_available():
+    collect_ignore.append("test_cuda_graphs.py")
 
 TINY = dict(
     vocab_size=301, hidden_size=72, intermediate_size=100, num_hidden_layers=3,

@@ -83,3 +83,26 @@ def test_piecewise_pieces_give_the_same_output(smollm, llm_gguf_path, prompts, r
     assert [r.token_ids for r in results] == reference
     assert llm.core.step_times.piecewise_steps > 0 and llm.core.runner.last_step_mode == "piecewise"
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_mixed_step_graph_layout_gives_the_same_output(smollm, llm_gguf_path, prompts, reference):
+    """Steps of decodes plus one prefill chunk through MixedGraphRunner: decode rows padded up to
+    a bucket (null-block padding rows), the chunk after them, sampled rows mapped back. On a GPU
+    each shape is one CUDA graph; here the same padded batch runs eagerly."""
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, long_prefill_token_threshold=7)
+    llm.core.runner.enable_mixed_graphs([2, 4], max_chunk=8, max_model_len=llm.core.max_model_len, max_graphs=4)
+    core = llm.core
+    reqs, outputs = [], {}
+    for p in prompts:  # staggered: each prompt is chunked (7 tokens a step) while the earlier ones decode
+        reqs.append(core.add_request(p, PARAMS))
+        for _ in range(12):
+            for d in core.step():
+                outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    while core.has_unfinished_requests():
+        for d in core.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [outputs[r.request_id] for r in reqs] == reference
+    mixed = core.runner.mixed
+    assert core.step_times.mixed_steps > 0 and mixed.padding_rows > 0
+    assert {(0, 7), (2, 7)} <= set(mixed.seen)  # a lone chunk; one or two decodes and a chunk
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total

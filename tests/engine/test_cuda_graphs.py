@@ -1,0 +1,42 @@
+"""The engine's CUDA graph paths against the same engine without them, on a GPU.
+
+Collected only where CUDA is (conftest.py): on the CPU there is nothing to capture, and the
+layout logic of these runners is tested there by test_greedy_invariance.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+from engine import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def staggered(model_dir, **options) -> tuple[list[list[int]], LLM]:
+    """Four prompts arriving six steps apart, each chunked 16 tokens a step while the earlier
+    ones decode: steps of decodes plus one chunk whose shapes repeat (the last prompt's with
+    three decodes, padded to the graph bucket of four)."""
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, long_prefill_token_threshold=16, **options)
+    rng = random.Random(0)
+    core, reqs, out = llm.core, [], {}
+    for n in (40, 90, 130, 160):
+        reqs.append(core.add_request([rng.randrange(301) for _ in range(n)], PARAMS))
+        for _ in range(6):
+            for d in core.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+    while core.has_unfinished_requests():
+        for d in core.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    stats = llm.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
+    return [out[r.request_id] for r in reqs], llm
+
+
+def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):
+    reference, off = staggered(tiny_llama_dir, mixed_cuda_graph_max_chunk=0)
+    assert off.core.runner.mixed is None and off.core.step_times.piecewise_steps > 0
+    got, llm = staggered(tiny_llama_dir)
+    mixed = llm.core.runner.mixed
+    assert got == reference
+    assert mixed.captures > 0 and llm.core.step_times.mixed_steps > mixed.captures and mixed.padding_rows > 0
