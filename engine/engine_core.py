@@ -147,7 +147,8 @@ class EngineCore:
                 self.runner.capture_piecewise_graphs(tokens)
                 self.scheduler.config.step_token_buckets = tuple(sorted(set(tokens)))
             if config.mixed_cuda_graph_max_chunk > 0:
-                self.runner.enable_mixed_graphs(sizes, config.mixed_cuda_graph_max_chunk, self.max_model_len,
+                decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
+                self.runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, self.max_model_len,
                                                 config.mixed_cuda_graph_max_graphs)
             self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
         if config.quantization == "int4" and config.cpu_decode_kernel != "off":

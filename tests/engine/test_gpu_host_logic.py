@@ -134,3 +134,26 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
             assert len(changed) == 1, (name, changed)
     assert {v.pdl for v in variants.values() if v.max_rows} == {True, False}
     assert "same, PDL off" not in decode_path_variants(DecodeKernels(max_rows=1))
+
+
+def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):
+    for bad in (dict(mixed_cuda_graph_max_chunk=-1), dict(mixed_cuda_graph_max_decodes=-2), dict(mixed_cuda_graph_max_graphs=0)):
+        with pytest.raises(ConfigError, match="mixed_cuda_graph_max_chunk and _max_decodes must be >= 0"):
+            EngineConfig(model=str(tiny_llama_dir), **bad).validate()
+    from engine.attention import AttentionMetadata
+    from engine.cuda_graph import MixedGraphRunner
+
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    runner = MixedGraphRunner(core.model, core.runner.backend, core.runner.kv_layers, [1, 2, 4], max_chunk=16,
+                              max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"))
+
+    def meta(qlens):
+        return AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, query_lens_host=qlens,
+                                 seq_lens_host=[q + 5 for q in qlens], num_decodes=sum(q == 1 for q in qlens), max_seq_len=0)
+
+    assert runner.key(meta([1, 1, 1, 9]), 12) == (4, 9)  # three decodes pad to the bucket of four
+    assert runner.key(meta([9]), 9) == (0, 9)  # a lone chunk
+    assert runner.key(meta([1] * 5 + [9]), 14) is None  # more decodes than the largest bucket
+    assert runner.key(meta([1, 17]), 18) is None  # a chunk longer than max_chunk
+    assert runner.key(meta([1, 5, 9]), 15) is None  # two prefill chunks
+    assert not runner.ready((4, 9)) and runner.ready((4, 9))  # captured the second time a shape is seen
