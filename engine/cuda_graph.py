@@ -205,11 +205,11 @@ class MixedGraphRunner:
     """Steps of decodes plus one prefill chunk, attention included, as one CUDA graph per
     (decode bucket, chunk length).
 
-    The piecewise runner leaves attention eager: ~32 x 5 Triton launches and their Python, about
-    12-15 ms of host time per step on the H200 host (docs/performance.md) - a step of 32 decodes
-    and a 32-token chunk after 32k of context needs ~6 ms of device time, so it was host-bound at
-    3x the streams' decode step. That shape is the common one: a long prompt chunked at a fixed
-    budget while others decode, or a question after a cached prefix, repeated step after step.
+    The piecewise runner leaves attention eager: ~32 x 5 Triton launches and their Python, 13-15
+    ms of host time per step on the H200 host (docs/performance.md) - a step of 32 decodes and a
+    32-token chunk needs at most 9.4 ms of device time (at 31k of context), so it was host-bound
+    (p50 18 ms). That shape is the common one: a long prompt chunked at a fixed budget while
+    others decode, or a question after a cached prefix, repeated step after step.
 
     Layout in the graph: rows ``[0, Db)`` decodes (real ones first, then padding rows with
     context 1 on the null block), rows ``[Db, Db + C)`` the chunk. Everything a launch shape
@@ -217,8 +217,8 @@ class MixedGraphRunner:
     ``max_model_len`` (empty splits only write an empty partial). The per-step values (tokens,
     positions, slots, context lengths, block tables) are copied into persistent buffers.
 
-    A key is captured the second time it is seen (a one-off shape is not worth a capture, ~50 ms
-    of host time), at most ``max_graphs`` of them (least recently used goes). On the CPU nothing
+    A key is captured the second time it is seen (a one-off shape is not worth a capture: 0.45-1.4
+    s measured), at most ``max_graphs`` of them (least recently used goes). On the CPU nothing
     is captured: the same padded batch runs eagerly (tests of the layout and row mapping).
     """
 
