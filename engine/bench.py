@@ -433,25 +433,26 @@ def bench_chunked(core, sizes, rng, results) -> list[Row]:
         p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))]
         return itl[len(itl) // 2], p99, long_req.metrics.ttft if long_req is not None else None, taken
 
-    def with_base(chunked: bool, budget: int) -> tuple[float, float, float, float, float]:
-        """(ITL p50, p99, TTFT, baseline p50, baseline p99) for one setting."""
+    def with_base(chunked: bool, budget: int) -> tuple[float, float, float, float, float, tuple[int, int]]:
+        """(ITL p50, p99, TTFT, baseline p50, baseline p99, (steps, baseline steps)) for one setting."""
         p50, p99, ttft, steps = phase(True, chunked, budget)
-        base_p50, base_p99, _, _ = phase(False, True, budget, steps)
-        return p50, p99, ttft, base_p50, base_p99
+        base_p50, base_p99, _, base_steps = phase(False, True, budget, steps)
+        return p50, p99, ttft, base_p50, base_p99, (steps, base_steps)
 
     headline = sizes.chunked_budgets[0]
     by_budget = {b: with_base(True, b) for b in sizes.chunked_budgets}
-    _, no_chunk, ttft_whole, _, no_chunk_base = with_base(False, headline)
+    _, no_chunk, ttft_whole, _, no_chunk_base, _ = with_base(False, headline)
     cfg.enable_chunked_prefill, cfg.max_num_batched_tokens = saved
-    _, with_chunk, ttft_chunk, base_p50, base = by_budget[headline]
+    _, with_chunk, ttft_chunk, base_p50, base, _ = by_budget[headline]
     results.update(chunked_itl_p99_ratio=with_chunk / base, unchunked_itl_p99_ratio=no_chunk / no_chunk_base,
                    long_prompt_ttft_chunked_ms=ttft_chunk * 1e3, long_prompt_ttft_unchunked_ms=ttft_whole * 1e3,
                    chunked_headline_budget=headline, chunked_itl_base_ms={"p50": base_p50 * 1e3, "p99": base * 1e3},
                    chunked_by_budget={str(b): {"itl_p99_ratio": p / bp, "itl_p50_ms": m * 1e3, "itl_p99_ms": p * 1e3,
-                                               "base_itl_p50_ms": bm * 1e3, "base_itl_p99_ms": bp * 1e3, "long_prompt_ttft_ms": t * 1e3}
-                                      for b, (m, p, t, bm, bp) in by_budget.items()})
+                                               "base_itl_p50_ms": bm * 1e3, "base_itl_p99_ms": bp * 1e3, "long_prompt_ttft_ms": t * 1e3,
+                                               "steps": n[0], "base_steps": n[1]}
+                                      for b, (m, p, t, bm, bp, n) in by_budget.items()})
     label = f"{sizes.chunked_streams} streams, {sizes.chunked_long}-token prompt arrives"
-    for b, (_, p99, ttft, _, bp) in by_budget.items():
+    for b, (_, p99, ttft, _, bp, _) in by_budget.items():
         rows.append(Row(f"ITL p99, {label}, chunked ({b}/step)", p99 * 1e3, "ms", "same steps without the long prompt", bp * 1e3, False))
         rows.append(Row(f"long prompt TTFT, chunked ({b}/step)", ttft * 1e3, "ms", "not chunked", ttft_whole * 1e3, False))
     rows.append(Row(f"ITL p99, {label}, not chunked", no_chunk * 1e3, "ms", "same steps without the long prompt", no_chunk_base * 1e3, False))
