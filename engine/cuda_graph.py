@@ -24,7 +24,7 @@ included, as one graph per (decode bucket, chunk length): no eager launch at all
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 
@@ -218,8 +218,11 @@ class MixedGraphRunner:
     positions, slots, context lengths, block tables) are copied into persistent buffers.
 
     A key is captured the second time it is seen (a one-off shape is not worth a capture: 0.45-1.4
-    s measured), at most ``max_graphs`` of them (least recently used goes). On the CPU nothing
-    is captured: the same padded batch runs eagerly (tests of the layout and row mapping).
+    s measured, a stall for every running request), and at most ``max_graphs`` keys in the
+    runner's life: with eviction, shapes that keep changing (a serving mix of prompt lengths)
+    would stall the engine again and again; later shapes take the piecewise path. On the CPU
+    nothing is captured: the same padded batch runs eagerly, with the same bookkeeping (tests of
+    the layout, the row mapping and the capture policy).
     """
 
     def __init__(
@@ -239,8 +242,9 @@ class MixedGraphRunner:
         self.query_start_loc = torch.arange(dmax + 2, dtype=torch.int32, device=device)
         self.arange = self.query_start_loc.clone()  # decodes' query starts; the chunk's end is per key
         self.block_tables = torch.zeros(dmax + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # key -> (graph, its hidden-state output, the metadata whose scratch tensors it reads)
-        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = OrderedDict()
+        # key -> (graph, its hidden-state output, the metadata whose scratch tensors it reads);
+        # None on the CPU (nothing captured)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata] | None] = {}
         self.seen: Counter[tuple[int, int]] = Counter()
         self.captures = 0
         self.padding_rows = 0  # decode rows padded so far (diagnostics, tests)
@@ -255,9 +259,10 @@ class MixedGraphRunner:
         return None if db is None else (db, num_tokens - d)
 
     def ready(self, key: tuple[int, int]) -> bool:
-        """Counts a sighting; True when the key has a graph or is seen for the second time."""
+        """Counts a sighting; True when the key has a graph, or is seen for the second time and
+        fewer than ``max_graphs`` have been captured."""
         self.seen[key] += 1
-        return key in self.graphs or self.seen[key] >= 2
+        return key in self.graphs or (self.seen[key] >= 2 and len(self.graphs) < self.max_graphs)
 
     def _meta(self, db: int, c: int, seq_lens_host: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
@@ -298,6 +303,7 @@ class MixedGraphRunner:
             self.seq_lens[d:db].fill_(1)
             self.block_tables[d:db, 0].fill_(NULL_BLOCK)
         if self.pool is None:  # CPU: the padded batch eagerly, with its real host-side lengths
+            self.graphs.setdefault(key, None)
             lens = meta.seq_lens_host
             hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend,
                                 self._meta(db, c, lens[:d] + [1] * (db - d) + lens[d:]), self.kv_layers)
@@ -310,10 +316,6 @@ class MixedGraphRunner:
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(*key)
-            if len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
         graph, hidden, _ = entry
         graph.replay()
         return hidden

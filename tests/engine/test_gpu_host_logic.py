@@ -157,3 +157,5 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     assert runner.key(meta([1, 17]), 18) is None  # a chunk longer than max_chunk
     assert runner.key(meta([1, 5, 9]), 15) is None  # two prefill chunks
     assert not runner.ready((4, 9)) and runner.ready((4, 9))  # captured the second time a shape is seen
+    runner.graphs.update({(4, 9): None, (0, 9): None})  # max_graphs = 2 captured (on the CPU: no graph)
+    assert runner.ready((4, 9)) and not runner.ready((2, 3)) and not runner.ready((2, 3))  # no third capture, no eviction
