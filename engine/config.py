@@ -151,8 +151,9 @@ class EngineConfig:
     is seen (a long prompt chunked while others decode; a question after a cached prefix). 0: off
     (such steps take the piecewise graphs, attention eager)."""
     mixed_cuda_graph_max_decodes: int = 64
-    """...and at most this many decodes: a step with more is device-bound (the host launches it
-    while the device is still busy), so a capture (~0.45 s on the H200 host) would not pay; with
+    """Mixed-step graphs only for steps of at most this many decodes: a step with more is
+    device-bound (the host launches it while the device is still busy), so a capture (0.45-1.4 s
+    on the H200 host) would not pay; with
     256 (every size) the throughput run captured 39 shapes and fell from 9.2k to 8.4k out tok/s."""
     mixed_cuda_graph_max_graphs: int = 16
     """How many mixed-step shapes are captured in the engine's life (each capture stalls the

@@ -246,9 +246,13 @@ class MixedGraphRunner:
         # None on the CPU (nothing captured)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata] | None] = {}
         self.seen: Counter[tuple[int, int]] = Counter()
-        self.captures = 0
         self.padding_rows = 0  # decode rows padded so far (diagnostics, tests)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (0 on the CPU)."""
+        return sum(entry is not None for entry in self.graphs.values())
 
     def key(self, meta: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
         """(decode bucket, chunk length) for a step this runner can take, else None."""
@@ -334,6 +338,5 @@ class MixedGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
-        self.captures += 1
         log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)
         return graph, hidden, meta

@@ -204,7 +204,7 @@ def _prefill_block(
         kvmask = n_valid[:, None] & (d < D)[None, :]
     else:
         page = tl.load(table + offs_n // PAGE).to(tl.int64)
-        kvmask = (offs_n >= 0)[:, None] & (d < D)[None, :]  # true unless the head dim is padded
+        kvmask = (d < D)[None, :]  # only read when the head dim is padded
     kv = page * stride_kb + (offs_n % PAGE) * stride_ks + kv_head
     if D == D_PAD and not MASKED:
         k = tl.load(K_CACHE + kv[:, None] + d[None, :])

@@ -17,7 +17,7 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 class PrefillConfig:
     """Tile shape of the paged prefill kernel (measured by ``python -m engine.kernel_bench``)."""
 
-    # H200 (docs/performance.md, 2026-11-30 04:0x): with the unmasked main loop 128x128 tiles, 8
+    # H200 (docs/performance.md, 2026-11-30 ~03:30): with the unmasked main loop 128x128 tiles, 8
     # warps, 3 or 4 stages were fastest for chunks of 96-480 queries after 32k context and for a
     # fresh 8 x 2,048 prefill (128x64 and 64x64 10-25% slower); 4 stages was 2x slower once on a
     # 30-query chunk, so 3.

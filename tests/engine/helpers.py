@@ -93,3 +93,21 @@ async def wait_idle(engine, timeout: float = 30.0):
             return s
         await asyncio.sleep(0.02)
     raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def generate_staggered(core, prompts: list[list[int]], params: SamplingParams, steps_between: int) -> list[list[int]]:
+    """Token ids of each prompt when they arrive ``steps_between`` engine steps apart (later
+    prompts prefill while earlier ones decode), in prompt order."""
+    reqs, out = [], {}
+
+    def step() -> None:
+        for d in core.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+
+    for p in prompts:
+        reqs.append(core.add_request(p, params))
+        for _ in range(steps_between):
+            step()
+    while core.has_unfinished_requests():
+        step()
+    return [out[r.request_id] for r in reqs]

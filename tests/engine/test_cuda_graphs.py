@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from engine import LLM, SamplingParams
+from tests.engine.helpers import generate_staggered
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
@@ -19,18 +20,11 @@ def staggered(model_dir, **options) -> tuple[list[list[int]], LLM]:
     three decodes, padded to the graph bucket of four)."""
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, long_prefill_token_threshold=16, **options)
     rng = random.Random(0)
-    core, reqs, out = llm.core, [], {}
-    for n in (40, 90, 130, 160):
-        reqs.append(core.add_request([rng.randrange(301) for _ in range(n)], PARAMS))
-        for _ in range(6):
-            for d in core.step():
-                out.setdefault(d.request_id, []).extend(d.token_ids)
-    while core.has_unfinished_requests():
-        for d in core.step():
-            out.setdefault(d.request_id, []).extend(d.token_ids)
+    prompts = [[rng.randrange(301) for _ in range(n)] for n in (40, 90, 130, 160)]
+    tokens = generate_staggered(llm.core, prompts, PARAMS, steps_between=6)
     stats = llm.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "KV blocks leaked"
-    return [out[r.request_id] for r in reqs], llm
+    return tokens, llm
 
 
 def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):

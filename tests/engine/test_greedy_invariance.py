@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.engine.helpers import generate_staggered
 
 SYSTEM = (
     "You are the handbook assistant of Northwind Robotics. Employees get 20 days of annual leave, "
@@ -61,17 +62,7 @@ def test_cache_hit_gives_the_same_output_as_the_miss(smollm, llm_gguf_path, prom
 
 def test_staggered_arrivals_change_nothing(smollm, llm_gguf_path, prompts, reference):
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_num_batched_tokens=48)
-    core = llm.core
-    reqs, outputs = [], {}
-    for p in prompts:
-        reqs.append(core.add_request(p, PARAMS))
-        for _ in range(3):
-            for d in core.step():
-                outputs.setdefault(d.request_id, []).extend(d.token_ids)
-    while core.has_unfinished_requests():
-        for d in core.step():
-            outputs.setdefault(d.request_id, []).extend(d.token_ids)
-    assert [outputs[r.request_id] for r in reqs] == reference
+    assert generate_staggered(llm.core, prompts, PARAMS, steps_between=3) == reference
 
 
 def test_piecewise_pieces_give_the_same_output(smollm, llm_gguf_path, prompts, reference):
@@ -91,18 +82,9 @@ def test_mixed_step_graph_layout_gives_the_same_output(smollm, llm_gguf_path, pr
     each shape is one CUDA graph; here the same padded batch runs eagerly."""
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, long_prefill_token_threshold=7)
     llm.core.runner.enable_mixed_graphs([2, 4], max_chunk=8, max_model_len=llm.core.max_model_len, max_graphs=4)
-    core = llm.core
-    reqs, outputs = [], {}
-    for p in prompts:  # staggered: each prompt is chunked (7 tokens a step) while the earlier ones decode
-        reqs.append(core.add_request(p, PARAMS))
-        for _ in range(12):
-            for d in core.step():
-                outputs.setdefault(d.request_id, []).extend(d.token_ids)
-    while core.has_unfinished_requests():
-        for d in core.step():
-            outputs.setdefault(d.request_id, []).extend(d.token_ids)
-    assert [outputs[r.request_id] for r in reqs] == reference
-    mixed = core.runner.mixed
-    assert core.step_times.mixed_steps > 0 and mixed.padding_rows > 0
+    # each prompt is chunked (7 tokens a step) while the earlier ones decode
+    assert generate_staggered(llm.core, prompts, PARAMS, steps_between=12) == reference
+    mixed = llm.core.runner.mixed
+    assert llm.core.step_times.mixed_steps > 0 and mixed.padding_rows > 0
     assert {(0, 7), (2, 7)} <= set(mixed.seen)  # a lone chunk; one or two decodes and a chunk
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total

@@ -160,7 +160,7 @@ def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
 
 
 @pytest.mark.parametrize("tiles", [PREFILL, PrefillConfig(16, 16, 4, 1)])
-@pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (6, 3, 64, 16)])
+@pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (6, 3, 64, 16), (4, 2, 24, 4)])  # 24: a padded head dim
 def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page, tiles):
     """Small tiles put most keys in the kernel's unmasked loop (cached context and the chunk's
     earlier keys) and leave the causal diagonal to the masked one; the default tiles mask all."""
