@@ -80,12 +80,24 @@ class Sizes:
     chunked_streams: int
     chunked_long: int
     chunked_budgets: tuple[int, ...]  # the first is the headline; the others show the ITL / TTFT trade-off
+    # The engine of every suite but throughput; it leaves room for the HF baseline.
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # The throughput suite's own engine, built after the HF baseline and the first engine are
+    # released: a serving-scale batch (vLLM's offline defaults on an H100/H200) and KV pool.
+    throughput_max_num_seqs: int
+    throughput_max_num_batched_tokens: int
+    throughput_gpu_memory_utilization: float
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Sizes":
         if device.type == "cuda":
-            return cls(512, 128, 8, 2048, 1000, (128, 1024), (128, 512), 32000, 30, 10, 32, 32000, (64, 128, 256, 512))
-        return cls(128, 48, 2, 256, 32, (64, 192), (32, 64), 2000, 30, 5, 8, 1500, (64, 32))
+            # 2026-11-30 H200 (docs/performance.md): the throughput run at max_num_seqs 256 /
+            # 8,192 tokens a step: 9,326 out tok/s; 512 / 16,384: 10,002; 1,024 / 16,384: 10,241
+            # (all at 0.9 of the memory: the last 256 requests' tail is shorter in a wider batch).
+            return cls(512, 128, 8, 2048, 1000, (128, 1024), (128, 512), 32000, 30, 10, 32, 32000, (64, 128, 256, 512),
+                       256, 8192, 1024, 16384, 0.9)
+        return cls(128, 48, 2, 256, 32, (64, 192), (32, 64), 2000, 30, 5, 8, 1500, (64, 32), 32, 512, 32, 512, 0.9)
 
 
 # ---- ceilings ---------------------------------------------------------------------------------
@@ -460,6 +472,33 @@ def bench_chunked(core, sizes, rng, results) -> list[Row]:
 
 
 # ---- report --------------------------------------------------------------------------------------
+def same_engine(a: EngineConfig, b: EngineConfig, device: torch.device) -> bool:
+    """Whether the throughput suite can run on the first engine: same batch limits, and off
+    CUDA the memory fraction is not read (the CPU pool has a fixed size)."""
+    return (a.max_num_seqs, a.max_num_batched_tokens) == (b.max_num_seqs, b.max_num_batched_tokens) and (
+        device.type != "cuda" or a.gpu_memory_utilization == b.gpu_memory_utilization)
+
+
+def engine_settings(config: EngineConfig) -> dict[str, float]:
+    return {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "gpu_memory_utilization": config.gpu_memory_utilization}
+
+
+def throughput_engine(config: EngineConfig, loaded: LoadedModel) -> EngineCore:
+    """A second engine on the same weights for the throughput suite, after the first one's KV
+    pool and graphs are freed (its memory then goes to this one's pool)."""
+    import gc
+
+    gc.collect()
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(loaded.device)
+    core = EngineCore(config, loaded)
+    print(f"# throughput engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
+          f"gpu_memory_utilization {config.gpu_memory_utilization}: {core.kv_cache.num_blocks:,} KV blocks", flush=True)
+    return core
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -474,7 +513,7 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown) -> None:
+def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown, device_time) -> None:
     for suite in suites:
         print(f"... {suite}", file=sys.stderr, flush=True)
         core.step_times = StepTimes()
@@ -492,6 +531,8 @@ def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown
         breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "mixed_steps": st.mixed_steps, "piecewise_steps": st.piecewise_steps,
                                                "native_steps": st.native_steps, "decode_only_steps": st.decode_only_steps,
                                                "decode_only_s": st.decode_only_time, "decode_only_tokens": st.decode_only_tokens}
+        if st.device_span:
+            device_time[suite] = st.device_summary()
         print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
 
 
@@ -519,9 +560,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="capture piecewise CUDA graphs only up to this many tokens a step (default: all sizes up to the step budget)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--sync-debug", action="store_true", help="print the stack of every place the host waits for the device (CUDA)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="KV pool sizing; leaves room for the HF baseline and its float32 check")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine of every suite but throughput (default: 256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="likewise (default: 8192 on CUDA)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="likewise; leaves room for the HF baseline and its float32 check")
+    p.add_argument("--throughput-max-num-seqs", type=int, default=None,
+                   help="the throughput suite's own engine, built after the HF baseline and the first engine are released (default: 1024 on CUDA)")
+    p.add_argument("--throughput-max-num-batched-tokens", type=int, default=None, help="likewise (default: 16384 on CUDA)")
+    p.add_argument("--throughput-gpu-memory-utilization", type=float, default=None, help="likewise (default: 0.9)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -541,11 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     loaded = LoadedModel.load(config)
     device = loaded.device
     sizes = Sizes.for_device(device)
-    config.max_num_seqs = args.max_num_seqs or (256 if device.type == "cuda" else max(32, sizes.throughput_requests))
-    config.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if device.type == "cuda" else 512)
+    config.max_num_seqs = args.max_num_seqs or sizes.max_num_seqs
+    config.max_num_batched_tokens = args.max_num_batched_tokens or sizes.max_num_batched_tokens
     if args.piecewise_max_tokens is not None:
         config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if t <= args.piecewise_max_tokens)
-    config.max_model_len = max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096)
+    # The prefix and chunked suites need long contexts; a model with fewer positions still runs
+    # the other suites (those two then stop at add_request's "too long" error).
+    config.max_model_len = min(max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096),
+                               loaded.model_config.max_position_embeddings)
     core = EngineCore(config, loaded)
     rng = random.Random(args.seed)
     results: dict[str, float] = {}
@@ -565,11 +613,24 @@ def main(argv: list[str] | None = None) -> int:
         hf = build_hf_model(core.model)
         rows.append(check_against_hf(core, hf, rng, results))
     breakdown: dict[str, dict[str, float]] = {}
+    device_time: dict[str, dict[str, float]] = {}
+    tput_config = replace(config, max_num_seqs=args.throughput_max_num_seqs or sizes.throughput_max_num_seqs,
+                          max_num_batched_tokens=args.throughput_max_num_batched_tokens or sizes.throughput_max_num_batched_tokens,
+                          gpu_memory_utilization=args.throughput_gpu_memory_utilization or sizes.throughput_gpu_memory_utilization)
+    separate = "throughput" in suites and not same_engine(config, tput_config, device)
+    memory: dict[str, list[tuple[str, int]]] = {}
     with report_host_syncs() if args.sync_debug else nullcontext() as syncs:
-        run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown)
+        run_suites(core, hf, sizes, rng, bw, flops, [s for s in suites if not (separate and s == "throughput")], rows, results,
+                   breakdown, device_time)
+        if separate:
+            memory["engine of the other suites"] = core.memory.rows()  # its peak, before the next engine's
+            hf = core = None  # release the HF copy, the first KV pool and its graphs before sizing the next pool
+            core = throughput_engine(tput_config, loaded)
+            run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
     hf = None
+    memory["throughput engine" if separate else "engine"] = core.memory.rows()
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
           "reads samples back, waiting for the device):")
@@ -577,7 +638,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k and "decode_only" not in k)
               + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['mixed_steps']} mixed graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native;"
               f" {b['decode_only_steps']} decode-only steps took {b['decode_only_s']:.2f} s for {b['decode_only_tokens']} tokens)")
-    print("\nmemory:\n" + core.memory.format())
+    if device_time:
+        print("\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
+              "step; idle: gaps between one step's end and the next one's start that the host did not hide):")
+        for suite, d in device_time.items():
+            modes = sorted({k.split("_")[1] for k in d if k.endswith("_ms_per_step")})
+            print(f"  {suite:<11} busy {d['device_busy_s']:.2f} s, idle {d['device_idle_s']:.2f} s;  "
+                  + "  ".join(f"{m} {d[f'device_{m}_s']:.2f} s ({d[f'device_{m}_ms_per_step']:.2f} ms/step)" for m in modes))
+    for name, memory_rows in memory.items():
+        print(f"\nmemory ({name}):\n" + core.memory.format(memory_rows))
     if args.json:
         record = {
             "gpu" if device.type == "cuda" else "device": device_name(device),
@@ -585,8 +654,9 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m engine.bench " + " ".join(argv),
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
             "model": Path(model).name, "random_weights": args.load_format == "dummy",
-            "sizes": asdict(sizes), "results": results, "step_breakdown_ms": breakdown, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
-            "memory": dict(core.memory.rows()),
+            "sizes": asdict(sizes), "results": results, "step_breakdown_ms": breakdown, "device_time_s": device_time, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+            "memory": {name: dict(memory_rows) for name, memory_rows in memory.items()},
+            "engines": {"main": engine_settings(config), **({"throughput": engine_settings(tput_config)} if separate else {})},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -138,7 +138,8 @@ class EngineConfig:
     # Execution
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graphs: bool = True
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+    """Decode graph buckets; only those up to ``max_num_seqs`` are captured."""
     # Steps with prefill chunks of at most this many tokens replay everything but attention as
     # CUDA graphs (engine/cuda_graph.py); sizes above max_num_batched_tokens are not captured.
     # Buckets are at most 25% apart: a step pads up to the next one.

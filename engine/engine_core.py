@@ -48,6 +48,8 @@ class InflightStep:
     sampled: list[Request]  # the requests it samples a token for, in sample-row order
     sample: PendingSample | None
     device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
+    mode: str = ""  # how the forward ran (ModelRunner.last_step_mode)
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
 
 
 class RequestError(ValueError):
@@ -164,6 +166,7 @@ class EngineCore:
         # async scheduling: the step launched on the device whose samples the host has not read yet
         self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
         self._inflight: InflightStep | None = None
+        self._last_step_end: torch.cuda.Event | None = None  # for the device's idle time between steps
         self.num_steps = 0
         self.step_times = StepTimes()
         self.prompt_tokens_total = 0
@@ -293,6 +296,7 @@ class EngineCore:
         if not sched.chunks:
             if self._inflight is not None:
                 outputs += self._finalize(self._take_inflight())
+            self._last_step_end = None  # idle for want of work from here: not the host's delay
             return outputs
         t1 = time.perf_counter()
         inputs = self.runner.prepare(sched.chunks, self._inflight.device_tokens if self._inflight else None)
@@ -312,12 +316,18 @@ class EngineCore:
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
         its samples as pending."""
+        span = None
+        if self.device.type == "cuda":  # timing events only: recording one never waits
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record()
         logits = self.runner.execute(inputs)
         rows = [
             SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
             for c in inputs.sampled_chunks
         ]
         sample = self.sampler.sample(logits, rows) if rows else None
+        if span is not None:
+            span[1].record()
         self.num_steps += 1
         for c in inputs.chunks:
             req = c.request
@@ -327,7 +337,7 @@ class EngineCore:
         for req in sampled:
             req.num_pending_tokens += 1
         device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
-        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens)
+        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span)
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None
@@ -338,6 +348,8 @@ class EngineCore:
         turn them into outputs; requests finished meanwhile drop theirs."""
         result = step.sample.result() if step.sample is not None else None
         now = time.perf_counter()
+        if step.span is not None:
+            self._account_device_span(step.mode, *step.span)
         for req in step.requests:  # before any finishes: its full blocks stay findable after it
             if not req.status.finished:
                 self.block_manager.cache_full_blocks(req)
@@ -348,6 +360,16 @@ class EngineCore:
             req.num_pending_tokens -= 1
             outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i], now))
         return outputs
+
+    def _account_device_span(self, mode: str, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """Record the finished step's device span and the idle gap since the step before it
+        ended. Steps finalize in launch order, so the previous end event is complete."""
+        end.synchronize()  # the samples were the step's last work: this returns at once
+        idle = 0.0
+        if self._last_step_end is not None:
+            idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
+        self.step_times.record_device(mode, start.elapsed_time(end) / 1e3, idle)
+        self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
         req.append_output(token)

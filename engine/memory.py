@@ -44,5 +44,6 @@ class MemoryLedger:
             rows.append(("peak reserved (device)", peak))
         return rows
 
-    def format(self) -> str:
-        return "\n".join(f"{owner:<32} {nbytes / 2**20:>12,.1f} MiB" for owner, nbytes in self.rows())
+    def format(self, rows: list[tuple[str, int]] | None = None) -> str:
+        """The table of ``rows`` (default: now)."""
+        return "\n".join(f"{owner:<32} {nbytes / 2**20:>12,.1f} MiB" for owner, nbytes in (self.rows() if rows is None else rows))

@@ -119,6 +119,12 @@ class StepTimes:
     decode_only_time: float = 0.0
     decode_only_tokens: int = 0
     slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
+    # On CUDA: each step's span on the device (its first event to its last, CUDA events) by
+    # mode, and the device's idle time between one step's end and the next one's start - the
+    # time the host failed to hide.
+    device_span: dict[str, float] = field(default_factory=dict)
+    device_span_steps: dict[str, int] = field(default_factory=dict)
+    device_idle: float = 0.0
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
         """Account one step: phase boundaries t0..t4, how the forward ran (``graph``, ``mixed``,
@@ -145,6 +151,20 @@ class StepTimes:
             self.decode_only_time += t4 - t0
             self.decode_only_tokens += tokens
         self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
+
+    def record_device(self, mode: str, span: float, idle: float) -> None:
+        """Account one step's device span and the idle gap before it (seconds)."""
+        self.device_span[mode] = self.device_span.get(mode, 0.0) + span
+        self.device_span_steps[mode] = self.device_span_steps.get(mode, 0) + 1
+        self.device_idle += idle
+
+    def device_summary(self) -> dict[str, float]:
+        """Device seconds by step mode, their mean ms a step, and the idle seconds between steps."""
+        out: dict[str, float] = {"device_idle_s": self.device_idle, "device_busy_s": sum(self.device_span.values())}
+        for mode, span in self.device_span.items():
+            out[f"device_{mode}_s"] = span
+            out[f"device_{mode}_ms_per_step"] = 1e3 * span / self.device_span_steps[mode]
+        return out
 
     @property
     def decode_rate(self) -> float:

@@ -34,3 +34,19 @@ def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):
     mixed = llm.core.runner.mixed
     assert got == reference
     assert mixed.captures > 0 and llm.core.step_times.mixed_steps > mixed.captures and mixed.padding_rows > 0
+
+
+def test_every_step_has_a_device_span_by_mode(tiny_llama_dir):
+    """CUDA events around each step: spans for each mode the steps ran in, summing to about the
+    steps' wall time (the device is busy or idle between them)."""
+    import time
+
+    llm = LLM(str(tiny_llama_dir), device="cuda", num_kv_blocks=256)
+    t0 = time.perf_counter()
+    llm.generate([[1, 2, 3, 4, 5] * 8, [7, 8, 9] * 5], PARAMS)
+    wall = time.perf_counter() - t0
+    st = llm.core.step_times
+    summary = st.device_summary()
+    assert sum(st.device_span_steps.values()) == st.steps and {"graph", "piecewise"} <= set(st.device_span)
+    assert 0 < summary["device_busy_s"] and summary["device_busy_s"] + summary["device_idle_s"] <= wall
+    assert summary["device_graph_ms_per_step"] > 0

@@ -159,3 +159,16 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     assert not runner.ready((4, 9)) and runner.ready((4, 9))  # captured the second time a shape is seen
     runner.graphs.update({(4, 9): None, (0, 9): None})  # max_graphs = 2 captured (on the CPU: no graph)
     assert runner.ready((4, 9)) and not runner.ready((2, 3)) and not runner.ready((2, 3))  # no third capture, no eviction
+
+
+def test_device_summary_sums_spans_by_mode_and_idle_gaps():
+    from engine.metrics import StepTimes
+
+    st = StepTimes()
+    st.record_device("graph", 0.010, 0.0)
+    st.record_device("graph", 0.020, 0.001)
+    st.record_device("piecewise", 0.050, 0.002)
+    s = st.device_summary()
+    assert s["device_busy_s"] == pytest.approx(0.080) and s["device_idle_s"] == pytest.approx(0.003)
+    assert s["device_graph_s"] == pytest.approx(0.030) and s["device_graph_ms_per_step"] == pytest.approx(15.0)
+    assert s["device_piecewise_ms_per_step"] == pytest.approx(50.0) and "device_mixed_s" not in s

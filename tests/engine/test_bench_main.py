@@ -1,0 +1,35 @@
+"""``python -m engine.bench`` end to end on a tiny random model on the CPU: what runs on which
+engine and what the report records (the figures themselves are for the GPU)."""
+
+from __future__ import annotations
+
+import json
+
+from engine.bench import main
+
+
+def test_throughput_runs_on_its_own_engine_with_its_own_batch_limit(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["latency", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu", "--no-hf",
+            "--throughput-max-num-seqs", "8", "--json", str(out)]
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["engines"] == {"main": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.5},
+                                 "throughput": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.9}}
+    assert set(record["memory"]) == {"engine of the other suites", "throughput engine"}
+    results = record["results"]
+    assert results["throughput_requests"] == 32 and results["throughput_output_tok_s"] > 0
+    assert results["decode_bs1_tok_s"] > 0
+    # 32 requests of >= 32 output tokens at most 8 at a time take >= 4 x 32 steps; the first
+    # engine (32 at a time) would finish them in ~70.
+    assert record["step_breakdown_ms"]["throughput"]["steps"] >= 4 * 32
+    report = capsys.readouterr().out
+    assert "# throughput engine: max_num_seqs 8" in report and "memory (throughput engine)" in report
+
+
+def test_throughput_shares_the_engine_when_its_settings_are_the_same(tiny_llama_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["throughput", "--model", str(tiny_llama_dir), "--device", "cpu", "--no-hf", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["engines"]) == {"main"} and set(record["memory"]) == {"engine"}
+    assert record["step_breakdown_ms"]["throughput"]["steps"] < 4 * 32
