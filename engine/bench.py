@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", nargs="*", default=["all"], choices=("all", *SUITES), help="one or more suites (default: all)")
+    p.add_argument("suite", nargs="*", choices=("all", *SUITES), help="one or more suites (default: all)")
     p.add_argument("--model", help="model path, or a config.json with --load-format dummy (default: embedded SmolLM2)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="auto")
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_flops(device, core.dtype)
     rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
     results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
-    suites = SUITES if "all" in args.suite else tuple(dict.fromkeys(args.suite))
+    suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
     hf = None
     if not args.no_hf:
         from engine.hf_reference import build_hf_model
