@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
               f" {b['decode_only_steps']} decode-only steps took {b['decode_only_s']:.2f} s for {b['decode_only_tokens']} tokens)")
     if device_time:
         print("\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
-              "step; idle: gaps between one step's end and the next one's start that the host did not hide):")
+              "step; idle: with async scheduling, gaps between a step and the one launched behind it that the host did not hide):")
         for suite, d in device_time.items():
             modes = sorted({k.split("_")[1] for k in d if k.endswith("_ms_per_step")})
             print(f"  {suite:<11} busy {d['device_busy_s']:.2f} s, idle {d['device_idle_s']:.2f} s;  "

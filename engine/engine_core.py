@@ -50,6 +50,7 @@ class InflightStep:
     device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
     mode: str = ""  # how the forward ran (ModelRunner.last_step_mode)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
+    chained: bool = False  # launched while the step before it was in flight (async scheduling)
 
 
 class RequestError(ValueError):
@@ -296,7 +297,6 @@ class EngineCore:
         if not sched.chunks:
             if self._inflight is not None:
                 outputs += self._finalize(self._take_inflight())
-            self._last_step_end = None  # idle for want of work from here: not the host's delay
             return outputs
         t1 = time.perf_counter()
         inputs = self.runner.prepare(sched.chunks, self._inflight.device_tokens if self._inflight else None)
@@ -337,7 +337,8 @@ class EngineCore:
         for req in sampled:
             req.num_pending_tokens += 1
         device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
-        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span)
+        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span,
+                            self._inflight is not None)
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None
@@ -349,7 +350,7 @@ class EngineCore:
         result = step.sample.result() if step.sample is not None else None
         now = time.perf_counter()
         if step.span is not None:
-            self._account_device_span(step.mode, *step.span)
+            self._account_device_span(step)
         for req in step.requests:  # before any finishes: its full blocks stay findable after it
             if not req.status.finished:
                 self.block_manager.cache_full_blocks(req)
@@ -361,14 +362,17 @@ class EngineCore:
             outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i], now))
         return outputs
 
-    def _account_device_span(self, mode: str, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        """Record the finished step's device span and the idle gap since the step before it
-        ended. Steps finalize in launch order, so the previous end event is complete."""
+    def _account_device_span(self, step: InflightStep) -> None:
+        """Record a finished step's device span and, when it was launched behind the step before
+        it (async scheduling), the device's idle gap between the two: time the host failed to
+        hide. Gaps before a step launched onto an empty queue (sync mode, or after the engine ran
+        out of work) are not counted. Steps finalize in launch order: the previous end is done."""
+        start, end = step.span
         end.synchronize()  # the samples were the step's last work: this returns at once
         idle = 0.0
-        if self._last_step_end is not None:
+        if step.chained and self._last_step_end is not None:
             idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
-        self.step_times.record_device(mode, start.elapsed_time(end) / 1e3, idle)
+        self.step_times.record_device(step.mode, start.elapsed_time(end) / 1e3, idle)
         self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
