@@ -282,7 +282,13 @@ def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
         variants["same, PDL off"] = replace(path, pdl=False)
     if path.fused_swiglu:
         variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
-    variants["same, down_proj " + ("on cuBLAS" if path.gemv_down else "as a GEMV too")] = replace(path, gemv_down=not path.gemv_down)
+    down = "on cuBLAS" if path.gemv_down else f"as a GEMV too (split-K {path.down_split_k})"
+    variants[f"same, down_proj {down}"] = replace(path, gemv_down=not path.gemv_down)
+    for split in sorted({1, 2, 4} - {path.o_split_k}):
+        variants[f"same, o_proj split-K {split}"] = replace(path, o_split_k=split)
+    if path.gemv_down:
+        for split in sorted({1, 2, 4} - {path.down_split_k}):
+            variants[f"same, down_proj split-K {split}"] = replace(path, down_split_k=split)
     return variants
 
 
@@ -315,7 +321,8 @@ def decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
 def path_name(path: DecodeKernels) -> str:
     if not path.max_rows:
         return "cuBLAS"
-    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", "down GEMV" if path.gemv_down else "", "PDL" if path.pdl else ""]
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
+             f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "", "PDL" if path.pdl else ""]
     return ", ".join(p for p in parts if p)
 
 

@@ -3,7 +3,9 @@
 At decode batch sizes a projection is a matrix-vector product bound by reading W. A program
 owns BLOCK_N output columns (rows of W) over the whole K: it streams its slice of W through
 ``num_stages`` pipelined loads and multiplies on tensor cores with x's rows padded to BLOCK_M
-(the padding rows cost no memory traffic). No split-K, so no second reduction kernel.
+(the padding rows cost no memory traffic). With SPLIT_K > 1 the programs of grid axis 1 each
+take a 1/SPLIT_K slice of K and store float32 partials [SPLIT_K, M, N]: more programs for a
+weight with few rows, and no reduction kernel - the next residual add + RMSNorm sums them.
 
 Tried and not kept (H200): (1) with PDL, asking L2 for the first weight columns before waiting
 for the previous kernel (``prefetch.global.L2``): 8 MiB a projection was within noise of none
@@ -23,13 +25,16 @@ from engine.kernels._pdl_triton import pdl_wait
 
 @triton.jit
 def decode_linear_kernel(
-    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
+    k_first = pid_k * k_len
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -37,11 +42,11 @@ def decode_linear_kernel(
     n_mask = offs_n[:, None] < N
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
     pdl_wait(USE_PDL)
-    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + k_first + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_first + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(0, k_len, BLOCK_K):
         if EVEN_K:  # no mask along the contiguous dimension
             x = tl.load(x_ptrs, mask=m_mask, other=0.0)
             w = tl.load(w_ptrs, mask=n_mask, other=0.0, eviction_policy="evict_first")
@@ -60,7 +65,7 @@ def decode_linear_kernel(
         w_ptrs += BLOCK_K
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 

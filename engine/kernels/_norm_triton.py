@@ -7,15 +7,20 @@ from engine.kernels._pdl_triton import pdl_wait
 
 
 @triton.jit
-def add_rms_norm_kernel(X, R, W, OUT, R_OUT, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def add_rms_norm_kernel(X, R, W, OUT, R_OUT, dim, eps, stride_xp, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr, PARTS: tl.constexpr):
+    """PARTS > 1: X holds PARTS float32 partial sums of the row (a split-K GEMV's), added first."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
     pdl_wait(USE_PDL)
     x = tl.load(X + row * dim + cols, mask=mask, other=0.0)
+    for part in tl.static_range(1, PARTS):
+        x += tl.load(X + part * stride_xp + row * dim + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        x = x + tl.load(R + row * dim + cols, mask=mask, other=0.0)
+        r = tl.load(R + row * dim + cols, mask=mask, other=0.0)
+        x = (x + r.to(x.dtype)).to(R_OUT.dtype.element_ty)
         tl.store(R_OUT + row * dim + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / dim

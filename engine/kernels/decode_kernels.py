@@ -8,18 +8,25 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class DecodeKernels:
     """The batch-1 decode path (measured on the H200: docs/performance.md). Steps of 1 to
-    ``max_rows`` tokens run q|k|v, o_proj, gate|up (and ``gemv_down``: down_proj) and the lm_head
-    as Triton GEMVs (engine/kernels/linear.py) instead of cuBLAS; ``fused_swiglu``: the gate|up
+    ``max_rows`` tokens run q|k|v, o_proj, gate|up, down_proj (``gemv_down``) and the lm_head as
+    Triton GEMVs (engine/kernels/linear.py) instead of cuBLAS; ``fused_swiglu``: the gate|up
     GEMV applies SwiGLU in its epilogue (one kernel fewer per layer); ``pdl``: every Triton kernel
     of the step launches with programmatic dependent launch, so its launch overlaps the previous
-    kernel's tail (Hopper+). ``gemv_down`` is off because it measured slower than cuBLAS; the
-    bench keeps it as an A/B. The engine sets this before it captures CUDA graphs
+    kernel's tail (Hopper+). down_proj is a split-K GEMV whose partials the next norm sums: graph
+    replay 4.16 vs 4.21 ms with cuBLAS (split-K plus its reduction kernel); unsplit the GEMV was
+    slower than cuBLAS (4.51 ms). An o_proj split measured no gain (2) or a loss (4). The bench
+    keeps each as an A/B. The engine sets this before it captures CUDA graphs
     (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
 
     max_rows: int = 0
     fused_swiglu: bool = True
-    gemv_down: bool = False
+    gemv_down: bool = True
     pdl: bool = False
+    o_split_k: int = 1
+    """o_proj's GEMV over this many K slices (more programs for a weight of few rows): float32
+    partials that the next residual add + RMSNorm sums, so no reduction kernel."""
+    down_split_k: int = 2
+    """Likewise for down_proj when ``gemv_down``."""
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

@@ -3,7 +3,9 @@
 ``decode_linear(x, w)`` computes x @ w.T for x of at most ``DECODE_MAX_ROWS`` rows, optionally
 straight into float32 (the lm_head's logits, no cast kernel). On the H200 at batch 1 it beats
 cuBLAS on q|k|v, o_proj, gate|up and the lm_head (15.2 / 12.3 / 56.7 / 233.6 us against 15.3 /
-12.6 / 60.5 / 247.8), not on down_proj (33.6 against 31.3), which keeps cuBLAS; at 8 rows cuBLAS
+12.6 / 60.5 / 247.8), not alone on down_proj (33.6 against 31.3), which runs it split-K with its
+partials summed by the next norm (``split_k``: in the batch-1 graph 4.16 vs 4.21 ms against
+cuBLAS's split-K and reduction kernel, docs/performance.md); at 8 rows cuBLAS
 was ahead on q|k|v and gate|up (docs/results/2026-11-29-h200-gemv-sweep.txt), so only batch-1
 steps use it (``DecodeKernels.max_rows``, engine/kernels/decode_kernels.py). ``python -m engine.kernel_bench
 --gemv`` sweeps its tiles against cuBLAS; :func:`decode_tile` holds the winners.
@@ -45,6 +47,11 @@ def decode_tile(n: int, k: int) -> GemvConfig:
     return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
 
 
+def usable_split_k(w: torch.Tensor, split_k: int) -> int:
+    """``split_k`` where it divides the weight's K into whole tiles, else 1 (no split)."""
+    return split_k if w.shape[1] % (split_k * decode_tile(*w.shape).block_k) == 0 else 1
+
+
 # ---- references ----------------------------------------------------------------------------
 def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return F.linear(x, w).to(out_dtype or x.dtype)
@@ -53,9 +60,13 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 # ---- Triton --------------------------------------------------------------------------------
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-    *, gated: bool = False, pdl: bool = False,
+    *, gated: bool = False, pdl: bool = False, split_k: int = 1,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
+
+    ``split_k`` > 1: float32 partial products [split_k, M, N] over K slices, to be summed by the
+    consumer (:func:`~engine.kernels.norm.add_rms_norm` takes them as its ``x``); K must be a
+    multiple of split_k x the tile's block_k; not with ``gated`` or ``out_dtype``.
 
     ``gated``: w is gate|up stacked ([2F, K]) and the result is silu(x @ gate^T) * (x @ up^T)
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
@@ -68,13 +79,17 @@ def decode_linear(
     m, (rows, k) = x.shape[0], w.shape
     n = rows // 2 if gated else rows
     block_n = config.block_n // 2 if gated else config.block_n  # same weight rows per program
-    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2):
-        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} do not fit {config}")
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    decode_linear_kernel[(-(-n // block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+    split_ok = split_k == 1 or (not gated and out_dtype is None and k % (split_k * config.block_k) == 0)
+    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok:
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} split_k={split_k} do not fit {config}")
+    if split_k > 1:
+        y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    decode_linear_kernel[(-(-n // block_n), split_k)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
-        GATED=gated, USE_PDL=pdl,
+        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

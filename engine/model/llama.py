@@ -18,7 +18,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.decode_kernels import DecodeKernels
-from engine.kernels.linear import decode_linear
+from engine.kernels.linear import decode_linear, usable_split_k
 from engine.model.rope import RotaryEmbedding
 
 
@@ -130,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
         return self._norm_qkv(0, self.embed_tokens(input_ids), None)
 
     def _use_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x`` takes the batch-1 decode path (DecodeKernels)."""
-        return self.decode_kernels.applies(x.shape[0])
+        """Whether this step's ``x`` ([rows, dim], or a split-K GEMV's [parts, rows, dim]
+        partials) takes the batch-1 decode path (DecodeKernels)."""
+        return self.decode_kernels.applies(x.shape[-2])
 
     def _pdl(self, x: torch.Tensor) -> bool:
         return self.decode_kernels.pdl and self._use_gemv(x)
@@ -140,8 +141,10 @@ class LlamaForCausalLM(nn.Module):
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
         return self._gemv(x, linear.weight) if self._use_gemv(x) else linear(x)
 
-    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
-        return decode_linear(x, weight, out_dtype, gated=gated, pdl=self.decode_kernels.pdl)
+    def _gemv(
+        self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False, split_k: int = 1
+    ) -> torch.Tensor:
+        return decode_linear(x, weight, out_dtype, gated=gated, pdl=self.decode_kernels.pdl, split_k=usable_split_k(weight, split_k))
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
@@ -150,17 +153,20 @@ class LlamaForCausalLM(nn.Module):
         return self._proj(layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, pdl = self.layers[i], self._pdl(attn)
-        h = self._proj(layer.self_attn.o_proj, attn)
+        layer, pdl, path = self.layers[i], self._pdl(attn), self.decode_kernels
+        o_proj = layer.self_attn.o_proj
+        # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
+        h = self._gemv(attn, o_proj.weight, split_k=path.o_split_k) if self._use_gemv(attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if self._use_gemv(x) and self.decode_kernels.fused_swiglu:
             act = self._gemv(x, mlp.gate_up_proj.weight, gated=True)
         else:
             act = silu_and_mul(self._proj(mlp.gate_up_proj, x), pdl=pdl)
-        if self.decode_kernels.gemv_down:
-            return self._proj(mlp.down_proj, act), residual
-        return mlp.down_proj(act), residual  # cuBLAS: faster than the plain GEMV at its shape
+        if path.gemv_down:
+            down = self._gemv(act, mlp.down_proj.weight, split_k=path.down_split_k) if self._use_gemv(act) else mlp.down_proj(act)
+            return down, residual
+        return mlp.down_proj(act), residual
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""

@@ -316,3 +316,49 @@ def test_cached_launch_compiles_again_for_a_misaligned_view():
         counts.append(decode_launch.num_specializations)
     # compiled (CUDA): the misaligned q is one more variant; the interpreter compiles nothing
     assert counts[1] == counts[0] + 1 if DEVICE.type == "cuda" else counts == [0, 0]
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_gemv_partials_summed_by_the_norm(split):
+    """o_proj / down_proj as split-K GEMVs: float32 partials over K slices whose sum is the
+    product, added to the residual and normed by add_rms_norm without a reduction kernel."""
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref, usable_split_k
+
+    config = GemvConfig("dot", 32, 64, 4, 2)
+    k, n = 512, 72
+    x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+    w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+    parts = decode_linear(x, w, config=config, split_k=split)
+    assert parts.shape == (split, 1, n) and parts.dtype == torch.float32
+    assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
+    assert not torch.allclose(parts[0], parts.sum(0))  # each part is a slice's, not the whole product
+    r = torch.randn(1, n, device=DEVICE, dtype=DTYPE)
+    norm_w = torch.randn(n, device=DEVICE, dtype=DTYPE)
+    out, res = add_rms_norm_triton(parts, r, norm_w, 1e-5)
+    ref_out, ref_res = add_rms_norm_ref(decode_linear_ref(x, w, torch.float32), r.float(), norm_w.float(), 1e-5)
+    assert out.dtype == res.dtype == DTYPE and rel(out, ref_out) < TOL and rel(res, ref_res) < TOL
+    with pytest.raises(ValueError, match="split_k"):
+        decode_linear(torch.randn(1, 96, device=DEVICE, dtype=DTYPE), torch.randn(8, 96, device=DEVICE, dtype=DTYPE), config=config, split_k=2)
+    assert usable_split_k(torch.empty(8, 4096), 2) == 2 and usable_split_k(torch.empty(8, 200), 2) == 1
+
+
+def test_split_k_projections_decode_like_torch_linear(tmp_path):
+    """The wiring of split-K o_proj and down_proj GEMVs (partials into the next norm) in the
+    model: same tokens and log-probs as torch's linear, on a model whose K splits into tiles."""
+    from engine import LLM, SamplingParams
+    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.linear import usable_split_k
+    from tests.engine.conftest import save_tiny_llama
+
+    model_dir = save_tiny_llama(tmp_path, seed=2, intermediate_size=512, num_attention_heads=8, head_dim=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for name, path in {"plain": DecodeKernels(), "split": DecodeKernels(max_rows=1, gemv_down=True, o_split_k=2, down_split_k=2)}.items():
+        llm = LLM(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
+        llm.core.model.decode_kernels = path
+        layer = llm.core.model.layers[0]
+        assert usable_split_k(layer.self_attn.o_proj.weight, 2) == 2 and usable_split_k(layer.mlp.down_proj.weight, 2) == 2
+        outputs[name] = llm.generate([[5, 17, 33, 2, 90]], params)[0]
+    assert outputs["split"].token_ids == outputs["plain"].token_ids
+    for a, b in zip(outputs["plain"].logprobs, outputs["split"].logprobs):
+        assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4)
