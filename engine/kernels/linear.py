@@ -38,7 +38,9 @@ class GemvConfig:
 def decode_tile(n: int, k: int) -> GemvConfig:
     """The tile for an [n, k] weight: the fastest in the H200 sweep for each 8B shape at batch 1
     (docs/results/2026-11-29-h200-gemv-sweep.txt), by size class for other shapes."""
-    if n <= 4096:  # o_proj, down_proj: few columns, so narrow tiles to occupy every SM
+    if n <= 4096 and k > 8192:  # down_proj, split-K 2 (DecodeKernels.down_split_k): in the batch-1 graph
+        return GemvConfig("dot", 64, 256, 4, 4)  # replay 4.065 vs 4.105 ms with 32x256 s5 (H200, 2026-11-30)
+    if n <= 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
         return GemvConfig("dot", 32, 256, 4, 5)
     if n <= 16384:  # q|k|v
         return GemvConfig("dot", 64, 128, 4, 5)
