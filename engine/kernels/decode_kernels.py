@@ -13,9 +13,9 @@ class DecodeKernels:
     GEMV applies SwiGLU in its epilogue (one kernel fewer per layer); ``pdl``: every Triton kernel
     of the step launches with programmatic dependent launch, so its launch overlaps the previous
     kernel's tail (Hopper+). down_proj is a split-K GEMV whose partials the next norm sums: graph
-    replay 4.16 vs 4.21 ms with cuBLAS (split-K plus its reduction kernel); unsplit the GEMV was
-    slower than cuBLAS (4.51 ms). An o_proj split measured no gain (2) or a loss (4). The bench
-    keeps each as an A/B. The engine sets this before it captures CUDA graphs
+    replay 4.07 vs 4.14 ms with cuBLAS (split-K plus its reduction kernel; H200, 2026-11-30
+    05:35 run); unsplit or split 4 ways the GEMV was slower than cuBLAS (4.40 / 4.51 ms). An
+    o_proj split measured no gain (2) or a loss (4). The bench keeps each as an A/B. The engine sets this before it captures CUDA graphs
     (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
 
     max_rows: int = 0

@@ -4,7 +4,7 @@
 straight into float32 (the lm_head's logits, no cast kernel). On the H200 at batch 1 it beats
 cuBLAS on q|k|v, o_proj, gate|up and the lm_head (15.2 / 12.3 / 56.7 / 233.6 us against 15.3 /
 12.6 / 60.5 / 247.8), not alone on down_proj (33.6 against 31.3), which runs it split-K with its
-partials summed by the next norm (``split_k``: in the batch-1 graph 4.16 vs 4.21 ms against
+partials summed by the next norm (``split_k``: in the batch-1 graph 4.07 vs 4.14 ms against
 cuBLAS's split-K and reduction kernel, docs/performance.md); at 8 rows cuBLAS
 was ahead on q|k|v and gate|up (docs/results/2026-11-29-h200-gemv-sweep.txt), so only batch-1
 steps use it (``DecodeKernels.max_rows``, engine/kernels/decode_kernels.py). ``python -m engine.kernel_bench
