@@ -630,14 +630,14 @@ def main(argv: list[str] | None = None) -> int:
         run_suites(core, hf, sizes, rng, bw, flops, [s for s in suites if not (separate and s == "throughput")], rows, results,
                    breakdown, device_time)
         if separate:
-            memory["engine of the other suites"] = core.memory.rows()  # its peak, before the next engine's
+            memory["engine of the other suites"] = core.memory_rows()  # its peak, before the next engine's
             hf = core = None  # release the HF copy, the first KV pool and its graphs before sizing the next pool
             core = throughput_engine(tput_config, loaded)
             run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
     hf = None
-    memory["throughput engine" if separate else "engine"] = core.memory.rows()
+    memory["throughput engine" if separate else "engine"] = core.memory_rows()
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
           "reads samples back, waiting for the device):")

@@ -248,6 +248,7 @@ class MixedGraphRunner:
         self.seen: Counter[tuple[int, int]] = Counter()
         self.padding_rows = 0  # decode rows padded so far (diagnostics, tests)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.pool_bytes = 0  # device memory reserved by the captures (after the KV budget was set)
 
     @property
     def captures(self) -> int:
@@ -332,11 +333,13 @@ class MixedGraphRunner:
         staging buffer)."""
         meta = self._meta(db, c, [1] * db + [self.max_model_len])
         t = db + c
+        before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
             self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
+        self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)
         return graph, hidden, meta

@@ -34,6 +34,7 @@ def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):
     mixed = llm.core.runner.mixed
     assert got == reference
     assert mixed.captures > 0 and llm.core.step_times.mixed_steps > mixed.captures and mixed.padding_rows > 0
+    assert dict(llm.core.memory_rows())["cuda_graphs (mixed steps, captured while serving)"] == mixed.pool_bytes > 0
 
 
 def test_every_step_has_a_device_span_by_mode(tiny_llama_dir):
