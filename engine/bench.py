@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", nargs="*", choices=("all", *SUITES), help="one or more suites (default: all)")
+    p.add_argument("suite", nargs="*", metavar="SUITE", help=f"one or more of all, {', '.join(SUITES)} (default: all)")
     p.add_argument("--model", help="model path, or a config.json with --load-format dummy (default: embedded SmolLM2)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="auto")
@@ -577,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    # checked here, not by argparse's choices: with nargs="*" an empty list fails them on some
+    # Python versions (3.11) and a list default on others (3.12)
+    unknown = [name for name in args.suite if name not in ("all", *SUITES)]
+    if unknown:
+        p.error(f"unknown suite(s) {', '.join(unknown)}: choose from all, {', '.join(SUITES)}")
 
     model = args.model
     if model is None:

@@ -33,3 +33,29 @@ def test_throughput_shares_the_engine_when_its_settings_are_the_same(tiny_llama_
     record = json.loads(out.read_text())
     assert set(record["engines"]) == {"main"} and set(record["memory"]) == {"engine"}
     assert record["step_breakdown_ms"]["throughput"]["steps"] < 4 * 32
+
+
+def test_every_suite_runs_and_the_record_holds_the_issue_fields(tmp_path):
+    """All suites with the HF baseline on a tiny random model with long enough positions: the
+    JSON record has every field docs/performance.md and issue 4 rely on."""
+    from tests.engine.conftest import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "model", seed=3, max_position_embeddings=4096)
+    out = tmp_path / "bench.json"
+    assert main(["--model", str(model), "--device", "cpu", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert {"device", "date", "command", "results", "versions", "memory", "step_breakdown_ms"} <= set(record)
+    results = record["results"]
+    for key in ("decode_bs1_tok_s", "decode_bs1_roofline_frac", "hf_decode_bs1_tok_s", "prefill_tok_s", "hf_prefill_tok_s",
+                "throughput_output_tok_s", "prefix_ttft_p50_ms", "uncached_ttft_p50_ms", "chunked_itl_p99_ratio"):
+        assert results[key] > 0, key
+    assert results["check_max_abs_logprob_diff"] <= max(2 * results["check_hf_same_dtype_diff"], 1e-3)
+    assert set(record["step_breakdown_ms"]) == {"latency", "prefill", "throughput", "prefix", "chunked"}
+
+
+def test_an_unknown_suite_is_a_clear_usage_error(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["latncy", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "unknown suite(s) latncy" in capsys.readouterr().err
