@@ -362,3 +362,21 @@ def test_split_k_projections_decode_like_torch_linear(tmp_path):
     assert outputs["split"].token_ids == outputs["plain"].token_ids
     for a, b in zip(outputs["plain"].logprobs, outputs["split"].logprobs):
         assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4)
+
+
+def test_decode_attention_at_the_throughput_runs_width():
+    """Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head dim 128, 16-token pages)
+    at the width of the throughput run's decode steps (on CUDA 256 requests of ~740 tokens; a
+    few on the CPU interpreter), with peaked scores so that a skipped key shows. Asked for by a
+    kernel profile that put decode attention above the HBM bandwidth (docs/performance.md)."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    n, base = (256, 740) if DEVICE.type == "cuda" else (3, 40)
+    ctx = [base + (i * 37) % 61 for i in range(n)]
+    cache, meta = build_batch([1] * n, ctx, 8, 128, 16, seed)
+    q = 4 * torch.randn(n, 32, 128, device=DEVICE, dtype=DTYPE)  # scores with a spread of ~4: a few keys dominate
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, 128**-0.5, out)
+    ref = paged_attention_reference(q, cache, meta, 128**-0.5)
+    assert not out.isnan().any()
+    assert rel(out, ref) < TOL, f"seed {seed}"
