@@ -57,6 +57,40 @@ def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
     return flops, kv + qo
 
 
+def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill: int = 0, steps: int = 10,
+                        budget: int | None = None, **config: object):
+    """An engine (random weights by default) with ``batch`` requests of ``context`` prompt tokens,
+    all decoding, none of which can finish during 3 warm-up and ``2 * steps`` more steps: the
+    first requests decode while the later prompts prefill ``budget`` tokens a step, so their
+    output limit covers that too (with a fixed 64 the 256 x 736 profiles of 2026-11-30 had lost
+    the early requests before the profile and measured a smaller batch than they said)."""
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.sampling import SamplingParams
+
+    budget = budget or max(2048, batch + prefill)
+    headroom = -(-batch * context // budget) + 3 + 2 * steps + 8
+    seqs = batch + 2 * steps  # room for the prompts a mixed profile adds; a captured graph bucket
+    seqs = next((b for b in sorted(EngineConfig.cuda_graph_batch_sizes) if b >= seqs), seqs)
+    options = dict(load_format="dummy", gpu_memory_utilization=0.5, async_scheduling="off") | config
+    cfg = EngineConfig(model=model_config, max_model_len=context + prefill + headroom, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                       **options)
+    cfg.piecewise_cuda_graph_sizes = tuple(t for t in cfg.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + 2 * steps)
+    core = EngineCore(cfg)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=headroom, ignore_eos=True)
+    vocab = core.model_config.vocab_size
+    for _ in range(batch):
+        core.add_request([rng.randrange(min(100, vocab // 2), min(1000, vocab)) for _ in range(context)], params)
+    while core.scheduler.waiting or any(len(r.output_token_ids) < 2 for r in core.scheduler.running):
+        core.step()
+    for _ in range(3):
+        core.step()
+    if len(core.scheduler.running) != batch:
+        raise RuntimeError(f"profile set-up: {len(core.scheduler.running)} of {batch} requests still running")
+    return core
+
+
 def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0) -> None:
     """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
     model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
@@ -66,22 +100,12 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
     ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
     attention)."""
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
     from engine.sampling import SamplingParams
 
     steps = 10
-    config = EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=context + prefill + 64,
-                          async_scheduling="off", pdl=pdl, max_num_seqs=batch + 2 * steps, max_num_batched_tokens=max(2048, batch + prefill))
-    config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + 2 * steps)
-    core = EngineCore(config)
-    rng = random.Random(0)
-    for _ in range(batch):
-        core.add_request([rng.randrange(100, 1000) for _ in range(context)], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    while any(len(r.output_token_ids) < 2 for r in core.scheduler.running) or core.scheduler.waiting:
-        core.step()
-    for _ in range(3):
-        core.step()
+    core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl)
+    rng = random.Random(1)
+
     def run_steps() -> None:
         for _ in range(steps):
             if prefill:
@@ -89,8 +113,10 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
             core.step()
         torch.cuda.synchronize()
 
+    contexts = [r.num_tokens for r in core.scheduler.running]
     kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
-    print_step_profile(core, run_steps, steps, f"{kind}, batch {batch}, context {context}")
+    print_step_profile(core, run_steps, steps, f"{kind}, batch {len(contexts)}, context {min(contexts)}-{max(contexts)} "
+                       f"(mean {sum(contexts) / len(contexts):.0f})")
 
 
 def print_step_profile(core, run_steps, steps: int, label: str) -> None:

@@ -59,3 +59,17 @@ def test_an_unknown_suite_is_a_clear_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["latncy", "--device", "cpu"])
     assert exit_info.value.code == 2 and "unknown suite(s) latncy" in capsys.readouterr().err
+
+
+def test_the_decode_profile_batch_is_whole_when_profiled(tiny_llama_dir):
+    """kernel_bench's profiles: every requested stream still decoding after a prefill that
+    took many steps (the first streams decode meanwhile), and through the profiled steps."""
+    from engine.kernel_bench import decode_batch_engine
+
+    steps = 4  # one prompt prefilled a step: the first stream decodes ~20 tokens before the last starts
+    core = decode_batch_engine(str(tiny_llama_dir), 20, 40, steps=steps, budget=41, load_format="auto", device="cpu", num_kv_blocks=200)
+    assert core.num_steps >= 20 + 3
+    for _ in range(2 * steps):
+        core.step()
+    running = core.scheduler.running
+    assert len(running) == 20 and all(not r.status.finished for r in running)
