@@ -487,6 +487,7 @@ def same_engine(a: EngineConfig, b: EngineConfig, device: torch.device) -> bool:
 
 
 def engine_settings(config: EngineConfig) -> dict[str, float]:
+    """What the JSON record says about an engine the suites ran on."""
     return {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "gpu_memory_utilization": config.gpu_memory_utilization}
 
@@ -504,6 +505,16 @@ def throughput_engine(config: EngineConfig, loaded: LoadedModel) -> EngineCore:
     print(f"# throughput engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
           f"gpu_memory_utilization {config.gpu_memory_utilization}: {core.kv_cache.num_blocks:,} KV blocks", flush=True)
     return core
+
+
+def format_device_time(device_time: dict[str, dict]) -> str:
+    """The report's device-time section from each suite's ``StepTimes.device_summary()``."""
+    lines = ["\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
+             "step; idle: with async scheduling, gaps between a step and the one launched behind it that the host did not hide):"]
+    for suite, d in device_time.items():
+        lines.append(f"  {suite:<11} busy {d['busy_s']:.2f} s, idle {d['idle_s']:.2f} s;  "
+                     + "  ".join(f"{m} {t['s']:.2f} s ({t['ms_per_step']:.2f} ms/step)" for m, t in sorted(d["by_mode"].items())))
+    return "\n".join(lines)
 
 
 def device_name(device: torch.device) -> str:
@@ -625,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = build_hf_model(core.model)
         rows.append(check_against_hf(core, hf, rng, results))
     breakdown: dict[str, dict[str, float]] = {}
-    device_time: dict[str, dict[str, float]] = {}
+    device_time: dict[str, dict[str, object]] = {}
     tput_config = replace(config, max_num_seqs=args.throughput_max_num_seqs or sizes.throughput_max_num_seqs,
                           max_num_batched_tokens=args.throughput_max_num_batched_tokens or sizes.throughput_max_num_batched_tokens,
                           gpu_memory_utilization=args.throughput_gpu_memory_utilization or sizes.throughput_gpu_memory_utilization)
@@ -651,12 +662,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['mixed_steps']} mixed graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native;"
               f" {b['decode_only_steps']} decode-only steps took {b['decode_only_s']:.2f} s for {b['decode_only_tokens']} tokens)")
     if device_time:
-        print("\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
-              "step; idle: with async scheduling, gaps between a step and the one launched behind it that the host did not hide):")
-        for suite, d in device_time.items():
-            modes = sorted({k.split("_")[1] for k in d if k.endswith("_ms_per_step")})
-            print(f"  {suite:<11} busy {d['device_busy_s']:.2f} s, idle {d['device_idle_s']:.2f} s;  "
-                  + "  ".join(f"{m} {d[f'device_{m}_s']:.2f} s ({d[f'device_{m}_ms_per_step']:.2f} ms/step)" for m in modes))
+        print(format_device_time(device_time))
     for name, memory_rows in memory.items():
         print(f"\nmemory ({name}):\n" + core.memory.format(memory_rows))
     if args.json:

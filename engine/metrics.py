@@ -122,8 +122,7 @@ class StepTimes:
     # On CUDA: each step's span on the device (its first event to its last, CUDA events) by
     # mode, and the device's idle time between one step's end and the next one's start - the
     # time the host failed to hide.
-    device_span: dict[str, float] = field(default_factory=dict)
-    device_span_steps: dict[str, int] = field(default_factory=dict)
+    device_span: dict[str, list[float]] = field(default_factory=dict)  # mode -> [seconds, steps]
     device_idle: float = 0.0
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
@@ -154,17 +153,15 @@ class StepTimes:
 
     def record_device(self, mode: str, span: float, idle: float) -> None:
         """Account one step's device span and the idle gap before it (seconds)."""
-        self.device_span[mode] = self.device_span.get(mode, 0.0) + span
-        self.device_span_steps[mode] = self.device_span_steps.get(mode, 0) + 1
+        total = self.device_span.setdefault(mode, [0.0, 0])
+        total[0] += span
+        total[1] += 1
         self.device_idle += idle
 
-    def device_summary(self) -> dict[str, float]:
-        """Device seconds by step mode, their mean ms a step, and the idle seconds between steps."""
-        out: dict[str, float] = {"device_idle_s": self.device_idle, "device_busy_s": sum(self.device_span.values())}
-        for mode, span in self.device_span.items():
-            out[f"device_{mode}_s"] = span
-            out[f"device_{mode}_ms_per_step"] = 1e3 * span / self.device_span_steps[mode]
-        return out
+    def device_summary(self) -> dict[str, object]:
+        """Busy and idle device seconds, and by mode: seconds and mean ms a step."""
+        return {"busy_s": sum(s for s, _ in self.device_span.values()), "idle_s": self.device_idle,
+                "by_mode": {mode: {"s": s, "ms_per_step": 1e3 * s / n} for mode, (s, n) in self.device_span.items()}}
 
     @property
     def decode_rate(self) -> float:

@@ -169,6 +169,9 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     st.record_device("graph", 0.020, 0.001)
     st.record_device("piecewise", 0.050, 0.002)
     s = st.device_summary()
-    assert s["device_busy_s"] == pytest.approx(0.080) and s["device_idle_s"] == pytest.approx(0.003)
-    assert s["device_graph_s"] == pytest.approx(0.030) and s["device_graph_ms_per_step"] == pytest.approx(15.0)
-    assert s["device_piecewise_ms_per_step"] == pytest.approx(50.0) and "device_mixed_s" not in s
+    assert s["busy_s"] == pytest.approx(0.080) and s["idle_s"] == pytest.approx(0.003)
+    assert s["by_mode"]["graph"] == {"s": pytest.approx(0.030), "ms_per_step": pytest.approx(15.0)}
+    assert s["by_mode"]["piecewise"]["ms_per_step"] == pytest.approx(50.0) and set(s["by_mode"]) == {"graph", "piecewise"}
+    from engine.bench import format_device_time
+
+    assert "throughput  busy 0.08 s, idle 0.00 s;  graph 0.03 s (15.00 ms/step)  piecewise 0.05 s (50.00 ms/step)" in format_device_time({"throughput": s})
