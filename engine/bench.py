@@ -302,7 +302,8 @@ def decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
     for name, variant in decode_path_variants(path).items():
         core.model.decode_kernels = variant
         try:
-            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], core.device)
+            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
+                                    core.device)
             runner.graphs = other
             core.block_manager.reset_prefix_cache()
             _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)

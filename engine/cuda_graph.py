@@ -2,12 +2,13 @@
 
 At batch 1 an 8B decode step is ~3.5 ms of memory traffic spread over ~400 kernels; launched
 one by one from Python that becomes ~80 ms (measured for HF eager on an H200). Captured once per
-bucket, a step is a few host->device copies into persistent buffers and one replay.
+bucket, a step is a host->device copy into persistent buffers and one replay.
 
-:class:`CudaGraphRunner`: decode-only batches (one query per request), the whole forward and the
-lm_head (every decode row is sampled) as one graph per batch-size bucket: at batch 1 the lm_head
-follows the last norm inside the graph instead of after an eager row gather and a launch gap.
-Padding rows point at the null block with context length 0.
+:class:`CudaGraphRunner`: decode-only batches (one query per request), the whole forward, the
+lm_head and the greedy argmax (every decode row is sampled) as one graph per batch-size bucket:
+at batch 1 the lm_head follows the last norm inside the graph instead of after an eager row
+gather and a launch gap. The step's inputs arrive as one packed copy that the graph's first
+kernel scatters. Padding rows point at the null block with context length 0.
 
 :class:`PiecewiseGraphRunner`: steps with prefill chunks. Their attention launch shape depends on
 the batch (tiles per request, context splits), so it runs eagerly; everything else - the
@@ -25,12 +26,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK
+from engine.kernels.argmax import argmax_rows
+from engine.kernels.step_inputs import packed_size, scatter_decode_inputs
 from engine.model import LlamaForCausalLM
+from engine.transfer import copy_to_device
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,30 @@ def graph_bucket(batch_sizes: list[int], num_seqs: int) -> int | None:
     return None
 
 
+@dataclass
+class DecodeGraphStep:
+    """A decode-only step for :class:`CudaGraphRunner`: its inputs packed on the host
+    (engine/kernels/step_inputs.py), scattered on the device by the graph's first kernel."""
+
+    bucket: int
+    packed: np.ndarray
+    num_rows: int
+    pending: torch.Tensor | None  # the step in flight's sampled tokens, when this step reads some
+
+
 class CudaGraphRunner:
+    """Decode-only steps as one graph per batch-size bucket: the packed step's scatter into the
+    persistent buffers, the forward, the lm_head and the greedy argmax. Around a replay only two
+    copies remain: the packed step in, the tokens out (engine_core). The argmax writes
+    ``tokens``, where the next step's graph reads its pending input tokens (read first, written
+    last: one buffer, in stream order).
+
+    On the CPU (tests) nothing is captured: a replay runs the same scatter, then the forward of
+    the real rows eagerly on the same buffers (the torch attention reference needs the context
+    lengths on the host), so the packing, the pending-token rows and the greedy output are the
+    code the GPU runs.
+    """
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -52,31 +81,40 @@ class CudaGraphRunner:
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         batch_sizes: list[int],
         max_blocks_per_seq: int,
+        token_rows: int,
         device: torch.device,
     ) -> None:
         self.model = model
+        self.backend = backend
+        self.kv_layers = kv_layers
         self.batch_sizes = sorted(set(batch_sizes))
         max_bs = self.batch_sizes[-1]
         # Persistent inputs: graphs read from these addresses on every replay.
+        self.staging = torch.zeros(packed_size(max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # Greedy tokens out, pending tokens in; rows for any step's samples (token_rows: the
+        # engine's max_num_seqs), copied in when the step before was not a graph step.
+        self.tokens = torch.zeros(max(max_bs, token_rows), dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.padding_rows = 0  # rows replayed for nothing: the price of the buckets
+        if device.type != "cuda":
+            return
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
             meta = self._meta(bs)
             with torch.inference_mode():
                 for _ in range(2):  # compile Triton kernels, settle cuBLAS heuristics
-                    model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers))
+                    self._step(bs, meta)
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = model(self.input_ids[:bs], self.positions[:bs], backend, meta, kv_layers)
-                    self.outputs[bs] = model.compute_logits(hidden)
+                    self.outputs[bs] = self._step(bs, meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -88,29 +126,55 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             query_lens_host=[1] * bs,
-            seq_lens_host=[0] * bs,  # not read on the decode path
+            seq_lens_host=[0] * bs,  # not read on the Triton decode path
             num_decodes=bs,
             max_seq_len=0,
         )
 
+    def _step(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        """What a graph holds: scatter the staged step, forward ``bs`` rows, logits, argmax."""
+        scatter_decode_inputs(self.staging, self.tokens, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.block_tables, bs)
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend, meta, self.kv_layers)
+        logits = self.model.compute_logits(hidden)
+        argmax_rows(logits, out=self.tokens[:bs])
+        return logits
+
+    def _step_eager(self, bs: int) -> torch.Tensor:
+        """The CPU's replay: the same scatter, then the real rows' forward with host lengths."""
+        scatter_decode_inputs(self.staging, self.tokens, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.block_tables, bs)
+        n, width = self.staging[:2].tolist()
+        seq_lens = self.seq_lens[:n].tolist()
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n, :width], query_lens_host=[1] * n, seq_lens_host=seq_lens, num_decodes=n,
+            max_seq_len=max(seq_lens),
+        )
+        logits = self.model.compute_logits(self.model(self.input_ids[:n], self.positions[:n], self.backend, meta, self.kv_layers))
+        argmax_rows(logits, out=self.tokens[:n])
+        return logits
+
     def bucket(self, num_seqs: int) -> int | None:
         return graph_bucket(self.batch_sizes, num_seqs)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:
-        """Copy one decode batch into the persistent buffers, replay, return logits [n, vocab]
-        (float32) for its n rows."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        if bs > n:  # padding rows: no context, KV written to the null block
-            self.seq_lens[n:bs].zero_()
-            self.slot_mapping[n:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+    def run(self, step: DecodeGraphStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage one decode step, replay its bucket's graph; logits [n, vocab] (float32) and the
+        greedy tokens [n] of its n rows (views of persistent buffers: valid until the next run)."""
+        n = step.num_rows
+        self.padding_rows += step.bucket - n
+        if step.pending is not None and step.pending.data_ptr() != self.tokens.data_ptr():
+            # The step before ran another way (eager, mixed, sampled): its tokens come in here.
+            if len(step.pending) > len(self.tokens):
+                raise RuntimeError(f"{len(step.pending)} pending tokens for a token buffer of {len(self.tokens)} rows")
+            self.tokens[: len(step.pending)].copy_(step.pending)
+        copy_to_device(self.staging, step.packed)
+        if self.graphs:
+            self.graphs[step.bucket].replay()
+            logits = self.outputs[step.bucket]
+        else:
+            logits = self._step_eager(step.bucket)
+        return logits[:n], self.tokens[:n]
 
 
 class _Piece:

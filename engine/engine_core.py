@@ -144,7 +144,7 @@ class EngineCore:
         if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
             before = torch.cuda.memory_reserved(self.device)
-            self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            self.runner.capture_cuda_graphs(sizes, self.max_model_len, config.max_num_seqs)
             tokens = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens]
             if tokens:
                 self.runner.capture_piecewise_graphs(tokens)
@@ -309,7 +309,7 @@ class EngineCore:
         if not self.async_scheduling:
             outputs += self._finalize(self._take_inflight())
         self.step_times.record(
-            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), len(inputs.input_ids)
+            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), inputs.num_tokens
         )
         return outputs
 
@@ -320,12 +320,12 @@ class EngineCore:
         if self.device.type == "cuda":  # timing events only: recording one never waits
             span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             span[0].record()
-        logits = self.runner.execute(inputs)
+        out = self.runner.execute(inputs)
         rows = [
             SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
             for c in inputs.sampled_chunks
         ]
-        sample = self.sampler.sample(logits, rows) if rows else None
+        sample = self.sampler.sample(out.logits, rows, greedy_tokens=out.argmax) if rows else None
         if span is not None:
             span[1].record()
         self.num_steps += 1

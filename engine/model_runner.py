@@ -2,7 +2,8 @@
 
 The step's tokens are flattened: decodes (one query token each) first, then prefill chunks,
 so attention can batch all decodes in one call. Host-side lists are built once per step and
-copied to the device in one transfer per tensor.
+copied to the device in one transfer; a decode-only step that fits a decode graph goes packed
+(engine/kernels/step_inputs.py) and is unpacked inside the graph.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.cpu_decode import CpuDecodeKernel
-from engine.cuda_graph import CudaGraphRunner, MixedGraphRunner, PiecewiseGraphRunner
+from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
+from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledChunk
@@ -33,12 +35,26 @@ class DeviceTokens:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    """One step's inputs: on the device for the eager, piecewise and mixed paths; packed on the
+    host for a decode graph (``graph``), whose first kernel scatters them."""
+
     chunks: list[ScheduledChunk]  # in batch order
-    sample_rows: torch.Tensor  # index into the flattened tokens of each chunk that yields a sample
     sampled_chunks: list[ScheduledChunk]
+    num_tokens: int
+    sample_rows_host: list[int]  # index into the flattened tokens of each chunk that yields a sample
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    meta: AttentionMetadata | None = None
+    sample_rows: torch.Tensor | None = None  # sample_rows_host on the device
+    graph: DecodeGraphStep | None = None
+
+
+@dataclass
+class StepLogits:
+    """The forward's output for the sampled rows."""
+
+    logits: torch.Tensor  # [sampled rows, vocab] float32
+    argmax: torch.Tensor | None = None  # [sampled rows] int64, when the step computed the greedy tokens (decode graphs)
 
 
 class ModelRunner:
@@ -56,11 +72,21 @@ class ModelRunner:
         self.native: CpuDecodeKernel | None = None  # CPU: small decode-only steps as one C call
         self.last_step_mode = "eager"  # graph | mixed | piecewise | native | eager: how the last forward ran
 
-    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> None:
-        """Capture decode graphs (CUDA only); afterwards decode-only steps replay them."""
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_seqs: int) -> None:
+        """Capture decode graphs (on the CPU only tests use it: nothing is captured, the same
+        steps run eagerly); afterwards decode-only steps replay them."""
         self.graphs = CudaGraphRunner(
-            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), self.device
+            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device
         )
+
+    def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The decode graph bucket of a decode-only step; None when it runs another way (the
+        native CPU kernel first, where it is attached)."""
+        if self.graphs is None or any(c.num_tokens != 1 for c in chunks):
+            return None
+        if self.native is not None and len(chunks) <= self.native.max_batch:
+            return None
+        return self.graphs.bucket(len(chunks))
 
     def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
         """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
@@ -76,9 +102,11 @@ class ModelRunner:
         )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:
-        """The step's tensors; a decode whose input token is still pending takes it from
-        ``pending`` with one device-side gather (no wait for the step in flight)."""
+        """The step's inputs; a decode whose input token is still pending takes it from
+        ``pending`` on the device (no wait for the step in flight): one gather, or inside the
+        decode graph."""
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        bucket = self._graph_bucket(chunks)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -124,6 +152,13 @@ class ModelRunner:
         for c in chunks:
             table += c.request.block_ids
             table += [NULL_BLOCK] * (width - len(c.request.block_ids))
+        common = dict(chunks=chunks, sampled_chunks=sampled, num_tokens=len(ids), sample_rows_host=sample_rows)
+        if bucket is not None:
+            src = [-1] * n_req
+            for dst, row in zip(fix_dst, fix_src):
+                src[dst] = row
+            packed = pack_decode_step(ids, positions, slots, slens, src, table, width)
+            return StepInputs(**common, graph=DecodeGraphStep(bucket, packed, n_req, pending.tokens if fix_dst else None))
         segments = [ids, positions, slots, qsl, slens, sample_rows, fix_dst, fix_src, table]
         packed: list[int] = []
         for seg in segments:
@@ -152,23 +187,29 @@ class ModelRunner:
             num_decodes=sum(1 for q in qlens if q == 1),
             max_seq_len=max(slens),
         )
-        return StepInputs(input_ids=t_ids, positions=t_pos, meta=meta, chunks=chunks, sample_rows=t_rows, sampled_chunks=sampled)
+        return StepInputs(**common, input_ids=t_ids, positions=t_pos, meta=meta, sample_rows=t_rows)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt."""
+    def execute(self, inputs: StepInputs) -> StepLogits:
+        """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt, and
+        their argmax when the step computed it."""
+        if inputs.graph is not None:
+            self.last_step_mode = "graph"
+            logits, tokens = self.graphs.run(inputs.graph)  # the graph ends with the lm_head and the argmax
+            if len(inputs.sampled_chunks) != len(inputs.chunks):  # a one-token prefill chunk that samples nothing
+                rows = to_device(inputs.sample_rows_host, torch.long, self.device)
+                logits, tokens = logits[rows], tokens[rows]
+            return StepLogits(logits, tokens)
+        return StepLogits(self._forward(inputs))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.meta
         decode_only = meta.num_decodes == meta.num_requests
         if self.native is not None and decode_only and meta.num_requests <= self.native.max_batch:
             self.last_step_mode = "native"
             return self.native.run(inputs.input_ids, inputs.positions, meta.block_tables)[inputs.sample_rows]
-        bucket = self.graphs.bucket(meta.num_requests) if self.graphs and decode_only else None
-        pieces = self.piecewise.bucket(len(inputs.input_ids)) if self.piecewise and bucket is None else None
-        if bucket is not None:
-            self.last_step_mode = "graph"
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, meta, bucket)  # the graph ends with the lm_head
-            return logits if len(inputs.sampled_chunks) == meta.num_requests else logits[inputs.sample_rows]
-        mixed = self.mixed.key(meta, len(inputs.input_ids)) if self.mixed and not decode_only else None
+        pieces = self.piecewise.bucket(inputs.num_tokens) if self.piecewise else None
+        mixed = self.mixed.key(meta, inputs.num_tokens) if self.mixed and not decode_only else None
         if mixed is not None and self.mixed.ready(mixed):
             self.last_step_mode = "mixed"
             return self.model.compute_logits(self.mixed.run(inputs.input_ids, inputs.positions, meta, mixed, inputs.sample_rows))

@@ -137,8 +137,10 @@ class PendingSample:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy taken now (in stream order): ``t`` may be a persistent buffer the next step
+    overwrites (the decode graphs' token output)."""
     if not t.is_cuda:
-        return t
+        return t.clone()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
@@ -153,9 +155,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleInput]) -> SampleOutput:
         return self.sample(logits, rows).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleInput]) -> PendingSample:
+    def sample(self, logits: torch.Tensor, rows: list[SampleInput], greedy_tokens: torch.Tensor | None = None) -> PendingSample:
         """Queue the sampling of every row; nothing here waits for the device (penalty rows
-        excepted: they read the request's output tokens from the host)."""
+        excepted: they read the request's output tokens from the host). ``greedy_tokens``: each
+        row's argmax of ``logits`` when the forward computed it (decode graphs), used when every
+        row is greedy and no penalty changes the logits."""
         counts = [r.params.logprobs for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in counts) else None
         if any(r.params.has_penalties for r in rows):
@@ -164,7 +168,8 @@ class Sampler:
                 if r.params.has_penalties:
                     _apply_penalties(logits[i], r)
         if all(r.params.greedy for r in rows):
-            tokens = argmax_rows(logits)
+            penalized = any(r.params.has_penalties for r in rows)
+            tokens = greedy_tokens if greedy_tokens is not None and not penalized else argmax_rows(logits)
         else:
             tokens = self._sample(logits, rows)
         chosen = top_values = top_indices = None

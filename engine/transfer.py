@@ -22,3 +22,12 @@ def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, values: np.ndarray) -> None:
+    """Enqueue ``values`` into the first ``len(values)`` elements of ``dst`` (a persistent
+    device buffer, e.g. a CUDA graph's input) without a host wait."""
+    host = torch.from_numpy(values)
+    if dst.device.type == "cuda":
+        host = host.pin_memory()
+    dst[: len(values)].copy_(host, non_blocking=dst.device.type == "cuda")

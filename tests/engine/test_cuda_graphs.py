@@ -37,6 +37,16 @@ def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):
     assert dict(llm.core.memory_rows())["cuda_graphs (mixed steps, captured while serving)"] == mixed.pool_bytes > 0
 
 
+def test_decode_graphs_match_the_eager_engine(tiny_llama_dir):
+    """Decode graphs (packed inputs scattered in the graph, pending tokens read from the graph's
+    argmax, padding rows) with async scheduling, against the engine with no graph at all."""
+    reference, _ = staggered(tiny_llama_dir, enable_cuda_graphs=False)
+    got, llm = staggered(tiny_llama_dir)
+    assert got == reference
+    graphs = llm.core.runner.graphs
+    assert llm.core.async_scheduling and llm.core.step_times.graph_steps > 0 and graphs.padding_rows > 0
+
+
 def test_every_step_has_a_device_span_by_mode(tiny_llama_dir):
     """CUDA events around each step: spans for each mode the steps ran in, summing to about the
     steps' wall time (the device is busy or idle between them)."""

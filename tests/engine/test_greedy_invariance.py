@@ -76,6 +76,52 @@ def test_piecewise_pieces_give_the_same_output(smollm, llm_gguf_path, prompts, r
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
+def test_decode_graph_steps_give_the_same_output(async_scheduling, smollm, llm_gguf_path, prompts, reference):
+    """Decode-only steps through CudaGraphRunner: packed on the host and scattered into the
+    graph's buffers, padded to a bucket, greedy tokens from the step's own argmax; with async
+    scheduling the pending input tokens come from that token buffer, or are copied in after a
+    step that ran another way (prompts arrive while others decode). On a GPU each bucket is one
+    CUDA graph; here the same scatter and argmax run eagerly."""
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, async_scheduling=async_scheduling)
+    runner = llm.core.runner
+    runner.capture_cuda_graphs([1, 2, 4], llm.core.max_model_len, llm.core.config.max_num_seqs)
+    chained, engine_step = 0, llm.core.step  # chained: graph steps reading a graph step's pending tokens
+
+    def step():
+        nonlocal chained
+        pending = llm.core._inflight.device_tokens if llm.core._inflight else None
+        outputs = engine_step()
+        if runner.last_step_mode == "graph" and pending is not None:
+            chained += pending.tokens.data_ptr() == runner.graphs.tokens.data_ptr()
+        return outputs
+
+    llm.core.step = step
+    assert generate_staggered(llm.core, prompts, PARAMS, steps_between=3) == reference
+    assert llm.core.step_times.graph_steps > 0 and runner.graphs.padding_rows > 0  # 3 requests ran in the bucket of 4
+    assert (chained > 0) == (async_scheduling == "on")
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_decode_graph_steps_leave_sampled_and_penalized_rows_to_the_sampler(smollm, llm_gguf_path, prompts):
+    """Seeded sampling, a repetition penalty and logprobs next to greedy rows in decode graph
+    steps: the same tokens and logprobs as without the graphs (the graph's argmax is only taken
+    for all-greedy, unpenalized batches)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=10, ignore_eos=True)]
+    results = {}
+    for graphs in (False, True):
+        llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, async_scheduling="on")
+        if graphs:
+            llm.core.runner.capture_cuda_graphs([1, 2, 4], llm.core.max_model_len, llm.core.config.max_num_seqs)
+        results[graphs] = llm.generate(prompts[:3], params)
+        assert (llm.core.step_times.graph_steps > 0) == graphs
+    for with_graphs, without in zip(results[True], results[False]):
+        assert with_graphs.token_ids == without.token_ids
+        assert with_graphs.logprobs == without.logprobs
+
+
 def test_mixed_step_graph_layout_gives_the_same_output(smollm, llm_gguf_path, prompts, reference):
     """Steps of decodes plus one prefill chunk through MixedGraphRunner: decode rows padded up to
     a bucket (null-block padding rows), the chunk after them, sampled rows mapped back. On a GPU

@@ -380,3 +380,33 @@ def test_decode_attention_at_the_throughput_runs_width():
     ref = paged_attention_reference(q, cache, meta, 128**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("n,rows,width", [(1, 1, 3), (5, 8, 1), (13, 16, 300)])
+def test_scatter_decode_inputs_matches_the_reference(n, rows, width):
+    """The decode graph's first kernel: a packed step into the step buffers - known and pending
+    tokens, padding rows after the real ones, tables wider than one tile (300 > 128), and the
+    columns past the step's width left alone."""
+    from engine.kernels.step_inputs import pack_decode_step, packed_size, scatter_decode_inputs_torch, scatter_decode_inputs_triton
+
+    rng = random.Random(n * 1000 + width)
+    ids = [rng.randrange(50_000) for _ in range(n)]
+    src = [rng.choice([-1, rng.randrange(20)]) for _ in range(n)]
+    positions, slots, seq_lens = ([rng.randrange(100_000) for _ in range(n)] for _ in range(3))
+    tables = [rng.randrange(4096) for _ in range(n * width)]
+    packed = pack_decode_step(ids, positions, slots, seq_lens, src, tables, width)
+    max_blocks = width + 5
+    staging = torch.full((packed_size(rows, max_blocks),), -7, dtype=torch.int32, device=DEVICE)
+    staging[: len(packed)] = torch.from_numpy(packed).to(DEVICE)
+    tokens = torch.randint(0, 50_000, (20,), dtype=torch.long, device=DEVICE)
+    outs = {}
+    for name, fn in (("triton", scatter_decode_inputs_triton), ("torch", scatter_decode_inputs_torch)):
+        bufs = [torch.full((rows,), 99, dtype=dt, device=DEVICE) for dt in (torch.long, torch.long, torch.long, torch.int32)]
+        table = torch.full((rows, max_blocks), 99, dtype=torch.int32, device=DEVICE)
+        fn(staging, tokens, *bufs, table, rows)
+        outs[name] = [b.tolist() for b in (*bufs, table)]
+    pad = rows - n
+    want_ids = [tokens[s].item() if s >= 0 else t for t, s in zip(ids, src)] + [0] * pad
+    want_table = [tables[i * width : (i + 1) * width] + [99] * 5 for i in range(n)] + [[99] * max_blocks] * pad
+    want = [want_ids, positions + [0] * pad, slots + [0] * pad, seq_lens + [0] * pad, want_table]
+    assert outs["triton"] == want and outs["torch"] == want
