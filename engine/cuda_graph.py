@@ -397,10 +397,13 @@ class MixedGraphRunner:
         staging buffer)."""
         meta = self._meta(db, c, [1] * db + [self.max_model_len])
         t = db + c
-        before = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
             self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
             torch.cuda.synchronize(self.device)
+            # Capturing empties the allocator's cache first: measured from after that, the
+            # difference is the pool's growth (from before the warm-up it went negative).
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)

@@ -143,6 +143,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
         if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
             sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
+            torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
             before = torch.cuda.memory_reserved(self.device)
             self.runner.capture_cuda_graphs(sizes, self.max_model_len, config.max_num_seqs)
             tokens = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens]
