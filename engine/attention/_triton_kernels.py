@@ -13,6 +13,9 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
   over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
   Splitting keeps the GPU busy when few requests have long contexts; a batch large enough to
   fill the GPU unsplit (one slice) writes its output directly and launches no combine.
+  Tried and not kept (H200, 2026-11-30): with PDL, loading a split's first K/V tile before the
+  wait (the cached context does not depend on the q|k|v projection running before it) made the
+  batch-1 graph replay slower, 4.225 against 4.134 ms (two rounds each, ``engine.bench latency``).
 - ``prefill_kernel``: FlashAttention-style tiles of (query, head) rows of one GQA group against
   the paged context, with a causal mask offset by the request's cached context: chunked prefill
   and prefix-cache hits.
