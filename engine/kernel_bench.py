@@ -243,6 +243,43 @@ def time_rotating(fn, copies: int, repeat: int = 10) -> float:
     return start.elapsed_time(end) * 1e-3 / (repeat * copies)
 
 
+DECODE_TILE_CASES = [(1, 575), (1, 2047), (1, 8191), (1, 32000), (4, 2047), (16, 2047), (32, 2047), (64, 1023), (256, 799)]
+DECODE_TILE_VARIANTS = [(64, 64), (32, 32), (64, 32), (64, 16)]  # (tile, small tile: a short split's one tile)
+
+
+def sweep_decode_tiles(device: torch.device, bw: float) -> None:
+    """Decode attention (split-KV kernel + combine) per context tile and small tile, on
+    8B shapes: each case's K/V in copies past the L2 (as in a step, where the weights flush it),
+    timed in one CUDA graph; the engine's choice (``DECODE_TILE``, ``DECODE_SMALL_TILE``) last."""
+    from engine.attention import triton_paged
+
+    chosen = (triton_paged.DECODE_TILE, triton_paged.DECODE_SMALL_TILE)
+    print(f"{'batch':>5} {'context':>7} {'splits':>6} " + " ".join(f"{f'{t}/{a} us':>10}" for t, a in DECODE_TILE_VARIANTS)
+          + f"  chosen {chosen[0]}/{chosen[1]}: GB/s")
+    for batch, ctx in DECODE_TILE_CASES:
+        _, nbytes = attention_cost([1] * batch, [ctx] * batch)
+        copies = max(1, -(-100_000_000 // nbytes))
+        made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
+        ref = paged_attention_reference(made[0][0], made[0][1], made[0][2], D**-0.5)
+        times = {}
+        for tile, align in dict.fromkeys(DECODE_TILE_VARIANTS + [chosen]):
+            outs = [torch.empty_like(q) for q, _, _ in made]
+
+            def fn(i, tile=tile, align=align, outs=outs):
+                q, cache, meta = made[i]
+                decode_attention(q, cache, meta.block_tables, meta.seq_lens, D**-0.5, outs[i], tile_n=tile, small_tile=align)
+
+            fn(0)
+            err = ((outs[0].float() - ref.float()).norm() / ref.float().norm()).item()
+            if err > 2e-2:
+                raise SystemExit(f"decode tile {tile}/{align}, batch {batch} x {ctx}: relative error {err:.3g} against the reference")
+            times[tile, align] = time_rotating(fn, copies)
+        print(f"{batch:>5} {ctx:>7} {triton_paged.decode_splits(batch, HKV):>6} "
+              + " ".join(f"{times[v] * 1e6:>10.2f}" for v in DECODE_TILE_VARIANTS)
+              + f"  {nbytes / times[chosen] / 1e9:>8,.0f} (copy {bw / 1e9:,.0f})")
+        del made
+
+
 def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> None:
     """cuBLAS (F.linear) against Triton GEMV tile shapes on the 8B projections at decode batch
     sizes; prints the best per (shape, rows) and one step's projection time with each. With
@@ -306,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
     p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
     p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
+    p.add_argument("--decode-tiles", action="store_true", help="instead: decode attention per context tile and batch shape")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prefill", type=int, default=0, help="with --profile-decode: each profiled step also prefills a prompt this long")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
@@ -326,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: bf16 matmul {mm / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s (read + write)")
     if args.sweep:
         sweep_prefill_tiles(device, mm)
+        return 0
+    if args.decode_tiles:
+        sweep_decode_tiles(device, bw)
         return 0
     if args.gemv or args.decode_linear:
         sweep_gemv(device, bw, chosen_only=args.decode_linear)

@@ -65,6 +65,27 @@ def rope_store_kernel(
     tl.store(V_CACHE + c_ptr + HALF, tl.load(v_ptr + HALF, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
 
 
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks,
+                 stride_kh, scale, D: tl.constexpr, PAGE: tl.constexpr):
+    """Online softmax over the context positions ``offs`` (those < end): the running output,
+    max and sum updated (m_i may stay -inf only for a tile with no valid position)."""
+    valid = offs < end
+    page = tl.load(BLOCK_TABLES + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+    kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
+    kvmask = valid[:, None] & (d < D)[None, :]
+    k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def decode_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
@@ -75,7 +96,7 @@ def decode_kernel(
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
-    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr,
+    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
@@ -87,7 +108,9 @@ def decode_kernel(
     # The step's metadata (lengths, positions, slots) and the RoPE table were written before the
     # step's first kernel: read before the PDL wait, off the critical path.
     seq_len = tl.load(SEQ_LENS + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    # Slices in SMALL_TILE steps: a short one is one SMALL_TILE tile (more splits busy at short
+    # contexts), a longer one TILE_N tiles, the last part masked.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SMALL_TILE) * SMALL_TILE
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -118,22 +141,13 @@ def decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for n0 in range(start, end, TILE_N):
-        offs = n0 + tl.arange(0, TILE_N)
-        valid = offs < end
-        page = tl.load(BLOCK_TABLES + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
-        kvmask = valid[:, None] & (d < D)[None, :]
-        k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if (per_split <= SMALL_TILE) & (start < end):  # a short slice: one narrow tile
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, SMALL_TILE), end, d, b, kvh, K_CACHE, V_CACHE,
+                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale, D, PAGE)
+    else:
+        for n0 in range(start, end, TILE_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
+                                         BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale, D, PAGE)
     if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
         k_row = K_NEW + b * stride_knt + kvh * stride_knh
         k_new = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos

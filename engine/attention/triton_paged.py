@@ -11,6 +11,10 @@ from engine.kernels.triton_utils import launch_options
 from engine.transfer import to_device
 
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
+# Split slices come in steps of this many tokens, and a slice this short is one tile of it: at
+# short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
+# long slices keep the wide tile (``python -m engine.kernel_bench --decode-tiles``).
+DECODE_SMALL_TILE = 32
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,14 @@ class NewTokens:
 
 def decode_attention(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None,
+    scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
-    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this)."""
+    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
+    ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
+    (``python -m engine.kernel_bench --decode-tiles`` sweeps others)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache
@@ -106,7 +112,8 @@ def decode_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         scale,
-        GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=DECODE_TILE, NUM_SPLITS=splits,
+        GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=tile_n or DECODE_TILE, NUM_SPLITS=splits,
+        SMALL_TILE=small_tile or DECODE_SMALL_TILE,
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, num_warps=4, **launch_options(pdl),
     )
     if splits == 1:

@@ -74,14 +74,18 @@ def build_batch(query_lens, ctx_lens, hkv, dim, page, seed):
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
-@pytest.mark.parametrize("hq,hkv,dim,page", [(4, 1, 16, 4), (6, 2, 64, 16), (8, 8, 32, 8)])
-def test_decode_attention_matches_reference(hq, hkv, dim, page, pdl):
+@pytest.mark.parametrize("hq,hkv,dim,page,tile,align", [(4, 1, 16, 4, 0, 0), (6, 2, 64, 16, 0, 0), (8, 8, 32, 8, 0, 0),
+                                                        (6, 2, 64, 16, 32, 32), (6, 2, 64, 16, 64, 16), (6, 2, 64, 16, 64, 64),
+                                                        (8, 8, 32, 8, 16, 16)])
+def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl):
+    """The default context tiles (0) and others the sweep times: short slices as one small tile,
+    longer ones in wide tiles ending inside a tile."""
     seed = random.randrange(1 << 30)
-    ctx = [0, 5, 37, 130, 1][: 4 if DEVICE.type == "cpu" else 5]
+    ctx = [0, 5, 37, 400, 1][: 4 if DEVICE.type == "cpu" else 5]  # 400: slices of several tiles
     cache, meta = build_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl)
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl, tile_n=tile, small_tile=align)
     ref = paged_attention_reference(q, cache, meta, dim**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
