@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 from dataclasses import replace
 
@@ -14,18 +15,20 @@ from assistant.answerer import Answerer
 from assistant.config import HANDBOOK_DIR, AssistantConfig, VoiceConfig
 from assistant.pipeline import (
     Outbox, Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings,
-    TTSWorker, TurnDetection, UserSpeechStarted, UserTranscriptDone, VoicePipeline, VoiceServices,
+    TTSWorker, TurnDetection, UserSpeechStarted, UserTranscriptDelta, UserTranscriptDone, VoicePipeline, VoiceServices,
 )  # fmt: skip
 from assistant.timeline import Timeline
+from speech.asr import ASRBackend, ASRJob, ASRWorker
 from speech.cancel import CancelToken, Generation
 from speech.config import TTSConfig
 from speech.tts import load_tts
 
 RATE = 24000
-# Long questions (about 30 tokens, so the partial transcripts cover at least one more whole KV
-# block than the documents do), neither asked elsewhere here.
-LONG_A = "My laptop was stolen from my car last night. How quickly must I report a security incident, and which form do I submit?"
-LONG_B = "I started last month and I want a long holiday in the summer. How many unused annual leave days can I carry over to next year?"
+# Long questions (about 35 tokens, so the partial transcripts cover at least one more whole KV
+# block than the documents do), neither asked elsewhere here. One sentence each: spoken without a
+# pause, each is one utterance (two sentences would be two, the first answered on its own).
+LONG_A = "How quickly must I report a stolen laptop to the security team and which form do I need to fill in for it when I am travelling abroad?"
+LONG_B = "How many unused annual leave days can I carry over into next year if I only started working here last month and have not taken any holiday yet?"
 SHORT = "How do I apply for annual leave?"
 
 
@@ -86,20 +89,104 @@ class Client:
     def of(self, kind: type) -> list:
         return [e for _, e in self.events if isinstance(e, kind)]
 
+    async def speak_settled(self, pcm: bytes, asr: SettlingASR, chunk_ms: int = 40) -> None:
+        """Feed ``pcm`` a chunk at a time, each once the pipeline is done with the audio before it:
+        its decodes handled and, with early prefill, a prefill done for each partial transcript.
+
+        Partials then come at fixed points of the audio (every ``partial_interval_s`` of it) and
+        the final after the last partial's prefill, however fast or loaded the machine is."""
+        step = RATE * chunk_ms // 1000 * 2
+        for i in range(0, len(pcm), step):
+            await self.pipeline.feed(pcm[i : i + step])
+            try:
+                async with asyncio.timeout(60):  # a guard: each wait is for one decode or one short prefill
+                    await asr.settled()
+                    await self.pipeline.outbox.sync()  # the partials' deltas have been sent
+                    while self.pipeline.config.early_prefill and self.pipeline.prefills < len(self.of(UserTranscriptDelta)):
+                        await asyncio.sleep(0.01)
+            except TimeoutError:
+                raise AssertionError(f"the pipeline did not settle: {self.pipeline.prefills} early prefills done "
+                                     f"for {len(self.of(UserTranscriptDelta))} partial transcripts") from None
+
+
+class SettlingASR(ASRWorker):
+    """The real ASR worker (over the shared, loaded Whisper) that a test can wait on: ``settled()``
+    returns once every job submitted so far has been decoded and its transcript (if any) handled
+    by the pipeline. For one session fed only after it settles (so no job is ever superseded)."""
+
+    def __init__(self, backend: ASRBackend) -> None:
+        super().__init__(backend)
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._unsettled = 0
+        self._idle = asyncio.Event()
+
+    def submit(self, job: ASRJob) -> bool:
+        on_done = job.on_done
+
+        def done(*result: object) -> None:
+            try:
+                on_done(*result)  # the session puts its event on the loop...
+            finally:
+                self._loop.call_soon_threadsafe(self._settle)  # ...ahead of this, so the pipeline has it first
+
+        with self._lock:
+            self._unsettled += 1
+        job.on_done = done
+        if not super().submit(job):
+            self._loop.call_soon_threadsafe(self._settle)
+            return False
+        return True
+
+    def _settle(self) -> None:
+        with self._lock:
+            self._unsettled -= 1
+            if not self._unsettled:
+                self._idle.set()
+
+    async def settled(self) -> None:
+        while True:
+            with self._lock:
+                if not self._unsettled:
+                    return
+                self._idle.clear()
+            await self._idle.wait()
+
+
+def cached_by(answerer: Answerer, question: str, earlier: str) -> int:
+    """Prompt tokens of ``question`` found in the prefix cache if ``earlier``'s prompt (only) was
+    computed: its whole blocks shared with ``question``'s, never the last token."""
+    block = answerer.engine.core.config.block_size
+    a, b = answerer.prompt_ids(question, []), answerer.prompt_ids(earlier, [])
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(shared, len(a) - 1) // block * block
+
 
 # ---- early prefill -------------------------------------------------------------------------------------
 async def test_early_prefill_puts_the_spoken_question_in_the_prefix_cache(services, voice) -> None:
+    """Real speech, Whisper and engine; the audio is fed as the pipeline settles (not at real-time
+    pace), so what was heard and prefilled before the final does not depend on the machine's load."""
     cached = {}
     for early, question in ((False, LONG_A), (True, LONG_B)):
-        client = Client(replace(services, config=replace(services.config, early_prefill=early)))
-        await client.pipeline.start()
-        await client.speak(spoken(voice, question))
-        reply = (await client.wait_for(ResponseTextDelta)).reply  # the answer's first token: its usage is known
-        assert client.of(UserTranscriptDone)[0].transcript.lower().startswith(question.lower()[:12])
-        timeline = reply.timeline
-        assert timeline.early_prefill is early and timeline.partials >= 2 and (timeline.prefills >= 1) is early
-        cached[early] = reply.cached_tokens
-        await client.pipeline.close()
+        asr = SettlingASR(services.asr.backend)
+        client = Client(replace(services, asr=asr, config=replace(services.config, early_prefill=early)))
+        try:
+            await client.pipeline.start()
+            await client.speak_settled(spoken(voice, question), asr)
+            reply = (await client.wait_for(ResponseTextDelta)).reply  # the answer's first token: its usage is known
+            (final,) = client.of(UserTranscriptDone)  # one utterance, answered once it was final
+            assert final.transcript.lower().startswith(question.lower()[:12]) and reply.question == final.transcript
+            partial = "".join(e.delta for e in client.of(UserTranscriptDelta))  # the last partial transcript
+            timeline = reply.timeline
+            assert timeline.early_prefill is early and timeline.partials >= 2
+            assert timeline.prefills == (timeline.partials if early else 0)
+            assert reply.prompt_tokens == len(services.answerer.prompt_ids(final.transcript, []))
+            if early:  # the final found exactly what the last partial's prefill computed
+                assert reply.cached_tokens == cached_by(services.answerer, final.transcript, partial), partial
+            cached[early] = reply.cached_tokens
+        finally:
+            await client.pipeline.close()
+            asr.close()
     # the final's prompt found at least one more block of the question already computed
     assert cached[True] >= cached[False] + 16, cached
 
