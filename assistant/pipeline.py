@@ -451,7 +451,7 @@ class VoicePipeline:
         self._asr_offset_s = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefill_task: asyncio.Task[None] | None = None
-        self._prefill_next: str | None = None
+        self._prefill_next: tuple[int, str] | None = None  # (utterance, partial) waiting for the running prefill
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -575,14 +575,18 @@ class VoicePipeline:
         async for event in asr:
             if asr is not self._asr:
                 return
-            if isinstance(event, SpeechStarted):
-                self._on_speech_started(event)
-            elif isinstance(event, SpeechEnded):
-                self._on_speech_ended(event)
-            elif isinstance(event, Transcript):
-                self._on_transcript(event)
-            elif isinstance(event, TranscriptionFailed):
-                self._on_failed(event)
+            self.on_speech_event(event)
+
+    def on_speech_event(self, event: SpeechStarted | SpeechEnded | Transcript | TranscriptionFailed) -> None:
+        """One event of the session's ASR stage (speech/messages.py)."""
+        if isinstance(event, SpeechStarted):
+            self._on_speech_started(event)
+        elif isinstance(event, SpeechEnded):
+            self._on_speech_ended(event)
+        elif isinstance(event, Transcript):
+            self._on_transcript(event)
+        elif isinstance(event, TranscriptionFailed):
+            self._on_failed(event)
 
     def _on_speech_started(self, event: SpeechStarted) -> None:
         detected = self.clock.at(self._asr_offset_s + event.detected_s)
@@ -618,7 +622,7 @@ class VoicePipeline:
             if delta:
                 self.outbox.put(UserTranscriptDelta(utterance.item_id, delta))
             if self.config.early_prefill:
-                self._prefill(event.text)
+                self._prefill(event.utterance, event.text)
             return
         timeline = utterance.timeline
         assert timeline is not None
@@ -641,19 +645,23 @@ class VoicePipeline:
             self.outbox.put(UserTranscriptFailed(utterance.item_id, event.error))
 
     # ---- early prefill ---------------------------------------------------------------------------
-    def _prefill(self, text: str) -> None:
+    def _prefill(self, utterance: int, text: str) -> None:
         """Prefill the prompt for the partial ``text`` (the newest one waits for the running one)."""
         if self._prefill_task is not None and not self._prefill_task.done():
-            self._prefill_next = text
+            self._prefill_next = (utterance, text)
             return
-        self._prefill_task = self._spawn(self._run_prefill(text))
+        self._prefill_task = self._spawn(self._run_prefill((utterance, text)))
 
-    async def _run_prefill(self, text: str | None) -> None:
-        while text is not None:
-            question = "\n".join([*self._pending, text])
-            await prefill(self.services.answerer, question, self.conversation.messages(), f"{self.id}-prefill-{self.prefills}")
-            self.prefills += 1
-            text, self._prefill_next = self._prefill_next, None
+    async def _run_prefill(self, partial: tuple[int, str] | None) -> None:
+        while partial is not None:
+            utterance, text = partial
+            # A partial whose final has come meanwhile is not prefilled: the final's own request
+            # computes that prompt (and the stale one would compete with it at the same priority).
+            if utterance in self._utterances:
+                question = "\n".join([*self._pending, text])
+                await prefill(self.services.answerer, question, self.conversation.messages(), f"{self.id}-prefill-{self.prefills}")
+                self.prefills += 1
+            partial, self._prefill_next = self._prefill_next, None
 
     # ---- answering ---------------------------------------------------------------------------------
     def _start_reply(

@@ -19,6 +19,7 @@ from assistant.pipeline import (
 )  # fmt: skip
 from assistant.timeline import Timeline
 from speech.asr import ASRBackend, ASRJob, ASRWorker
+from speech.messages import SpeechEnded, SpeechStarted, Transcript
 from speech.cancel import CancelToken, Generation
 from speech.config import TTSConfig
 from speech.tts import load_tts
@@ -203,6 +204,40 @@ async def test_speech_end_is_put_on_the_process_clock_where_the_speaker_stopped(
     assert abs(speech_end - (start + true_end_s)) < 0.1
     assert timeline.instants["endpoint"] - speech_end == pytest.approx(0.5, abs=0.1)  # the hangover
     await client.pipeline.close()
+
+
+async def test_a_partial_overtaken_by_its_final_is_not_prefilled(services) -> None:
+    """The ASR stage's events for one utterance, in the order a loaded machine gives them: two
+    partials, the second waiting for the first's prefill, then the final before either prefill
+    has started. Neither runs: the final's request computes that prompt itself. Partials of an
+    utterance still being spoken are all prefilled (the first phase)."""
+    client = Client(replace(services, config=replace(services.config, early_prefill=True)))
+    pipeline = client.pipeline
+    await pipeline.start()
+    try:
+        def partial(utterance: int, text: str) -> Transcript:
+            return Transcript(utterance, text, False, "en", 1.0, 0.0, 0.0)
+
+        async def prefills_settled() -> None:  # the running prefill and any it left waiting
+            while pipeline._prefill_task is not None and not pipeline._prefill_task.done():
+                await pipeline._prefill_task
+
+        await pipeline.feed(bytes(RATE * 2 * 3))  # 3 s of silence: the stream times below have happened
+        pipeline.on_speech_event(SpeechStarted(1, 0.0, 0.1))
+        pipeline.on_speech_event(partial(1, "How many unused"))
+        pipeline.on_speech_event(partial(1, "How many unused annual leave days"))  # waits for the first
+        await prefills_settled()
+        assert pipeline.prefills == 2  # still being spoken: both prefilled
+        pipeline.on_speech_event(partial(1, "How many unused annual leave days can I"))
+        pipeline.on_speech_event(partial(1, "How many unused annual leave days can I carry"))  # waits
+        pipeline.on_speech_event(SpeechEnded(1, 0.0, 2.0, 2.5))
+        pipeline.on_speech_event(Transcript(1, "How many unused annual leave days can I carry over?", True, "en", 2.0, 0.0, 0.0))
+        await prefills_settled()
+        assert pipeline.prefills == 2
+        reply = (await client.wait_for(ResponseTextDelta)).reply
+        assert reply.question == "How many unused annual leave days can I carry over?" and reply.timeline.prefills == 2
+    finally:
+        await pipeline.close()
 
 
 # ---- turn-taking and barge-in ----------------------------------------------------------------------------
