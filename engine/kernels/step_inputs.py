@@ -3,11 +3,11 @@
 A decode step replayed as a CUDA graph reads its token ids, positions, KV slots, context lengths
 and block tables from persistent buffers. Filled one ``copy_`` each, plus a gather of the tokens
 the step in flight is still sampling and two argmax kernels after the replay, that was ~10 small
-device operations around each replay: ~35 us of a 4.1 ms batch-1 step on an H200 (the gap
-between graph replay and time per token, docs/performance.md). Instead the host packs the step
-into one int32 array, one copy puts it into a persistent staging buffer, and the graph's first
-kernel scatters it, taking each pending token from the graph's own token output (the previous
-step's argmax, same buffer).
+device operations around each replay: 36-38 us between graph replay and time per token at
+batch 1 on an H200. Instead the host packs the step into one int32 array, one copy puts it into
+a persistent staging buffer, and the graph's first kernel scatters it, taking each pending token
+from the graph's own token output (the previous step's argmax, same buffer): 11-12 us left
+outside the graph, -19 us a step in all (same-lease A/B, docs/performance.md).
 
 Packed layout (int32), ``n`` rows of a step, block tables ``width`` wide::
 
