@@ -57,8 +57,11 @@ class DecodeGraphStep:
 
     bucket: int
     packed: np.ndarray
-    num_rows: int
     pending: torch.Tensor | None  # the step in flight's sampled tokens, when this step reads some
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.packed[0])  # the layout's header
 
 
 class CudaGraphRunner:

@@ -143,22 +143,23 @@ class ModelRunner:
             if c.completes_prompt:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(c)
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
-        # One host->device transfer for every per-step array (int64 views of one buffer).
         n_req, width = len(chunks), max_blocks
         table: list[int] = []
         for c in chunks:
             table += c.request.block_ids
             table += [NULL_BLOCK] * (width - len(c.request.block_ids))
-        common = dict(chunks=chunks, sampled_chunks=sampled, num_tokens=len(ids), sample_rows_host=sample_rows)
+        common = {"chunks": chunks, "sampled_chunks": sampled, "num_tokens": len(ids), "sample_rows_host": sample_rows}
         if bucket is not None:
             src = [-1] * n_req
             for dst, row in zip(fix_dst, fix_src):
                 src[dst] = row
-            packed = pack_decode_step(ids, positions, slots, slens, src, table, width)
-            return StepInputs(**common, graph=DecodeGraphStep(bucket, packed, n_req, pending.tokens if fix_dst else None))
+            step = DecodeGraphStep(bucket, pack_decode_step(ids, positions, slots, slens, src, table, width),
+                                   pending.tokens if fix_dst else None)
+            return StepInputs(**common, graph=step)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        # One host->device transfer for every per-step array (int64 views of one buffer).
         segments = [ids, positions, slots, qsl, slens, sample_rows, fix_dst, fix_src, table]
         packed: list[int] = []
         for seg in segments:

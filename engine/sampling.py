@@ -162,13 +162,13 @@ class Sampler:
         row is greedy and no penalty changes the logits."""
         counts = [r.params.logprobs for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in counts) else None
-        if any(r.params.has_penalties for r in rows):
+        penalized = any(r.params.has_penalties for r in rows)
+        if penalized:
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.params.has_penalties:
                     _apply_penalties(logits[i], r)
         if all(r.params.greedy for r in rows):
-            penalized = any(r.params.has_penalties for r in rows)
             tokens = greedy_tokens if greedy_tokens is not None and not penalized else argmax_rows(logits)
         else:
             tokens = self._sample(logits, rows)

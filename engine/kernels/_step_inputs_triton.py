@@ -6,7 +6,8 @@ import triton.language as tl
 
 @triton.jit
 def scatter_decode_inputs_kernel(
-    P, TOKENS, IDS, POS, SLOTS, SEQ_LENS, TABLES, stride_table, HEADER: tl.constexpr, BLOCK: tl.constexpr,
+    P, TOKENS, IDS, POS, SLOTS, SEQ_LENS, TABLES, stride_table, HEADER: tl.constexpr, FIELDS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program i: row i of the step, or a padding row when i >= n."""
     i = tl.program_id(0)
@@ -21,7 +22,7 @@ def scatter_decode_inputs_kernel(
     tl.store(POS + i, tl.load(row + n, mask=real, other=0).to(tl.int64))
     tl.store(SLOTS + i, tl.load(row + 2 * n, mask=real, other=0).to(tl.int64))
     tl.store(SEQ_LENS + i, tl.load(row + 3 * n, mask=real, other=0))
-    table = P + HEADER + 5 * n + i * width
+    table = P + HEADER + FIELDS * n + i * width
     cols = tl.arange(0, BLOCK)
     for c in range(0, tl.where(real, width, 0), BLOCK):
         m = c + cols < width

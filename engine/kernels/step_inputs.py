@@ -93,5 +93,5 @@ def scatter_decode_inputs_triton(
     if rows:
         scatter_decode_inputs_kernel[(rows,)](
             packed, tokens, input_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0),
-            HEADER=HEADER, BLOCK=128, num_warps=1,
+            HEADER=HEADER, FIELDS=FIELDS, BLOCK=128, num_warps=1,
         )
