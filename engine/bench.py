@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, LoadedModel
-from engine.kernels.decode_kernels import DecodeKernels
+from engine.kernels.decode_kernels import PROJECTIONS, DecodeKernels
 from engine.memory import storage_bytes
 from engine.metrics import StepTimes
 from engine.quantization import Int4Linear
@@ -280,6 +280,8 @@ def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if path.pdl:
         variants["same, PDL off"] = replace(path, pdl=False)
+        for late in sorted({(), *((name,) for name in PROJECTIONS), ("o", "gate_up"), PROJECTIONS} - {path.late_release}):
+            variants[f"same, late PDL release: {'+'.join(late) or 'none'}"] = replace(path, late_release=late)
     if path.fused_swiglu:
         variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
     down = "on cuBLAS" if path.gemv_down else f"as a GEMV too (split-K {path.down_split_k})"
@@ -323,7 +325,8 @@ def path_name(path: DecodeKernels) -> str:
     if not path.max_rows:
         return "cuBLAS"
     parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
-             f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "", "PDL" if path.pdl else ""]
+             f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
+             "PDL" if path.pdl else "", f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)
 
 

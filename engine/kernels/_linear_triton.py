@@ -14,20 +14,27 @@ for the previous kernel (``prefetch.global.L2``): 8 MiB a projection was within 
 silu(gate) * up before down_proj - so that op needs no kernel of its own
 (``kernel_bench --decode-linear``). A computed operand cannot be prefetched like a loaded one: the
 norm versions took 44.5 / 78.7 us where the separate kernels and cuBLAS took 17.3 / 63.1 us,
-the SwiGLU one 279 us against 32.4.
+the SwiGLU one 279 us against 32.4. Tried again (2026-11-30) with the norm's 1/rms applied in the
+epilogue (the operand is the residual stream times the norm weight, its mean square summed in the
+loop) and the operand's loads issued an iteration ahead: 32 layers of q|k|v, o_proj, gate|up and
+down_proj with both norms folded replayed in 4.63 ms (7.53 without the early loads) against 3.69-
+3.75 with the norm kernels.
+
+``LATE_RELEASE`` (with PDL): the next kernel may launch only after the K loop, not right after
+the wait (DecodeKernels.late_release says for which projections it pays).
 """
 
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_wait
+from engine.kernels._pdl_triton import pdl_release, pdl_wait
 
 
 @triton.jit
 def decode_linear_kernel(
     X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip."""
@@ -41,7 +48,7 @@ def decode_linear_kernel(
     m_mask = offs_m[:, None] < M
     n_mask = offs_n[:, None] < N
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL, not LATE_RELEASE)
     x_ptrs = X + offs_m[:, None] * stride_xm + k_first + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_first + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -63,6 +70,8 @@ def decode_linear_kernel(
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LATE_RELEASE:
+        pdl_release(USE_PDL)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -89,3 +98,4 @@ def gemv_sum_kernel(
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=offs_n < N)
+

@@ -12,9 +12,17 @@ import triton.language as tl
 
 
 @triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel's writes, then let the next kernel launch."""
+def pdl_wait(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
+    """Wait for the previous kernel's writes, then (RELEASE) let the next kernel launch."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Let the next kernel launch (for a kernel that waited with RELEASE=False)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

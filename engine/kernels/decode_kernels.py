@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
 @dataclass(frozen=True)
 class DecodeKernels:
     """The batch-1 decode path (measured on the H200: docs/performance.md). Steps of 1 to
@@ -27,6 +30,17 @@ class DecodeKernels:
     partials that the next residual add + RMSNorm sums, so no reduction kernel."""
     down_split_k: int = 2
     """Likewise for down_proj when ``gemv_down``."""
+    late_release: tuple[str, ...] = ("o",)
+    """With ``pdl``, the projections (of ``PROJECTIONS``) whose GEMV lets the next kernel launch
+    only after its K loop, not right after its wait. o_proj's: the add + RMSNorm after it then
+    launches as o_proj ends instead of sitting on an SM from o_proj's start (graph replay 4.03 vs
+    4.04-4.05 ms, 247.6 vs 246.3-246.6 tok/s, H200 2026-11-30 two runs); q|k|v's late release
+    cost 2.5% (the attention kernel then starts late), the others measured within noise."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.late_release) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"DecodeKernels.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

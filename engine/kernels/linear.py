@@ -62,7 +62,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 # ---- Triton --------------------------------------------------------------------------------
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-    *, gated: bool = False, pdl: bool = False, split_k: int = 1,
+    *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
 
@@ -73,7 +73,8 @@ def decode_linear(
     ``gated``: w is gate|up stacked ([2F, K]) and the result is silu(x @ gate^T) * (x @ up^T)
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
     (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): its launch
-    overlaps the previous kernel's tail."""
+    overlaps the previous kernel's tail; ``late_release``: the kernel after it may launch only once
+    this one's K loop is done (DecodeKernels.late_release)."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -91,7 +92,7 @@ def decode_linear(
     decode_linear_kernel[(-(-n // block_n), split_k)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
-        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k,
+        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -137,34 +137,38 @@ class LlamaForCausalLM(nn.Module):
     def _pdl(self, x: torch.Tensor) -> bool:
         return self.decode_kernels.pdl and self._use_gemv(x)
 
-    def _proj(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _proj(self, name: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        return self._gemv(x, linear.weight) if self._use_gemv(x) else linear(x)
+        return self._gemv(name, x, linear.weight) if self._use_gemv(x) else linear(x)
 
     def _gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False, split_k: int = 1
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False,
+        split_k: int = 1,
     ) -> torch.Tensor:
-        return decode_linear(x, weight, out_dtype, gated=gated, pdl=self.decode_kernels.pdl, split_k=usable_split_k(weight, split_k))
+        """Projection ``name`` (of decode_kernels.PROJECTIONS) as the decode GEMV."""
+        path = self.decode_kernels
+        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl, split_k=usable_split_k(weight, split_k),
+                             late_release=name in path.late_release)
 
     def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
         layer = self.layers[i]
         x, residual = layer.input_layernorm(h, residual, self._pdl(h))
-        return self._proj(layer.self_attn.qkv_proj, x), residual
+        return self._proj("qkv", layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer, pdl, path = self.layers[i], self._pdl(attn), self.decode_kernels
         o_proj = layer.self_attn.o_proj
         # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
-        h = self._gemv(attn, o_proj.weight, split_k=path.o_split_k) if self._use_gemv(attn) else o_proj(attn)
+        h = self._gemv("o", attn, o_proj.weight, split_k=path.o_split_k) if self._use_gemv(attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if self._use_gemv(x) and self.decode_kernels.fused_swiglu:
-            act = self._gemv(x, mlp.gate_up_proj.weight, gated=True)
+            act = self._gemv("gate_up", x, mlp.gate_up_proj.weight, gated=True)
         else:
-            act = silu_and_mul(self._proj(mlp.gate_up_proj, x), pdl=pdl)
+            act = silu_and_mul(self._proj("gate_up", mlp.gate_up_proj, x), pdl=pdl)
         if path.gemv_down:
-            down = self._gemv(act, mlp.down_proj.weight, split_k=path.down_split_k) if self._use_gemv(act) else mlp.down_proj(act)
+            down = self._gemv("down", act, mlp.down_proj.weight, split_k=path.down_split_k) if self._use_gemv(act) else mlp.down_proj(act)
             return down, residual
         return mlp.down_proj(act), residual
 
@@ -182,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in float32 for the selected rows of ``hidden``."""
         if self._use_gemv(hidden):  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return self._gemv(hidden, weight, torch.float32)
+            return self._gemv("lm_head", hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

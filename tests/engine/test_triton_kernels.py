@@ -244,6 +244,8 @@ def test_decode_gemv_matches_reference(rows, pdl):
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
         assert rel(decode_linear(x, w, config=config, pdl=pdl), decode_linear_ref(x, w)) < TOL
+        if pdl:  # the next kernel released after the K loop instead of after the wait
+            assert rel(decode_linear(x, w, config=config, pdl=pdl, late_release=True), decode_linear_ref(x, w)) < TOL
         logits = decode_linear(x, w, torch.float32, config, pdl=pdl)
         assert logits.dtype == torch.float32 and rel(logits, decode_linear_ref(x, w, torch.float32)) < TOL
         gated = decode_linear(x, w, config=config, gated=True, pdl=pdl)
