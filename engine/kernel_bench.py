@@ -137,7 +137,38 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3
         print(f"  {per_step:8.3f} ms {100 * per_step / total:5.1f}%  x{e.count // steps:<4} {e.device_time_total / e.count:7.2f} us each  {e.key[:80]}")
+    print_exposed_time(prof, steps)
 
+
+def exposed_time(spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
+    """Kernel spans overlap with PDL (a kernel starts during the previous one's tail), so their
+    sum is not the step. Each kernel (name, start, end) is charged instead with how far it moves
+    the stream's end: its end minus the latest end before it (0 when it ends inside an earlier
+    one). Returns the charge by kernel name (overlap counted once) and the stream's idle time."""
+    exposed: dict[str, float] = {}
+    frontier, idle = None, 0.0
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        if frontier is None or start >= frontier:
+            idle += 0.0 if frontier is None else start - frontier
+            charge = end - start
+        else:
+            charge = max(0.0, end - frontier)
+        exposed[name] = exposed.get(name, 0.0) + charge
+        frontier = end if frontier is None else max(frontier, end)
+    return exposed, idle
+
+
+def print_exposed_time(prof, steps: int) -> None:
+    """The profiled steps' device time by kernel with overlap counted once (:func:`exposed_time`)."""
+    from torch.autograd import DeviceType
+
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    exposed, idle = exposed_time(spans)
+    total = sum(exposed.values()) / steps / 1e3
+    print(f"exposed device time (how far each kernel moved the stream's end): {total:.3f} ms per step; "
+          f"stream idle {idle / steps / 1e3:.3f} ms per step (gaps between steps included)")
+    for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {us / steps / 1e3:8.3f} ms {100 * us / steps / 1e3 / total:5.1f}%  {name[:80]}")
 
 def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) -> None:
     """Where the time of a chunked-prefill step goes: ``batch`` streams decode while a

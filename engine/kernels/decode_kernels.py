@@ -30,12 +30,13 @@ class DecodeKernels:
     partials that the next residual add + RMSNorm sums, so no reduction kernel."""
     down_split_k: int = 2
     """Likewise for down_proj when ``gemv_down``."""
-    late_release: tuple[str, ...] = ("o",)
+    late_release: tuple[str, ...] = ("o", "gate_up")
     """With ``pdl``, the projections (of ``PROJECTIONS``) whose GEMV lets the next kernel launch
-    only after its K loop, not right after its wait. o_proj's: the add + RMSNorm after it then
-    launches as o_proj ends instead of sitting on an SM from o_proj's start (graph replay 4.03 vs
-    4.04-4.05 ms, 247.6 vs 246.3-246.6 tok/s, H200 2026-11-30 two runs); q|k|v's late release
-    cost 2.5% (the attention kernel then starts late), the others measured within noise."""
+    only after its K loop, not right after its wait: the kernel after it then launches as the GEMV
+    ends instead of holding an SM from the GEMV's start. Measured on the H200 (2026-11-30, graph
+    replay in one process, docs/performance.md): o_proj's 4.03 vs 4.04 ms, o_proj's and gate|up's
+    4.015; q|k|v's late release cost 2.9% (the attention kernel after it starts late), down_proj's
+    and the lm_head's were within noise."""
 
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)

@@ -73,3 +73,20 @@ def test_the_decode_profile_batch_is_whole_when_profiled(tiny_llama_dir):
         core.step()
     running = core.scheduler.running
     assert len(running) == 20 and all(not r.status.finished for r in running)
+
+
+def test_exposed_time_counts_overlapped_kernels_once():
+    """With PDL kernels overlap: each is charged with how far it moves the stream's end."""
+    from engine.kernel_bench import exposed_time
+
+    spans = [
+        ("gemv", 0.0, 10.0),
+        ("norm", 8.0, 12.0),  # starts in gemv's tail: charged 2, not 4
+        ("gemv", 11.0, 20.0),  # charged 8
+        ("tiny", 13.0, 15.0),  # ends inside the gemv before it: 0
+        ("norm", 25.0, 27.0),  # after 5 idle
+    ]
+    exposed, idle = exposed_time(spans)
+    assert exposed == {"gemv": 18.0, "norm": 4.0, "tiny": 0.0}
+    assert idle == 5.0
+    assert sum(exposed.values()) + idle == 27.0  # the stream's whole span

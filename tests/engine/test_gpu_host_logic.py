@@ -134,6 +134,15 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
             assert len(changed) == 1, (name, changed)
     assert {v.pdl for v in variants.values() if v.max_rows} == {True, False}
     assert "same, PDL off" not in decode_path_variants(DecodeKernels(max_rows=1))
+    releases = {v.late_release for v in variants.values() if v.max_rows}
+    assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
+
+
+def test_late_release_names_known_projections():
+    from engine.kernels.decode_kernels import DecodeKernels
+
+    with pytest.raises(ValueError, match="unknown projections \\['q_proj'\\]"):
+        DecodeKernels(late_release=("q_proj",))
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):

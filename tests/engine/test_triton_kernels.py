@@ -286,6 +286,29 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_d
             assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4), name
 
 
+def test_late_release_reaches_the_named_projections_gemvs(tiny_llama_dir, monkeypatch):
+    """DecodeKernels.late_release names projections; their GEMVs (and only theirs) get the flag.
+    The real kernels run (a spy records each call's weight and flag on the way through)."""
+    import engine.model.llama as llama
+    from engine import LLM, SamplingParams
+
+    calls = []
+    real = llama.decode_linear
+
+    def spy(x, w, *args, **kwargs):
+        calls.append((w, kwargs["late_release"]))
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "decode_linear", spy)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
+    model = llm.core.model
+    model.decode_kernels = DecodeKernels(max_rows=1, late_release=("o", "gate_up"))
+    llm.generate([[5, 17, 33]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    late = {id(layer.self_attn.o_proj.weight) for layer in model.layers} | {id(layer.mlp.gate_up_proj.weight) for layer in model.layers}
+    assert calls and {id(w) for w, _ in calls} > late  # every projection ran as a GEMV
+    assert all(flag == (id(w) in late) for w, flag in calls)
+
+
 def test_argmax_matches_torch_ties_included():
     """Greedy tokens: the first index of each row's maximum, across chunk borders and at the end."""
     from engine.kernels.argmax import CHUNK, argmax_rows_triton
