@@ -42,8 +42,8 @@ def decode_tile(n: int, k: int) -> GemvConfig:
         return GemvConfig("dot", 64, 256, 4, 4)  # replay 4.065 vs 4.105 ms with 32x256 s5 (H200, 2026-11-30)
     if n <= 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
         return GemvConfig("dot", 32, 256, 4, 5)
-    if n <= 16384:  # q|k|v
-        return GemvConfig("dot", 64, 128, 4, 5)
+    if n <= 16384:  # q|k|v: 7 stages in flight, replay 4.070 vs 4.086 ms with 5 (in-graph sweep, H200
+        return GemvConfig("dot", 64, 128, 4, 7)  # 2026-11-30, docs/results/...-gemv-tile-sweep-late-release.txt)
     if n <= 65536:  # gate|up
         return GemvConfig("dot", 128, 128, 4, 3)
     return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
