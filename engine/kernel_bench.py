@@ -170,6 +170,7 @@ def print_exposed_time(prof, steps: int) -> None:
     for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {us / steps / 1e3:8.3f} ms {100 * us / steps / 1e3 / total:5.1f}%  {name[:80]}")
 
+
 def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) -> None:
     """Where the time of a chunked-prefill step goes: ``batch`` streams decode while a
     ``long``-token prompt is prefilled ``budget`` tokens a step (as bench's chunked suite);

@@ -98,4 +98,3 @@ def gemv_sum_kernel(
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=offs_n < N)
-

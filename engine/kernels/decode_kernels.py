@@ -33,10 +33,10 @@ class DecodeKernels:
     late_release: tuple[str, ...] = ("o", "gate_up")
     """With ``pdl``, the projections (of ``PROJECTIONS``) whose GEMV lets the next kernel launch
     only after its K loop, not right after its wait: the kernel after it then launches as the GEMV
-    ends instead of holding an SM from the GEMV's start. Measured on the H200 (2026-11-30, graph
-    replay in one process, docs/performance.md): o_proj's 4.03 vs 4.04 ms, o_proj's and gate|up's
-    4.015; q|k|v's late release cost 2.9% (the attention kernel after it starts late), down_proj's
-    and the lm_head's were within noise."""
+    ends instead of holding an SM from the GEMV's start. Batch-1 graph replay on the H200, one
+    process (2026-11-30 09:29 run, docs/performance.md): none 4.042 ms, o_proj 4.027, o_proj and
+    gate|up 4.015; q|k|v's late release cost 2.5-2.9% (the attention kernel after it starts
+    late); down_proj's and the lm_head's were within noise."""
 
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
