@@ -4,7 +4,9 @@ A kernel launched with ``launch_pdl=True`` may start while the kernel before it 
 is still running. Before :func:`pdl_wait` it may only *read memory nothing in flight writes*
 (weights); everything else - reading the previous kernel's output, any store - comes after it.
 Calling ``gdc_launch_dependents`` right after the wait lets the next kernel start its own
-prologue now: at most two kernels overlap, and the earlier one has passed its own wait.
+prologue now: at most two kernels overlap, and the earlier one has passed its own wait. A kernel
+may instead wait with ``RELEASE=False`` and call :func:`pdl_release` later (the decode GEMVs
+named in ``DecodeKernels.late_release`` do so after their K loop).
 """
 
 import triton
