@@ -35,18 +35,26 @@ def decode_linear_kernel(
     X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
+    COLUMNS: tl.constexpr = 0,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
-    its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip."""
+    its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
+    COLUMNS (<= BLOCK_N; 0: BLOCK_N): the output columns a program owns; fewer than the tile's
+    width spread the weight's rows evenly over the SMs (the masked rows cost no memory traffic)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
     k_first = pid_k * k_len
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if COLUMNS == 0 or COLUMNS == BLOCK_N:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+    else:
+        offs_n = pid * COLUMNS + tl.arange(0, BLOCK_N)
+        n_ok = (tl.arange(0, BLOCK_N) < COLUMNS) & (offs_n < N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
-    n_mask = offs_n[:, None] < N
+    n_mask = n_ok[:, None]
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
     pdl_wait(USE_PDL, not LATE_RELEASE)
     x_ptrs = X + offs_m[:, None] * stride_xm + k_first + offs_k[None, :]
@@ -75,7 +83,7 @@ def decode_linear_kernel(
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & n_ok[None, :])
 
 
 @triton.jit

@@ -30,22 +30,38 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     block_m: int = TILE_ROWS
+    columns: int = 0
+    """Output columns a program owns (0: block_n; for a gated weight, of the SwiGLU output): fewer
+    than the tile's width to give every SM the same share of the weight."""
 
     def fits(self, rows: int, k: int) -> bool:
         return rows <= self.block_m if self.kind == "dot" else (rows == 1 and k % self.block_k == 0)
 
 
+def spread(n: int, block_n: int, programs: int) -> int:
+    """Output columns a program owns so that ``n`` columns take ``programs`` programs; 0 (the
+    tile's width) when the tile is that narrow already, or when it would lose more than half its
+    rows (a small weight: more, tinier programs do not pay)."""
+    columns = -(-n // programs)
+    return columns if block_n // 2 <= columns < block_n else 0
+
+
 def decode_tile(n: int, k: int) -> GemvConfig:
-    """The tile for an [n, k] weight: the fastest in the H200 sweep for each 8B shape at batch 1
-    (docs/results/2026-11-29-h200-gemv-sweep.txt), by size class for other shapes."""
+    """The tile for an [n, k] weight: the fastest in the H200 sweeps for each 8B shape at batch 1
+    (docs/results/2026-11-29-h200-gemv-sweep.txt, then A/Bs in the batch-1 graph), by size class
+    for other shapes. ``columns`` sizes the grid to one even wave: 128 programs of q|k|v, 512 of
+    gate|up (4 resident per SM at 3 stages); in the batch-1 graph replay 4.049-4.053 ms against
+    4.106-4.111 with full-width tiles (96 and 224 programs; both with the early residual read of
+    add_rms_norm, H200, 2026-11-30, docs/performance.md). 131 programs of q|k|v were 2% slower than
+    96, and a grid that needs a second wave (gate|up at 4 stages) 5%."""
     if n <= 4096 and k > 8192:  # down_proj, split-K 2 (DecodeKernels.down_split_k): in the batch-1 graph
         return GemvConfig("dot", 64, 256, 4, 4)  # replay 4.065 vs 4.105 ms with 32x256 s5 (H200, 2026-11-30)
     if n <= 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
         return GemvConfig("dot", 32, 256, 4, 5)
     if n <= 16384:  # q|k|v: 7 stages in flight, replay 4.070 vs 4.086 ms with 5 (in-graph sweep, H200
-        return GemvConfig("dot", 64, 128, 4, 7)  # 2026-11-30, docs/results/...-gemv-tile-sweep-late-release.txt)
-    if n <= 65536:  # gate|up
-        return GemvConfig("dot", 128, 128, 4, 3)
+        return GemvConfig("dot", 64, 128, 4, 7, columns=spread(n, 64, 128))  # 2026-11-30, ...-gemv-tile-sweep-late-release.txt)
+    if n <= 65536:  # gate|up, gated: columns count SwiGLU outputs (n // 2), 32 a 64-row tile
+        return GemvConfig("dot", 64, 128, 4, 3, columns=spread(n // 2, 32, 512))
     return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
 
 
@@ -82,17 +98,18 @@ def decode_linear(
     m, (rows, k) = x.shape[0], w.shape
     n = rows // 2 if gated else rows
     block_n = config.block_n // 2 if gated else config.block_n  # same weight rows per program
+    columns = config.columns or block_n
     split_ok = split_k == 1 or (not gated and out_dtype is None and k % (split_k * config.block_k) == 0)
-    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok:
+    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok or columns > block_n:
         raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} split_k={split_k} do not fit {config}")
     if split_k > 1:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    decode_linear_kernel[(-(-n // block_n), split_k)](
+    decode_linear_kernel[(-(-n // columns), split_k)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
-        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release,
+        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

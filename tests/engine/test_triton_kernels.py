@@ -252,6 +252,50 @@ def test_decode_gemv_matches_reference(rows, pdl):
         assert gated.shape == (rows, n // 2) and rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_gemv_with_fewer_columns_per_program_than_its_tile(pdl, monkeypatch):
+    """GemvConfig.columns: a program owns 23 of its tile's 32 columns (the masked rows unread), so
+    the grid grows to ceil(n / 23); plain, float32 out, gated and split-K still equal the product,
+    every column written once (a program writing its tile's masked tail would clobber its
+    neighbour's). The real kernel runs; a spy records the grid it is launched with."""
+    import engine.kernels._linear_triton as kernels
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
+
+    grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    real = kernels.decode_linear_kernel
+    monkeypatch.setattr(kernels, "decode_linear_kernel", Spy())
+    config = GemvConfig("dot", 32, 64, 4, 2, columns=23)
+    k, n = 256, 100
+    x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+    w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+    assert rel(decode_linear(x, w, config=config, pdl=pdl), decode_linear_ref(x, w)) < TOL
+    assert grids == [(5, 1)]  # ceil(100 / 23) programs, not ceil(100 / 32) = 4
+    assert rel(decode_linear(x, w, torch.float32, config, pdl=pdl), decode_linear_ref(x, w, torch.float32)) < TOL
+    gated = GemvConfig("dot", 32, 64, 4, 2, columns=11)  # 16 gate + 16 up rows a tile, 11 of each used
+    assert rel(decode_linear(x, w, config=gated, gated=True, pdl=pdl), silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
+    assert grids[-1] == (5, 1)  # ceil(50 / 11)
+    parts = decode_linear(x, w, config=config, split_k=2, pdl=pdl)
+    assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
+    with pytest.raises(ValueError, match="columns=33"):
+        decode_linear(x, w, config=GemvConfig("dot", 32, 64, 4, 2, columns=33))
+
+
+def test_decode_tiles_spread_the_8b_projections_over_one_even_wave():
+    """q|k|v in 128 programs and gate|up in 512 (H200 A/B, engine/kernels/linear.py); a small
+    weight keeps full-width tiles (no grid of tiny programs)."""
+    from engine.kernels.linear import decode_tile, spread
+
+    qkv, gate_up = decode_tile(6144, 4096), decode_tile(28672, 4096)
+    assert -(-6144 // qkv.columns) == 128 and -(-14336 // gate_up.columns) == 512
+    assert spread(192, 64, 128) == 0 and spread(4096, 32, 128) == 0 and decode_tile(1536, 512).columns == 0
+
+
 def test_a_gated_gemv_needs_gate_and_up_halves():
     from engine.kernels.linear import decode_linear
 
