@@ -33,7 +33,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual): one pass over the rows instead of three. ``x`` may
     be [parts, rows, dim] float32 partial sums of a split-K GEMV (decode_linear's ``split_k``):
-    summed here, so the split costs no reduction kernel."""
+    summed here, so the split costs no reduction kernel. ``pdl``: the kernel reads ``residual``
+    before it waits for the kernel before it, so that kernel must not be the one writing it (in
+    the model the residual comes from the norm before the sublayer)."""
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps, pdl=pdl)
     return add_rms_norm_ref(x, residual, weight, eps)
