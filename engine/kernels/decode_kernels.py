@@ -30,13 +30,15 @@ class DecodeKernels:
     partials that the next residual add + RMSNorm sums, so no reduction kernel."""
     down_split_k: int = 2
     """Likewise for down_proj when ``gemv_down``."""
-    late_release: tuple[str, ...] = ("o", "gate_up")
+    late_release: tuple[str, ...] = ("gate_up",)
     """With ``pdl``, the projections (of ``PROJECTIONS``) whose GEMV lets the next kernel launch
     only after its K loop, not right after its wait: the kernel after it then launches as the GEMV
     ends instead of holding an SM from the GEMV's start. Batch-1 graph replay on the H200, one
-    process (2026-11-30 09:29 run, docs/performance.md): none 4.042 ms, o_proj 4.027, o_proj and
-    gate|up 4.015; q|k|v's late release cost 2.5-2.9% (the attention kernel after it starts
-    late); down_proj's and the lm_head's were within noise."""
+    process, three rounds (2026-11-30, after the even-wave grids of ``decode_tile``,
+    docs/performance.md): gate|up 4.042-4.043 ms, none 4.049-4.050, o_proj and gate|up 4.057,
+    o_proj alone 4.063-4.064 (before those grids o_proj and gate|up had been best); q|k|v's late
+    release cost 2.5-2.9% (the attention kernel after it starts late); the lm_head's is within
+    noise."""
 
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
