@@ -51,6 +51,14 @@ def test_every_suite_runs_and_the_record_holds_the_issue_fields(tmp_path):
         assert results[key] > 0, key
     assert results["check_max_abs_logprob_diff"] <= max(2 * results["check_hf_same_dtype_diff"], 1e-3)
     assert set(record["step_breakdown_ms"]) == {"latency", "prefill", "throughput", "prefix", "chunked"}
+    # The HF baseline's float32 weights are an owner in the engine's memory table (on a GPU
+    # they would otherwise read as "other"), counted exactly.
+    from engine.bench import HF_BASELINE_MEMORY
+    from engine.config import ModelConfig
+
+    params = ModelConfig.from_json(model / "config.json").num_parameters
+    memory = record["memory"]["engine"] if "engine" in record["memory"] else record["memory"]["engine of the other suites"]
+    assert 4 * params <= memory[HF_BASELINE_MEMORY] < 4.1 * params  # plus HF's RoPE buffers
 
 
 def test_an_unknown_suite_is_a_clear_usage_error(capsys):
