@@ -383,8 +383,7 @@ def bench_throughput(core, sizes, rng, results) -> list[Row]:
     # step shapes compile here, not inside the timed run (on a fresh H200 lease they cost 1.4-2.7
     # s each, ~9 s of a ~36 s run: 7.1k vs 8.9k out tok/s, docs/performance.md).
     run(max(1, sizes.throughput_requests // 5))
-    print(f"    warm-up's slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in core.step_times.slowest]}",
-          file=sys.stderr)
+    print(f"    warm-up's {slowest_steps(core.step_times)}", file=sys.stderr)
     core.step_times = StepTimes()
     reqs, seconds = run(sizes.throughput_requests)
     out_tokens = sum(len(r.output_token_ids) for r in reqs)
@@ -518,6 +517,14 @@ def throughput_engine(config: EngineConfig, loaded: LoadedModel) -> EngineCore:
     return core
 
 
+def slowest_steps(st: StepTimes) -> str:
+    """The five slowest steps: by their device spans where recorded (CUDA), else by host time
+    (which, with async scheduling, includes waiting for the step before)."""
+    if st.slowest_device:
+        return f"slowest steps on the device (s, mode, requests, tokens): {[(round(a, 3), m, r, t) for a, m, r, t in st.slowest_device]}"
+    return f"slowest steps by host time (s, requests, tokens): {[(round(a, 3), r, t) for a, r, t in st.slowest]}"
+
+
 def format_device_time(device_time: dict[str, dict]) -> str:
     """The report's device-time section from each suite's ``StepTimes.device_summary()``."""
     lines = ["\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
@@ -562,7 +569,7 @@ def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown
                                                "decode_only_s": st.decode_only_time, "decode_only_tokens": st.decode_only_tokens}
         if st.device_span:
             device_time[suite] = st.device_summary()
-        print(f"    slowest steps (s, requests, tokens): {[(round(a, 3), b, c) for a, b, c in st.slowest]}", file=sys.stderr)
+        print(f"    {slowest_steps(st)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

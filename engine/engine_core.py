@@ -51,6 +51,7 @@ class InflightStep:
     mode: str = ""  # how the forward ran (ModelRunner.last_step_mode)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
     chained: bool = False  # launched while the step before it was in flight (async scheduling)
+    num_tokens: int = 0  # tokens the step computed
 
 
 class RequestError(ValueError):
@@ -339,7 +340,7 @@ class EngineCore:
             req.num_pending_tokens += 1
         device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
         return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span,
-                            self._inflight is not None)
+                            self._inflight is not None, inputs.num_tokens)
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None
@@ -373,7 +374,7 @@ class EngineCore:
         idle = 0.0
         if step.chained and self._last_step_end is not None:
             idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
-        self.step_times.record_device(step.mode, start.elapsed_time(end) / 1e3, idle)
+        self.step_times.record_device(step.mode, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
         self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

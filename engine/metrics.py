@@ -118,7 +118,11 @@ class StepTimes:
     decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
     decode_only_time: float = 0.0
     decode_only_tokens: int = 0
-    slowest: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, requests, tokens), top 5
+    # (seconds, requests, tokens), top 5, by host time: with async scheduling a step's host time
+    # includes waiting for the step before it, so a short step after a long one ranks high.
+    slowest: list[tuple[float, int, int]] = field(default_factory=list)
+    # On CUDA, by the step's own device span: (seconds, mode, requests, tokens), top 5.
+    slowest_device: list[tuple[float, str, int, int]] = field(default_factory=list)
     # On CUDA: each step's span on the device (its first event to its last, CUDA events) by
     # mode, and the device's idle time between one step's end and the next one's start - the
     # time the host failed to hide.
@@ -151,12 +155,13 @@ class StepTimes:
             self.decode_only_tokens += tokens
         self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
 
-    def record_device(self, mode: str, span: float, idle: float) -> None:
-        """Account one step's device span and the idle gap before it (seconds)."""
+    def record_device(self, mode: str, span: float, idle: float, requests: int = 0, tokens: int = 0) -> None:
+        """Account one step's device span and the idle gap before it (seconds), and its batch shape."""
         total = self.device_span.setdefault(mode, [0.0, 0])
         total[0] += span
         total[1] += 1
         self.device_idle += idle
+        self.slowest_device = sorted([*self.slowest_device, (span, mode, requests, tokens)], reverse=True)[:5]
 
     def device_summary(self) -> dict[str, object]:
         """Busy and idle device seconds, and by mode: seconds and mean ms a step."""

@@ -184,3 +184,18 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     from engine.bench import format_device_time
 
     assert "throughput  busy 0.08 s, idle 0.00 s;  graph 0.03 s (15.00 ms/step)  piecewise 0.05 s (50.00 ms/step)" in format_device_time({"throughput": s})
+
+
+def test_slowest_steps_rank_by_device_span_where_recorded():
+    """With async scheduling a short step's host time includes waiting for the long step before
+    it: the report ranks by device spans when there are any, by host time otherwise."""
+    from engine.bench import slowest_steps
+    from engine.metrics import StepTimes
+
+    st = StepTimes()
+    st.record(0.0, 0.0, 0.0, 0.0, 0.30, "piecewise", 1, 8192)
+    st.record(0.0, 0.0, 0.0, 0.0, 0.45, "mixed", 1, 286)  # waited for the 8,192-token step
+    assert slowest_steps(st) == "slowest steps by host time (s, requests, tokens): [(0.45, 1, 286), (0.3, 1, 8192)]"
+    st.record_device("piecewise", 0.32, 0.0, 1, 8192)
+    st.record_device("mixed", 0.021, 0.0, 1, 286)
+    assert slowest_steps(st) == "slowest steps on the device (s, mode, requests, tokens): [(0.32, 'piecewise', 1, 8192), (0.021, 'mixed', 1, 286)]"
