@@ -28,6 +28,7 @@ from engine.metrics import EngineStats, StepTimes
 from engine.model import LlamaForCausalLM
 from engine.model_runner import DeviceTokens, ModelRunner, StepInputs
 from engine.outputs import RequestOutput
+from engine.prefix_cache import PrefixCacheStats
 from engine.cpu_decode import NativeWeights
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.request import Request, RequestStatus
@@ -174,8 +175,36 @@ class EngineCore:
         self.step_times = StepTimes()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
+        if config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda"):
+            self._warm_up()
 
     # ---- setup helpers ------------------------------------------------------------------------
+    def _warm_up(self) -> None:
+        """Run throwaway requests through the real step loop - a short prompt, a long one, and
+        the long one again with a few more tokens (a prefix-cache hit: a short chunk after a
+        cached context, whose attention splits and merges) - then forget them: no cached
+        prefixes, counters and step timings back to zero, request ids from the start."""
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        pool = self.block_manager.num_usable_blocks * self.config.block_size
+        longest = max(1, min(600, self.max_model_len - 24, pool // 2 - 24))
+        long_prompt = [1 + i % (vocab - 1) for i in range(longest)]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for prompt in ([1 + i % (vocab - 1) for i in range(min(16, longest))], long_prompt, long_prompt + [2] * 20):
+            self.add_request(prompt, params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.warm_up_steps = self.num_steps
+        log.info("warm-up: %d steps in %.2f s", self.num_steps, time.perf_counter() - start)
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.prefix_cache.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self.step_times = StepTimes()
+        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+        self._last_step_end = None
+        self._ids = itertools.count()
+
     def _decode_kernels(self, config: EngineConfig) -> DecodeKernels:
         """The batch-1 decode path from the config: CUDA with Triton only."""
         if not (config.decode_kernels and self.device.type == "cuda" and triton_available()):
