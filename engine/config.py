@@ -153,12 +153,14 @@ class EngineConfig:
     (such steps take the piecewise graphs, attention eager)."""
     mixed_cuda_graph_max_decodes: int = 64
     """Mixed-step graphs only for steps of at most this many decodes: a step with more is
-    device-bound (the host launches it while the device is still busy), so a capture (0.45-1.4 s
-    on the H200 host) would not pay; with
+    device-bound (the host launches it while the device is still busy), so a capture (a stall of
+    the engine, not yet timed on its own: see ``mixed_cuda_graph_max_graphs``) would not pay; with
     256 (every size) the throughput run captured 39 shapes and fell from 9.2k to 8.4k out tok/s."""
     mixed_cuda_graph_max_graphs: int = 16
     """How many mixed-step shapes are captured in the engine's life (each capture stalls the
-    engine 0.45-1.4 s on the H200 host); later shapes take the piecewise graphs."""
+    engine; early runs read 0.45-1.4 s from host step times, which also hold the wait for the
+    step before, and the device spans of 2026-11-30 11:16 showed no mixed step above 49 ms: the
+    capture itself is not timed on its own yet); later shapes take the piecewise graphs."""
     decode_kernels: bool = True
     """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
     lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:

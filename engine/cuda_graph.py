@@ -284,8 +284,8 @@ class MixedGraphRunner:
     ``max_model_len`` (empty splits only write an empty partial). The per-step values (tokens,
     positions, slots, context lengths, block tables) are copied into persistent buffers.
 
-    A key is captured the second time it is seen (a one-off shape is not worth a capture: 0.45-1.4
-    s measured, a stall for every running request), and at most ``max_graphs`` keys in the
+    A key is captured the second time it is seen (a one-off shape is not worth a capture: a stall
+    for every running request, see EngineConfig.mixed_cuda_graph_max_graphs), and at most ``max_graphs`` keys in the
     runner's life: with eviction, shapes that keep changing (a serving mix of prompt lengths)
     would stall the engine again and again; later shapes take the piecewise path. On the CPU
     nothing is captured: the same padded batch runs eagerly, with the same bookkeeping (tests of
