@@ -154,13 +154,13 @@ class EngineConfig:
     mixed_cuda_graph_max_decodes: int = 64
     """Mixed-step graphs only for steps of at most this many decodes: a step with more is
     device-bound (the host launches it while the device is still busy), so a capture (a stall of
-    the engine, not yet timed on its own: see ``mixed_cuda_graph_max_graphs``) would not pay; with
+    the engine: see ``mixed_cuda_graph_max_graphs``) would not pay; with
     256 (every size) the throughput run captured 39 shapes and fell from 9.2k to 8.4k out tok/s."""
     mixed_cuda_graph_max_graphs: int = 16
     """How many mixed-step shapes are captured in the engine's life (each capture stalls the
-    engine; early runs read 0.45-1.4 s from host step times, which also hold the wait for the
-    step before, and the device spans of 2026-11-30 11:16 showed no mixed step above 49 ms: the
-    capture itself is not timed on its own yet); later shapes take the piecewise graphs."""
+    engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first
+    took 0.66 s of Triton compiles until the start-up warm-up ran a mixed step); later shapes
+    take the piecewise graphs."""
     decode_kernels: bool = True
     """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
     lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:
@@ -185,9 +185,10 @@ class EngineConfig:
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
-    two decode steps each) so that the kernels the captured graphs leave out - prefill attention,
-    its split merge, RoPE + KV write - compile now rather than in the first user's request (2.5 s
-    of one H200 step on a fresh Triton cache, 2026-11-30). ``auto``: on with CUDA (the CPU path
+    a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
+    prefill attention, its split merge, RoPE + KV write, decode attention in a mixed step -
+    compile now rather than in a user's request (on a fresh Triton cache: a 2.5 s first prefill,
+    a 0.61 s first mixed step on the H200, 2026-11-30). ``auto``: on with CUDA (the CPU path
     compiles nothing)."""
     cache_dir: Path | None = None  # None: default_cache_dir()
 

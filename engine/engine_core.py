@@ -181,10 +181,11 @@ class EngineCore:
 
     # ---- setup helpers ------------------------------------------------------------------------
     def _warm_up(self) -> None:
-        """Run throwaway requests through the real step loop - a short prompt, a long one, and
-        the long one again with a few more tokens (a prefix-cache hit: a short chunk after a
-        cached context, whose attention splits and merges) - then forget them: no cached
-        prefixes, counters and step timings back to zero, request ids from the start."""
+        """Run throwaway requests through the real step loop - a short prompt, a long one, the
+        long one again with a few more tokens (a prefix-cache hit: a short chunk after a cached
+        context, whose attention splits and merges), and a prompt arriving while another request
+        decodes (a mixed step) - then forget them: no cached prefixes, counters and step timings
+        back to zero, request ids from the start."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         pool = self.block_manager.num_usable_blocks * self.config.block_size
@@ -195,6 +196,14 @@ class EngineCore:
             self.add_request(prompt, params)
             while self.has_unfinished_requests():
                 self.step()
+        # A mixed step: one request decoding while another's prompt is prefilled in the same step.
+        # Every shape here is seen once, so no mixed-step graph is captured for it (the second
+        # sighting captures: EngineConfig.mixed_cuda_graph_max_graphs).
+        self.add_request([3] * min(12, longest), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        self.step()
+        self.add_request([4 + i % (vocab - 4) for i in range(min(40, longest))], params)
+        while self.has_unfinished_requests():
+            self.step()
         self.warm_up_steps = self.num_steps
         log.info("warm-up: %d steps in %.2f s", self.num_steps, time.perf_counter() - start)
         self.block_manager.reset_prefix_cache()
