@@ -365,7 +365,47 @@ def bench_prefill(core, hf, sizes, rng, flops, results) -> list[Row]:
     return rows
 
 
-def bench_throughput(core, sizes, rng, results) -> list[Row]:
+@dataclass(frozen=True)
+class ThroughputBounds:
+    """How fast a batch of requests could run on this device: its FLOPs at the measured matmul
+    rate and its bytes at the measured copy bandwidth. ``roofline_s``: the two fully overlapped
+    (the larger one); ``serial_s``: one after the other, as an engine whose compute-bound and
+    memory-bound kernels never run at the same time (ours: prefill and decode GEMMs, then decode
+    attention) at best."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.memory_s
+
+
+def throughput_bounds(mc, lengths: list[tuple[int, int]], steps: int, weight_bytes: int, elem: int, flops: float,
+                      bw: float) -> ThroughputBounds:
+    """Bounds for requests of (prompt, output) ``lengths`` served in ``steps`` steps: FLOPs 2 per
+    parameter per token plus causal attention (prefill) and attention over the context (each
+    output token but the last is decoded); bytes the weights once a step plus each decoded token's
+    read of its request's K/V (prefill's own K/V traffic left out: small beside the decode's)."""
+    attn = 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim  # FLOPs per (query, key) pair
+    kv = mc.kv_bytes_per_token(elem)
+    total_flops, kv_reads = 0.0, 0
+    for prompt, out in lengths:
+        decoded = max(0, out - 1)  # the first output token comes from the prefill
+        reads = decoded * prompt + decoded * (decoded + 1) // 2  # contexts prompt+1 .. prompt+decoded
+        total_flops += 2 * mc.num_parameters * (prompt + decoded) + attn * (prompt * (prompt + 1) // 2 + reads)
+        kv_reads += reads
+    total_bytes = float(steps) * weight_bytes + float(kv_reads) * kv
+    return ThroughputBounds(total_flops, total_bytes, total_flops / flops, total_bytes / bw)
+
+
+def bench_throughput(core, sizes, rng, results, bw: float, flops: float) -> list[Row]:
     vocab = core.model_config.vocab_size
 
     def run(n: int) -> tuple[list, float]:
@@ -389,10 +429,19 @@ def bench_throughput(core, sizes, rng, results) -> list[Row]:
     out_tokens = sum(len(r.output_token_ids) for r in reqs)
     tput = out_tokens / seconds
     decode_rate = core.step_times.decode_rate
-    results.update(throughput_output_tok_s=tput, throughput_requests=len(reqs), throughput_decode_phase_tok_s=decode_rate)
+    elem = torch.empty((), dtype=core.dtype).element_size()
+    bounds = throughput_bounds(core.model_config, [(r.num_prompt_tokens, len(r.output_token_ids)) for r in reqs],
+                               core.step_times.steps, decode_step_bytes(core, 0), elem, flops, bw)
+    results.update(throughput_output_tok_s=tput, throughput_requests=len(reqs), throughput_decode_phase_tok_s=decode_rate,
+                   throughput_roofline_tok_s=out_tokens / bounds.roofline_s, throughput_serial_bound_tok_s=out_tokens / bounds.serial_s,
+                   throughput_compute_s=bounds.compute_s, throughput_memory_s=bounds.memory_s)
     ref = results.get("hf_decode_bs1_tok_s")
     label = "HF generate() batch 1" if ref else ""
-    return [Row(f"throughput, {len(reqs)} requests at once (whole run, prefill included)", tput, "out tok/s", label, ref),
+    name = f"throughput, {len(reqs)} requests at once (whole run, prefill included)"
+    return [Row(name, tput, "out tok/s", label, ref),
+            Row(name, tput, "out tok/s", f"roofline: {bounds.compute_s:.2f} s FLOPs, {bounds.memory_s:.2f} s bytes, overlapped",
+                out_tokens / bounds.roofline_s),
+            Row(name, tput, "out tok/s", "the same one after the other (no overlap)", out_tokens / bounds.serial_s),
             Row(f"throughput, {len(reqs)} requests, decode-only steps", decode_rate, "out tok/s", label, ref)]
 
 
@@ -558,7 +607,7 @@ def run_suites(core, hf, sizes, rng, bw, flops, suites, rows, results, breakdown
         elif suite == "prefill":
             rows += bench_prefill(core, hf, sizes, rng, flops, results)
         elif suite == "throughput":
-            rows += bench_throughput(core, sizes, rng, results)
+            rows += bench_throughput(core, sizes, rng, results, bw, flops)
         elif suite == "prefix":
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":

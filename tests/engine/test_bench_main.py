@@ -98,3 +98,34 @@ def test_exposed_time_counts_overlapped_kernels_once():
     assert exposed == {"gemv": 18.0, "norm": 4.0, "tiny": 0.0}
     assert idle == 5.0
     assert sum(exposed.values()) + idle == 27.0  # the stream's whole span
+
+
+def test_throughput_bounds_count_flops_and_bytes_by_hand():
+    """Two requests on a 1-layer shape, summed by hand: (prompt, output) (3, 1) decodes nothing;
+    (2, 3) decodes 2 tokens over contexts of 3 and 4."""
+    from engine.bench import throughput_bounds
+    from engine.config import ModelConfig
+
+    mc = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=4)
+    b = throughput_bounds(mc, [(3, 1), (2, 3)], steps=4, weight_bytes=1000, elem=2, flops=1e3, bw=1e2)
+    pair = 4 * 1 * 2 * 4  # FLOPs per (query, key): QK and PV, 2 heads of 4
+    tokens = 3 + (2 + 2)  # prompts, plus the decoded tokens
+    attention_pairs = 3 * 4 // 2 + 2 * 3 // 2 + (3 + 4)  # the two causal prefills, then the decodes' contexts
+    assert b.flops == 2 * mc.num_parameters * tokens + pair * attention_pairs
+    assert b.bytes == 4 * 1000 + (3 + 4) * mc.kv_bytes_per_token(2)
+    assert b.compute_s == b.flops / 1e3 and b.memory_s == b.bytes / 1e2
+    assert b.roofline_s == max(b.compute_s, b.memory_s) and b.serial_s == b.compute_s + b.memory_s
+
+
+def test_the_throughput_suite_prints_its_roofline_and_serial_bound(tiny_llama_dir, tmp_path, capsys):
+    """The throughput figure against bounds from the same run's matmul and copy bandwidth: the
+    roofline (compute and bytes overlapped) is never beaten, the serial bound lies below it."""
+    out = tmp_path / "bench.json"
+    assert main(["throughput", "--model", str(tiny_llama_dir), "--device", "cpu", "--no-hf", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    tput, roof, serial = results["throughput_output_tok_s"], results["throughput_roofline_tok_s"], results["throughput_serial_bound_tok_s"]
+    assert 0 < tput < roof and serial <= roof
+    assert results["throughput_compute_s"] > 0 and results["throughput_memory_s"] > 0
+    report = capsys.readouterr().out
+    assert "roofline: " in report and "the same one after the other (no overlap)" in report
