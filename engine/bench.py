@@ -429,9 +429,8 @@ def bench_throughput(core, sizes, rng, results, bw: float, flops: float) -> list
     out_tokens = sum(len(r.output_token_ids) for r in reqs)
     tput = out_tokens / seconds
     decode_rate = core.step_times.decode_rate
-    elem = torch.empty((), dtype=core.dtype).element_size()
     bounds = throughput_bounds(core.model_config, [(r.num_prompt_tokens, len(r.output_token_ids)) for r in reqs],
-                               core.step_times.steps, decode_step_bytes(core, 0), elem, flops, bw)
+                               core.step_times.steps, decode_step_bytes(core, 0), core.dtype.itemsize, flops, bw)
     results.update(throughput_output_tok_s=tput, throughput_requests=len(reqs), throughput_decode_phase_tok_s=decode_rate,
                    throughput_roofline_tok_s=out_tokens / bounds.roofline_s, throughput_serial_bound_tok_s=out_tokens / bounds.serial_s,
                    throughput_compute_s=bounds.compute_s, throughput_memory_s=bounds.memory_s)

@@ -166,20 +166,26 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator] = {}
-        self._ids = itertools.count()
         # async scheduling: the step launched on the device whose samples the host has not read yet
         self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
         self._inflight: InflightStep | None = None
-        self._last_step_end: torch.cuda.Event | None = None  # for the device's idle time between steps
-        self.num_steps = 0
-        self.step_times = StepTimes()
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self._reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
         if config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda"):
             self._warm_up()
 
     # ---- setup helpers ------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        """Request ids, step counts and timings, token totals and prefix-cache statistics from zero."""
+        self._ids = itertools.count()
+        self._last_step_end: torch.cuda.Event | None = None  # for the device's idle time between steps
+        self.num_steps = 0
+        self.step_times = StepTimes()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.scheduler.num_preemptions = 0
+        self.block_manager.prefix_cache.stats = PrefixCacheStats()
+
     def _warm_up(self) -> None:
         """Run throwaway requests through the real step loop - a short prompt, a long one, the
         long one again with a few more tokens (a prefix-cache hit: a short chunk after a cached
@@ -192,7 +198,7 @@ class EngineCore:
         longest = max(1, min(600, self.max_model_len - 24, pool // 2 - 24))
         long_prompt = [1 + i % (vocab - 1) for i in range(longest)]
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for prompt in ([1 + i % (vocab - 1) for i in range(min(16, longest))], long_prompt, long_prompt + [2] * 20):
+        for prompt in (long_prompt[:16], long_prompt, long_prompt + [2] * 20):
             self.add_request(prompt, params)
             while self.has_unfinished_requests():
                 self.step()
@@ -207,12 +213,7 @@ class EngineCore:
         self.warm_up_steps = self.num_steps
         log.info("warm-up: %d steps in %.2f s", self.num_steps, time.perf_counter() - start)
         self.block_manager.reset_prefix_cache()
-        self.block_manager.prefix_cache.stats = PrefixCacheStats()
-        self.scheduler.num_preemptions = 0
-        self.step_times = StepTimes()
-        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
-        self._last_step_end = None
-        self._ids = itertools.count()
+        self._reset_counters()
 
     def _decode_kernels(self, config: EngineConfig) -> DecodeKernels:
         """The batch-1 decode path from the config: CUDA with Triton only."""
