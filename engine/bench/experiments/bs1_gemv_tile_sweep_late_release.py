@@ -1,8 +1,9 @@
 """One-off (2026-11-30, H200): the batch-1 GEMV tiles again now that o_proj and gate|up release the
 next kernel late (DecodeKernels.late_release): the batch-1 graph recaptured per variant in one
 process (``engine.kernels.linear.decode_tile`` patched for one weight shape), engine tpot and graph
-replay, two rounds. Run from the repository root:
-``PYTHONPATH=$PWD python docs/results/2026-11-30-bs1-gemv-tile-sweep-late-release.py``.
+replay, two rounds. Results: docs/results/2026-11-30-h200-bs1-gemv-tile-sweep-late-release.txt.
+Run from the repository root:
+``PYTHONPATH=$PWD python engine/bench/experiments/bs1_gemv_tile_sweep_late_release.py``.
 """
 import random
 

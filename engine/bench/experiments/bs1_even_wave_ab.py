@@ -5,7 +5,7 @@ docs/results/2026-11-30-h200-bs1-even-wave-ab.txt. As run for its third table; t
 used other VARIANTS lists (in that file). The "early" switches were kernel flags of the A/B:
 the early block-table lookup in decode attention was removed (no gain), the early residual read of
 add_rms_norm became the kernel's only behaviour, so on today's code those switches no longer exist.
-Run from the repository root: ``PYTHONPATH=$PWD python docs/results/2026-11-30-bs1-even-wave-ab.py``.
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_even_wave_ab.py``.
 """
 import random
 import sys

@@ -1,6 +1,10 @@
-"""One-off (run from the repository root: ``PYTHONPATH=$PWD python docs/results/2026-11-30-pdl-release-chain-ab.py``). A/B on the H200: where a decode GEMV lets the next kernel launch (PDL trigger right after its
-wait, or after its K loop), in CUDA graphs of 32 Llama-3.1-8B layers' projections + norms
-(attention left out). Random weights."""
+"""One-off A/B (2026-11-30, H200): where a decode GEMV releases the next kernel under PDL.
+
+The PDL trigger right after its wait, or after its K loop, in CUDA graphs of 32 Llama-3.1-8B
+layers' projections + norms (attention left out). Random weights. Results:
+docs/results/2026-11-30-h200-norm-fold-and-release-chain-ab.txt (its part 2). Run from the
+repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/pdl_release_chain_ab.py``.
+"""
 import torch
 from engine.kernels.linear import decode_linear
 from engine.kernels.norm import add_rms_norm

@@ -1,10 +1,10 @@
 """One-off (2026-11-30, H200): batch-1 decode per decode-attention variant, the batch-1 graph
 recaptured per variant in one process (module constants patched), engine tpot and graph replay.
 
-Run from the repository root: ``PYTHONPATH=$PWD python docs/results/2026-11-30-bs1-variant-sweep.py``.
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_variant_sweep.py``.
 This is its last form (DECODE_TILE / DECODE_SMALL_TILE); the first form patched
 ``triton_paged.decode_splits`` for batch 1 (splits 32, 16, 8, 4, 2, 1) the same way.
-Results: 2026-11-30-h200-bs1-ab-step-inputs-tiles.txt.
+Results: docs/results/2026-11-30-h200-bs1-ab-step-inputs-tiles.txt.
 """
 import random
 

@@ -1,7 +1,7 @@
 """One-off (2026-11-30 ~11:02 UTC, H200): DecodeKernels.late_release A/B after the even-wave GEMV
 grids, the batch-1 graph recaptured per variant in one process, three rounds. Results:
 docs/results/2026-11-30-h200-bs1-even-wave-ab.txt. Run from the repository root:
-``PYTHONPATH=$PWD python docs/results/2026-11-30-bs1-late-release-after-even-wave-ab.py``.
+``PYTHONPATH=$PWD python engine/bench/experiments/bs1_late_release_after_even_wave_ab.py``.
 """
 import random
 from dataclasses import replace

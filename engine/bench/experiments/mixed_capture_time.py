@@ -2,7 +2,7 @@
 forward + the capture, synchronized on both sides) takes, during ``engine.bench chunked --no-hf``
 on the 8B shape with random weights. Results: docs/results/2026-11-30-h200-mixed-capture-time.log
 (before the mixed step in the start-up warm-up) and ...-mixed-capture-time-warm-up.log (after).
-Run from the repository root: ``PYTHONPATH=$PWD python docs/results/2026-11-30-mixed-capture-time.py``.
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/mixed_capture_time.py``.
 """
 import time
 
