@@ -1,7 +1,7 @@
 """The voice pipeline of one session: audio in -> VAD -> ASR -> LLM -> chunker -> TTS -> audio out.
 
 Shared by every session (:class:`VoiceServices`): the answerer (one engine, the documents prefix),
-one Whisper model behind the speech package's :class:`~speech.asr.ASRWorker`, and one TTS backend
+one Whisper model behind the speech package's :class:`~speech.asr.worker.ASRWorker`, and one TTS backend
 behind a :class:`TTSWorker` thread (the first piece of a reply goes before later pieces). Per
 session (:class:`VoicePipeline`): an ASR session (VAD + partials/final), the conversation, at most
 one reply in flight, and the :class:`Outbox` that writes events to the client in order, paces
@@ -44,7 +44,9 @@ from assistant.config import VoiceConfig
 from assistant.conversation import Conversation
 from assistant.models import resolve
 from assistant.timeline import BargeIn, StreamClock, Timeline, TimelineMetrics
-from speech.asr import ASRJob, ASRWorker, AsyncASRSession, Decoded
+from speech.asr.backend import Decoded
+from speech.asr.session import AsyncASRSession
+from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import Resampler, to_float32, to_pcm16
 from speech.cancel import CancelToken, Generation
 from speech.chunker import Chunker

@@ -18,7 +18,8 @@ from assistant.pipeline import (
     TTSWorker, TurnDetection, UserSpeechStarted, UserTranscriptDelta, UserTranscriptDone, VoicePipeline, VoiceServices,
 )  # fmt: skip
 from assistant.timeline import Timeline
-from speech.asr import ASRBackend, ASRJob, ASRWorker
+from speech.asr.backend import ASRBackend
+from speech.asr.worker import ASRJob, ASRWorker
 from speech.messages import SpeechEnded, SpeechStarted, Transcript
 from speech.cancel import CancelToken, Generation
 from speech.config import TTSConfig
