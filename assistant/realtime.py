@@ -22,12 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, ServerConfig
-from assistant.pipeline import (
+from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
-    UserTranscriptFailed, VoicePipeline, VoiceServices,
+    UserTranscriptFailed,
 )  # fmt: skip
+from assistant.pipeline import VoicePipeline
 from assistant.timeline import TimelineMetrics
+from assistant.voice_services import VoiceServices
 from speech.audio import AudioFormatError
 from speech.config import ConfigError
 
