@@ -1,23 +1,21 @@
 """The voice pipeline of one session: audio in -> VAD -> ASR -> LLM -> chunker -> TTS -> audio out.
 
-Shared by every session (:class:`VoiceServices`): the answerer (one engine, the documents prefix),
-one Whisper model behind the speech package's :class:`~speech.asr.ASRWorker`, and one TTS backend
-behind a :class:`TTSWorker` thread (the first piece of a reply goes before later pieces). Per
-session (:class:`VoicePipeline`): an ASR session (VAD + partials/final), the conversation, at most
-one reply in flight, and the :class:`Outbox` that writes events to the client in order, paces
-answer audio at real time (``output_lead_ms`` ahead) and drops audio of a cancelled reply.
+Per session (:class:`VoicePipeline`): an ASR session (VAD + partials/final), the conversation, at
+most one reply in flight, and the :class:`~assistant.outbox.Outbox` that writes its events
+(:mod:`assistant.events`) to the client in order. What every session shares (the answerer, the
+ASR and TTS workers) is :class:`~assistant.voice_services.VoiceServices`.
 
 Nothing here blocks the event loop: VAD runs in a worker thread, Whisper in the ASR worker, TTS
-in its thread and the engine in its own. Stages talk through typed events (below).
+in its worker and the engine in its own thread. Stages talk through typed events.
 
 Barge-in: speech that starts while a reply is in flight advances the session's generation
 counter (the reply's :class:`~speech.cancel.CancelToken` turns cancelled: TTS stops between
 pieces, queued audio is dropped), aborts the engine request, cancels the reply's task and sends
 ``ResponseFinished`` with status "cancelled" at once, ahead of any paced audio.
 
-Early prefill (``VoiceConfig.early_prefill``): each partial transcript starts the answer to the
-question so far and stops it after its first token (:func:`prefill`), so when the final arrives
-the start of the question is already in the prefix cache and only the tail is prefilled.
+Early prefill (``VoiceConfig.early_prefill``): each partial transcript prefills the prompt of the
+question so far (:func:`~assistant.voice_services.prefill`); the newest partial waits for the
+running prefill, and a partial whose final has come is skipped.
 
 The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
 trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
@@ -27,30 +25,28 @@ user heard of the answer.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 
-import numpy as np
-
-from assistant.answerer import INTERACTIVE, Answerer
-from assistant.config import VoiceConfig
+from assistant.answerer import INTERACTIVE
 from assistant.conversation import Conversation
-from assistant.models import resolve
+from assistant.events import (
+    Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
+    TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
+    UserTranscriptFailed,
+)  # fmt: skip
+from assistant.outbox import Outbox
 from assistant.timeline import BargeIn, StreamClock, Timeline, TimelineMetrics
-from speech.asr import ASRJob, ASRWorker, AsyncASRSession, Decoded
+from assistant.voice_services import VoiceServices, prefill
+from speech.asr.session import AsyncASRSession
 from speech.audio import Resampler, to_float32, to_pcm16
-from speech.cancel import CancelToken, Generation
+from speech.cancel import Generation
 from speech.chunker import Chunker
-from speech.config import ASRConfig, TTSConfig, VADConfig
-from speech.messages import AudioChunk, SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
-from speech.tts import TTSBackend, load_tts
+from speech.config import VADConfig
+from speech.messages import SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
 
 log = logging.getLogger(__name__)
 
@@ -59,356 +55,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-# ---- shared services --------------------------------------------------------------------------
-@dataclass(order=True)
-class _TTSJob:
-    priority: int
-    seq: int
-    text: str = field(compare=False)
-    cancel: CancelToken = field(compare=False)
-    deliver: Callable[[object], None] = field(compare=False)
-
-
-_DONE = object()
-
-
-class TTSWorker:
-    """One thread owns the shared TTS backend and serves every session, most urgent job first.
-
-    A reply's first piece (priority 0) goes before later pieces (1) of other replies: the first
-    audio of a turn is latency-critical, the rest only has to stay ahead of playback.
-    """
-
-    def __init__(self, backend: TTSBackend) -> None:
-        self.backend = backend
-        self.sample_rate = backend.sample_rate
-        self._cond = threading.Condition()
-        self._jobs: list[_TTSJob] = []
-        self._seq = itertools.count()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tts-worker", daemon=True)
-        self._thread.start()
-
-    async def stream(self, text: str, cancel: CancelToken, first: bool) -> AsyncIterator[tuple[AudioChunk, float]]:
-        """The audio of ``text`` as (chunk, perf_counter when it was ready); stops when cancelled."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[object] = asyncio.Queue()
-
-        def deliver(item: object) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                pass
-
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the TTS worker is closed")
-            heapq.heappush(self._jobs, _TTSJob(0 if first else 1, next(self._seq), text, cancel, deliver))
-            self._cond.notify()
-        while (item := await queue.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = heapq.heappop(self._jobs)
-            try:
-                for chunk in self.backend.stream(job.text, job.cancel):
-                    job.deliver((chunk, time.perf_counter()))
-                job.deliver(_DONE)
-            except Exception as exc:  # delivered to the reply; the worker keeps serving
-                log.exception("TTS failed")
-                job.deliver(exc)
-
-
-@dataclass
-class VoiceServices:
-    """What every session shares: the answerer (engine + documents), ASR worker and TTS worker."""
-
-    answerer: Answerer
-    asr: ASRWorker
-    asr_config: ASRConfig
-    tts: TTSWorker
-    config: VoiceConfig
-
-    @classmethod
-    def load(cls, answerer: Answerer, config: VoiceConfig) -> VoiceServices:
-        """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice."""
-        asr_config = ASRConfig(
-            model_path=config.asr_model or resolve("asr"), language=config.asr_language,
-            cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
-        )  # fmt: skip
-        tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice)
-        backend = load_tts(tts_config)
-        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker(backend), config)
-
-    def warm_up(self) -> None:
-        """Run each model once (documents prefix per handbook language, Whisper, TTS), so the
-        first caller pays no one-off costs. Call it outside any running event loop."""
-
-        async def run() -> None:
-            languages = {self.answerer.language_for(sample): sample for sample in ("Hello.", "你好。")}
-            for sample in languages.values():
-                await prefill(self.answerer, sample, [], f"warm-up-{uuid.uuid4().hex[:8]}")
-            speech = np.concatenate([c.pcm async for c, _ in self.tts.stream("Hello, how are you?", CancelToken(), True)])
-            self._transcribe(Resampler(self.tts.sample_rate, 16000).process(speech))
-
-        asyncio.run(run())
-
-    def _transcribe(self, audio16k: np.ndarray) -> None:
-        """Decode a clip through the shared worker and wait for it (warm-up only)."""
-        done = threading.Event()
-
-        def on_done(job: ASRJob, out: Decoded | Exception, queue_s: float, decode_s: float) -> None:
-            done.set()
-
-        self.asr.submit(ASRJob(self.asr.new_session_id(), 0, True, audio16k, "", self.asr_config.language,
-                               len(audio16k) / 16000, on_done))  # fmt: skip
-        done.wait()
-
-    def close(self) -> None:
-        self.tts.close()
-        self.asr.close()
-
-
-async def prefill(answerer: Answerer, question: str, history: list[dict[str, str]], request_id: str) -> None:
-    """Compute the KV of the answer's prompt: start the answer, stop it after its first token.
-
-    It goes through :meth:`Answerer.answer` so the prompt and its prefix-cache keys are exactly
-    those of the real answer; the engine counts the request as aborted."""
-    answer = answerer.answer(question, history, priority=INTERACTIVE, request_id=request_id)
-    try:
-        async for _ in answer:
-            return
-    finally:
-        await answer.aclose()
-
-
-# ---- session settings and the events a session sends ---------------------------------------------
-@dataclass(frozen=True)
-class TurnDetection:
-    """Server VAD: silence that ends a turn, audio kept before speech, Silero threshold, and
-    whether a finished turn gets an answer and whether speech interrupts a reply."""
-
-    silence_duration_ms: int = 500
-    prefix_padding_ms: int = 300
-    threshold: float = 0.5
-    create_response: bool = True
-    interrupt_response: bool = True
-
-
-@dataclass(frozen=True)
-class SessionSettings:
-    """What a client may change during a session. ``turn_detection=None``: the VAD still cuts
-    utterances, but the server neither answers nor interrupts on its own."""
-
-    output_modalities: tuple[str, ...] = ("audio",)
-    max_output_tokens: int | None = None
-    language: str = "en"
-    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
-
-
-@dataclass(frozen=True)
-class UserSpeechStarted:
-    item_id: str
-    audio_start_ms: int
-
-
-@dataclass(frozen=True)
-class UserSpeechStopped:
-    item_id: str
-    audio_end_ms: int
-
-
-@dataclass(frozen=True)
-class UserAudioCommitted:
-    item_id: str
-    previous_item_id: str | None
-
-
-@dataclass(frozen=True)
-class UserTranscriptDelta:
-    item_id: str
-    delta: str
-
-
-@dataclass(frozen=True)
-class UserTranscriptDone:
-    item_id: str
-    transcript: str
-    audio_s: float
-
-
-@dataclass(frozen=True)
-class UserTranscriptFailed:
-    item_id: str
-    error: str
-
-
-@dataclass
-class Reply:
-    """One response in flight: its ids, cancellation token, timeline and what was sent."""
-
-    id: str
-    item_id: str
-    request_id: str
-    question: str
-    token: CancelToken
-    timeline: Timeline
-    modalities: tuple[str, ...]
-    max_output_tokens: int | None
-    metadata: dict[str, str] | None = None
-    status: str = "in_progress"  # completed | incomplete | cancelled | failed
-    reason: str | None = None  # turn_detected | client_cancelled | max_output_tokens
-    error: str | None = None
-    text: str = ""  # generated so far
-    sent_text: str = ""  # text deltas written to the client
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    citation: dict[str, str] | None = None  # the handbook section the answer is attributed to
-    audio_sent_s: float = 0.0
-    play_start: float | None = None
-    recorded: bool = False  # the conversation holds this turn (the answerer adds finished ones)
-    finish_queued: bool = False
-    delivered: bool = False
-    task: asyncio.Task[None] | None = None
-    pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
-
-    @property
-    def audio(self) -> bool:
-        return "audio" in self.modalities
-
-
-@dataclass(frozen=True)
-class ResponseStarted:
-    reply: Reply
-
-
-@dataclass(frozen=True)
-class ResponseTextDelta:
-    """Answer text (the audio transcript, or the text of a text-only reply)."""
-
-    reply: Reply
-    delta: str
-
-
-@dataclass(frozen=True)
-class ResponseAudioDelta:
-    """PCM16 mono answer audio at ``VoiceConfig.sample_rate``."""
-
-    reply: Reply
-    pcm: bytes
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class ResponseFinished:
-    """The reply ended; read its status, text, usage and timeline when this is sent."""
-
-    reply: Reply
-
-
-PipelineEvent = (
-    UserSpeechStarted | UserSpeechStopped | UserAudioCommitted | UserTranscriptDelta | UserTranscriptDone
-    | UserTranscriptFailed | ResponseStarted | ResponseTextDelta | ResponseAudioDelta | ResponseFinished
-)  # fmt: skip
-_REPLY_EVENTS = (ResponseStarted, ResponseTextDelta, ResponseAudioDelta, ResponseFinished)
-
-
-class TurnError(Exception):
-    """A client request that the session's state does not allow (an ``error`` event, not a crash)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# ---- audio out ------------------------------------------------------------------------------------
-class Outbox:
-    """Writes events to the client in order, one writer per connection.
-
-    Two lanes: control events (anything not part of a reply) go out at once; reply events keep
-    their order, and a reply's audio is paced at real time, at most ``lead_s`` ahead of playback.
-    Text and audio deltas of a cancelled reply are dropped unsent.
-    """
-
-    def __init__(self, send: Callable[[object], Awaitable[None]], lead_s: float) -> None:
-        self._send = send
-        self._lead_s = lead_s
-        self._control: deque[object] = deque()
-        self._replies: deque[object] = deque()
-        self._wake = asyncio.Event()
-
-    def put(self, event: object) -> None:
-        (self._replies if isinstance(event, _REPLY_EVENTS) else self._control).append(event)
-        self._wake.set()
-
-    def flush(self) -> None:
-        """Drop the queued deltas of cancelled replies and wake the writer."""
-        self._replies = deque(e for e in self._replies if not _stale(e))
-        self._wake.set()
-
-    async def sync(self) -> None:
-        """Wait until every control event queued so far has been sent."""
-        sent = asyncio.get_running_loop().create_future()
-        self._control.append(sent)
-        self._wake.set()
-        await sent
-
-    async def run(self) -> None:
-        """Send events until cancelled (or until sending fails: the client is gone)."""
-        while True:
-            self._wake.clear()
-            if self._control:
-                event = self._control.popleft()
-                if isinstance(event, asyncio.Future):
-                    event.set_result(None)
-                else:
-                    await self._send(event)
-                continue
-            if self._replies:
-                event = self._replies[0]
-                if _stale(event):
-                    self._replies.popleft()
-                    continue
-                delay = self._due(event) - time.perf_counter()
-                if delay <= 0:
-                    self._replies.popleft()
-                    await self._send(event)
-                    continue
-                timeout: float | None = delay
-            else:
-                timeout = None
-            try:  # not asyncio.wait_for: in 3.11 it can swallow a cancel that races with the wake-up
-                async with asyncio.timeout(timeout):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-
-    def _due(self, event: object) -> float:
-        if not isinstance(event, ResponseAudioDelta) or event.reply.play_start is None:
-            return 0.0
-        return event.reply.play_start + event.reply.audio_sent_s - self._lead_s
-
-
-def _stale(event: object) -> bool:
-    return isinstance(event, (ResponseTextDelta, ResponseAudioDelta)) and event.reply.token.cancelled
-
-
-# ---- one session ------------------------------------------------------------------------------------
 @dataclass
 class _Utterance:
     item_id: str
@@ -813,24 +459,4 @@ class VoicePipeline:
             log.error("session %s: task failed", self.id, exc_info=task.exception())
 
 
-__all__ = [
-    "Outbox",
-    "PipelineEvent",
-    "Reply",
-    "ResponseAudioDelta",
-    "ResponseFinished",
-    "ResponseStarted",
-    "ResponseTextDelta",
-    "SessionSettings",
-    "TTSWorker",
-    "TurnDetection",
-    "TurnError",
-    "UserAudioCommitted",
-    "UserSpeechStarted",
-    "UserSpeechStopped",
-    "UserTranscriptDelta",
-    "UserTranscriptDone",
-    "UserTranscriptFailed",
-    "VoicePipeline",
-    "VoiceServices",
-]
+__all__ = ["VoicePipeline", "new_id"]

@@ -22,12 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, ServerConfig
-from assistant.pipeline import (
+from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
-    UserTranscriptFailed, VoicePipeline, VoiceServices,
+    UserTranscriptFailed,
 )  # fmt: skip
+from assistant.pipeline import VoicePipeline
 from assistant.timeline import TimelineMetrics
+from assistant.voice_services import VoiceServices
 from speech.audio import AudioFormatError
 from speech.config import ConfigError
 
@@ -343,6 +345,11 @@ class RealtimeSession:
             settings = replace(settings, turn_detection=replace(base, **changes))
         return settings
 
+    def _tokens_used(self, requested: int | None) -> int:
+        """The answer length limit actually applied: the client's, capped at the server's ``--max-tokens``."""
+        cap = self.config.assistant.max_tokens
+        return cap if requested is None else min(requested, cap)
+
     @property
     def _voice(self) -> str:
         return self.services.config.tts_voice or "heart"
@@ -359,7 +366,7 @@ class RealtimeSession:
         return {
             "type": "realtime", "object": "realtime.session", "id": self.pipeline.id, "model": self.model_name,
             "output_modalities": list(s.output_modalities), "instructions": SYSTEM_PROMPT_ZH if s.language == "zh" else SYSTEM_PROMPT,
-            "max_output_tokens": s.max_output_tokens or self.config.assistant.max_tokens, "tools": [], "tool_choice": "auto",
+            "max_output_tokens": self._tokens_used(s.max_output_tokens), "tools": [], "tool_choice": "auto",
             "audio": {
                 "input": {"format": fmt, "transcription": {"model": "whisper", "language": s.language},
                           "turn_detection": detection, "noise_reduction": None},
@@ -449,7 +456,7 @@ class RealtimeSession:
         return {
             "object": "realtime.response", "id": reply.id, "status": reply.status, "status_details": details,
             "output": output or [], "output_modalities": list(reply.modalities), "conversation_id": self.pipeline.id,
-            "max_output_tokens": reply.max_output_tokens or self.config.assistant.max_tokens,
+            "max_output_tokens": self._tokens_used(reply.max_output_tokens),
             "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.services.config.sample_rate}, "voice": self._voice}},
             "metadata": reply.metadata, "usage": usage,
         }  # fmt: skip

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
-from assistant.pipeline import VoiceServices
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
+from assistant.voice_services import VoiceServices
 from engine.serve import create_app
 
 

@@ -28,7 +28,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from speech.asr import ASRSession, ASRWorker, FasterWhisperBackend
+from speech.asr.backend import FasterWhisperBackend
+from speech.asr.session import ASRSession
+from speech.asr.worker import ASRWorker
 from speech.audio import resample
 from speech.config import ASRConfig, TTSConfig
 from speech.messages import SpeechEnded, Transcript

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     web_options = parser()
     options, rest = web_options.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from assistant.__main__ import load_server, parse_config
+    from assistant.serve_command import load_server, parse_config
 
     if options.help:
         web_options.print_help()

@@ -70,7 +70,7 @@ def words(text: str) -> set[str]:
 
 
 def test_a_recorded_question_is_transcribed_answered_cited_and_spoken_into_a_wav(tmp_path, whisper_tiny_path):
-    from speech.asr import FasterWhisperBackend
+    from speech.asr.backend import FasterWhisperBackend
     from speech.audio import read_wav, resample
     from speech.config import ASRConfig, TTSConfig
     from speech.tts import load_tts

@@ -13,16 +13,21 @@ import pytest
 
 from assistant.answerer import Answerer
 from assistant.config import HANDBOOK_DIR, AssistantConfig, VoiceConfig
-from assistant.pipeline import (
-    Outbox, Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings,
-    TTSWorker, TurnDetection, UserSpeechStarted, UserTranscriptDelta, UserTranscriptDone, VoicePipeline, VoiceServices,
+from assistant.events import (
+    Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
+    UserSpeechStarted, UserTranscriptDelta, UserTranscriptDone,
 )  # fmt: skip
+from assistant.outbox import Outbox
+from assistant.pipeline import VoicePipeline
 from assistant.timeline import Timeline
-from speech.asr import ASRBackend, ASRJob, ASRWorker
+from assistant.voice_services import VoiceServices
+from speech.asr.backend import ASRBackend
+from speech.asr.worker import ASRJob, ASRWorker
 from speech.messages import SpeechEnded, SpeechStarted, Transcript
 from speech.cancel import CancelToken, Generation
 from speech.config import TTSConfig
 from speech.tts import load_tts
+from speech.tts.worker import TTSWorker
 
 RATE = 24000
 # Long questions (about 35 tokens, so the partial transcripts cover at least one more whole KV

@@ -23,7 +23,7 @@ from assistant.eval import FACTS_FILE
 from assistant.server import AssistantServer
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 from engine.serve import BackgroundServer
-from speech.asr import FasterWhisperBackend
+from speech.asr.backend import FasterWhisperBackend
 from speech.audio import resample, to_float32, to_pcm16
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
@@ -508,6 +508,27 @@ async def test_a_flood_of_invalid_events_closes_the_socket_with_1008(server) -> 
         with pytest.raises(ConnectionClosed) as closed:
             await ws.recv()
         assert closed.value.rcvd.code == 1008
+
+
+async def test_max_output_tokens_echoes_the_limit_actually_used(server) -> None:
+    """Asking for more than the server's --max-tokens shows the server's cap, not the request."""
+    cap = server.config.assistant.max_tokens
+    async with ws_connect(raw_url(server)) as ws:
+        assert json.loads(await ws.recv())["session"]["max_output_tokens"] == cap
+        for asked, used in ((4096, cap), (cap - 8, cap - 8), ("inf", cap)):
+            await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": asked}}))
+            updated = json.loads(await ws.recv())
+            assert updated["type"] == "session.updated" and updated["session"]["max_output_tokens"] == used, asked
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What are the password rules?"}]}}))  # fmt: skip
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 4096}}))
+        limits = []
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            assert event["type"] != "error", event
+            if event["type"] == "response.created":
+                limits.append(event["response"]["max_output_tokens"])
+        limits.append(event["response"]["max_output_tokens"])
+        assert limits == [cap, cap] and event["response"]["usage"]["output_tokens"] <= cap
 
 
 # ---- HTTP, health, metrics ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from assistant.__main__ import parse_config
+from assistant.serve_command import parse_config
 from speech.config import TTSConfig
 from speech.tts.factory import load_tts
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speech.asr import FasterWhisperBackend
+from speech.asr.backend import FasterWhisperBackend
 from speech.audio import read_wav, write_wav
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts

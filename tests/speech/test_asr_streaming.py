@@ -11,17 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speech.asr import (
-    ASRBackend,
-    ASRError,
-    ASRJob,
-    ASRSession,
-    ASRWorker,
-    AsyncASRSession,
-    Decoded,
-    FasterWhisperBackend,
-    StablePrefix,
-)
+from speech.asr.backend import ASRBackend, ASRError, Decoded, FasterWhisperBackend
+from speech.asr.session import ASRSession, AsyncASRSession
+from speech.asr.stable_prefix import StablePrefix
+from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import AudioFormatError, resample
 from speech.config import ASRConfig, ConfigError, TTSConfig, VADConfig
 from speech.messages import SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed

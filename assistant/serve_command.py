@@ -1,0 +1,100 @@
+"""``python -m assistant serve``: the assistant's server (Realtime WebSocket, OpenAI HTTP, metrics).
+
+    python -m assistant serve [--host 127.0.0.1] [--port 8000] [--docs DIR] [--model PATH] [--asr base|tiny|DIR]
+                              [--early-prefill] [--max-sessions 16] ...
+
+There is no authentication: the default host is 127.0.0.1; pass ``--host 0.0.0.0`` explicitly to
+expose the API, behind a proxy that authenticates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, ServerConfig, VoiceConfig
+
+if TYPE_CHECKING:
+    from assistant.server import AssistantServer
+
+
+def asr_model(value: str) -> Path:
+    """``base`` / ``tiny`` (the embedded Whisper base / tiny.en) or a CTranslate2 Whisper directory."""
+    if value in ("base", "tiny"):
+        from assistant.models import resolve
+
+        return resolve("asr" if value == "base" else "asr-tiny")
+    return Path(value)
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool]:
+    """(server config, uvicorn log level, warm up?) from the command line."""
+    p = argparse.ArgumentParser(prog="python -m assistant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the Realtime WebSocket API, the OpenAI HTTP API, /health and /metrics")
+    s.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (no authentication: think before 0.0.0.0)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
+    s.add_argument("--model", type=Path, help="HF model directory or llama .gguf (default: embedded SmolLM2-135M)")
+    s.add_argument("--served-model-name", help="the model name clients see (default: the model file's stem)")
+    s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
+    s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    s.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
+                   help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
+    s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
+    s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
+    s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
+    s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
+    s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
+    s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
+    s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
+    s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
+    s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
+    s.add_argument("--max-sessions", type=int, default=16, help="open Realtime sessions at most (then close 1013)")
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
+    s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    a = p.parse_args(argv)
+    assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
+                                engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
+    voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms,
+                        partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
+                        output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
+                        tts_voice=a.tts_voice)  # fmt: skip
+    config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
+                          max_message_bytes=a.max_message_bytes, assistant=assistant, voice=voice)  # fmt: skip
+    return config, a.log_level, a.warm_up
+
+
+def load_server(config: ServerConfig, warm_up: bool) -> "AssistantServer":
+    """The server with its models loaded (and warmed up), for command-line entry points: a bad
+    setting or path exits with code 2 and a missing model package with 1, each with one line."""
+    from assistant.docs import DocumentError
+    from assistant.models import ModelNotAvailable
+    from assistant.server import AssistantServer
+    from engine import ConfigError
+    from speech.config import ConfigError as SpeechConfigError
+
+    print("Loading the model, the handbook and the speech models...", file=sys.stderr, flush=True)
+    try:
+        server = AssistantServer(config)
+    except (DocumentError, FileNotFoundError, ConfigError, SpeechConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ModelNotAvailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if warm_up:
+        print("Computing the documents prefix and warming up the speech models...", file=sys.stderr, flush=True)
+        try:
+            server.warm_up()
+        except BaseException:
+            server.close()
+            raise
+    return server
+
+
+__all__ = ["asr_model", "load_server", "parse_config"]

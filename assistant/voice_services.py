@@ -1,0 +1,96 @@
+"""What every voice session shares, and early prefill.
+
+:class:`VoiceServices`: the answerer (one engine, the documents prefix), one Whisper model behind
+the speech package's :class:`~speech.asr.worker.ASRWorker`, and one TTS backend behind its
+:class:`~speech.tts.worker.TTSWorker`, loaded and warmed up once per server.
+
+Early prefill (``VoiceConfig.early_prefill``): each partial transcript starts the answer to the
+question so far and stops it after its first token (:func:`prefill`), so when the final arrives
+the start of the question is already in the prefix cache and only the tail is prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from assistant.answerer import INTERACTIVE, Answerer
+from assistant.config import VoiceConfig
+from assistant.models import resolve
+from speech.asr.backend import Decoded
+from speech.asr.worker import ASRJob, ASRWorker
+from speech.audio import Resampler
+from speech.cancel import CancelToken
+from speech.config import ASRConfig, TTSConfig
+from speech.tts import load_tts
+from speech.tts.worker import TTSWorker
+
+
+@dataclass
+class VoiceServices:
+    """What every session shares: the answerer (engine + documents), ASR worker and TTS worker."""
+
+    answerer: Answerer
+    asr: ASRWorker
+    asr_config: ASRConfig
+    tts: TTSWorker
+    config: VoiceConfig
+
+    @classmethod
+    def load(cls, answerer: Answerer, config: VoiceConfig) -> VoiceServices:
+        """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice."""
+        asr_config = ASRConfig(
+            model_path=config.asr_model or resolve("asr"), language=config.asr_language,
+            cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
+        )  # fmt: skip
+        tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice)
+        backend = load_tts(tts_config)
+        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker(backend), config)
+
+    def warm_up(self) -> None:
+        """Run each model once (documents prefix per handbook language, Whisper, TTS), so the
+        first caller pays no one-off costs. Call it outside any running event loop."""
+
+        async def run() -> None:
+            languages = {self.answerer.language_for(sample): sample for sample in ("Hello.", "你好。")}
+            for sample in languages.values():
+                await prefill(self.answerer, sample, [], f"warm-up-{uuid.uuid4().hex[:8]}")
+            speech = np.concatenate([c.pcm async for c, _ in self.tts.stream("Hello, how are you?", CancelToken(), True)])
+            self._transcribe(Resampler(self.tts.sample_rate, 16000).process(speech))
+
+        asyncio.run(run())
+
+    def _transcribe(self, audio16k: np.ndarray) -> None:
+        """Decode a clip through the shared worker and wait for it (warm-up only)."""
+        done = threading.Event()
+
+        def on_done(job: ASRJob, out: Decoded | Exception, queue_s: float, decode_s: float) -> None:
+            done.set()
+
+        self.asr.submit(ASRJob(self.asr.new_session_id(), 0, True, audio16k, "", self.asr_config.language,
+                               len(audio16k) / 16000, on_done))  # fmt: skip
+        done.wait()
+
+    def close(self) -> None:
+        self.tts.close()
+        self.asr.close()
+
+
+async def prefill(answerer: Answerer, question: str, history: list[dict[str, str]], request_id: str) -> None:
+    """Compute the KV of the answer's prompt: start the answer, stop it after its first token.
+
+    It goes through :meth:`Answerer.answer` so the prompt and its prefix-cache keys are exactly
+    those of the real answer; the engine counts the request as aborted."""
+    answer = answerer.answer(question, history, priority=INTERACTIVE, request_id=request_id)
+    try:
+        async for _ in answer:
+            return
+    finally:
+        await answer.aclose()
+
+
+__all__ = ["VoiceServices", "prefill"]

@@ -1,0 +1,128 @@
+"""The ASR backend: a speech recognizer over whole 16 kHz clips, one instance for every session.
+
+``FasterWhisperBackend`` is the one backend now; a torch Whisper for GPU co-scheduling can sit
+behind the same interface later. ``load_backend`` picks it by ``ASRConfig.backend``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speech.audio import to_float32
+from speech.config import ASRConfig, ConfigError
+
+ASR_SAMPLE_RATE = 16000
+
+
+class ASRError(RuntimeError):
+    """Transcription of an utterance failed; the message carries the backend's error."""
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A backend's transcript of one clip, after the hallucination guards."""
+
+    text: str
+    language: str
+    rejected_segments: int = 0
+
+
+class ASRBackend(ABC):
+    """A speech recognizer over whole 16 kHz float32 clips; one instance serves every session."""
+
+    sample_rate = ASR_SAMPLE_RATE
+    supported_languages: tuple[str, ...]
+
+    def check_language(self, language: str) -> None:
+        """Raise ConfigError unless ``language`` is "auto" or one this model knows."""
+        if language != "auto" and language not in self.supported_languages:
+            known = ", ".join(self.supported_languages[:12])
+            raise ConfigError(
+                f"language {language!r} is not supported by this ASR model; use 'auto' or one "
+                f"of: {known}{', ...' if len(self.supported_languages) > 12 else ''}"
+            )
+
+    @abstractmethod
+    def transcribe(
+        self, audio: np.ndarray, prefix: str = "", language: str | None = None
+    ) -> Decoded:
+        """Transcribe ``audio`` (text starting with ``prefix`` if given) in ``language``
+        ("auto" detects; None: the backend's configured language)."""
+
+
+class FasterWhisperBackend(ASRBackend):
+    """Whisper through faster-whisper (CTranslate2), with guards against made-up text.
+
+    faster-whisper skips a window whose ``no_speech_prob`` is above ``no_speech_threshold`` while
+    its ``avg_logprob`` is below ``log_prob_threshold`` (silence, noise). A segment it keeps is
+    still dropped here if its ``avg_logprob`` is below ``log_prob_threshold`` (e.g. babble that is
+    not words) or its ``compression_ratio`` above ``compression_ratio_threshold`` (repetition
+    loops). Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
+    """
+
+    def __init__(self, config: ASRConfig) -> None:
+        from faster_whisper import WhisperModel
+
+        if config.model_path is None:
+            raise ConfigError(
+                "ASRConfig.model_path is not set: give a CTranslate2 Whisper directory "
+                "(model.bin, config.json, tokenizer.json, vocabulary.*)"
+            )
+        path = Path(config.model_path)
+        if not (path / "model.bin").is_file():
+            raise ConfigError(f"{path} is not a CTranslate2 Whisper directory: no model.bin in it")
+        self.config = config
+        self._model = WhisperModel(
+            str(path),
+            device=config.device,
+            compute_type=config.compute_type,
+            cpu_threads=config.cpu_threads,
+        )
+        self.supported_languages = tuple(self._model.supported_languages)
+        self.check_language(config.language)
+
+    def transcribe(
+        self, audio: np.ndarray, prefix: str = "", language: str | None = None
+    ) -> Decoded:
+        config = self.config
+        language = config.language if language is None else language
+        if len(self.supported_languages) == 1:
+            language = self.supported_languages[0]  # an English-only model
+        segments, info = self._model.transcribe(
+            to_float32(audio),
+            language=None if language == "auto" else language,
+            beam_size=config.beam_size,
+            temperature=0.0,
+            vad_filter=False,  # our VAD already chose the audio
+            without_timestamps=True,
+            condition_on_previous_text=False,
+            prefix=prefix or None,
+            no_speech_threshold=config.no_speech_threshold,
+            log_prob_threshold=config.log_prob_threshold,
+            compression_ratio_threshold=config.compression_ratio_threshold,
+        )
+        kept, rejected = [], 0
+        for segment in segments:
+            if (
+                segment.avg_logprob < config.log_prob_threshold
+                or segment.compression_ratio > config.compression_ratio_threshold
+            ):
+                rejected += 1
+            else:
+                kept.append(segment.text)
+        return Decoded("".join(kept).strip(), info.language, rejected)
+
+
+BACKENDS: dict[str, type[ASRBackend]] = {"faster-whisper": FasterWhisperBackend}
+
+
+def load_backend(config: ASRConfig) -> ASRBackend:
+    """The ASR backend named by ``config.backend`` (one of ``ASR_BACKENDS``), model loaded."""
+    return BACKENDS[config.backend](config)
+
+
+__all__ = ["ASR_SAMPLE_RATE", "ASRBackend", "ASRError", "Decoded", "FasterWhisperBackend", "load_backend"]

@@ -1,0 +1,258 @@
+"""One user's stream through VAD and the shared ASR worker: partials while speaking, a final per utterance.
+
+``ASRSession`` is the thread-based session; ``AsyncASRSession`` the same for asyncio code.
+While the user speaks, the growing utterance is re-decoded every ``partial_interval_s`` and only
+its stable prefix (:class:`~speech.asr.stable_prefix.StablePrefix`) is emitted, forced as the
+decoder prefix of every later decode, so each partial is a prefix of the later ones and of the
+final. No partials are decoded while the speaker pauses, so the worker is free when the final comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from speech.asr.backend import ASR_SAMPLE_RATE, ASRError, Decoded
+from speech.asr.stable_prefix import StablePrefix
+from speech.asr.worker import ASRJob, ASRWorker
+from speech.audio import Resampler, check_rate, to_float32
+from speech.config import ASRConfig, ConfigError, VADConfig
+from speech.messages import ASREvent, SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
+from speech.vad import VoiceActivityDetector
+
+PARTIAL_MAX_SILENCE_S = 0.15  # no partial decodes once the speaker pauses: nothing new to hear
+
+
+class ASRSession:
+    """One user's audio stream through VAD and the shared worker.
+
+    ``feed()`` takes audio at ``input_rate`` from one thread; ``on_event`` receives VAD events on
+    that thread and transcripts on the worker thread. Bad audio raises ``AudioFormatError`` before
+    any state changes, so the session carries on.
+    """
+
+    def __init__(
+        self,
+        worker: ASRWorker,
+        on_event: Callable[[ASREvent], None],
+        asr: ASRConfig,
+        vad: VADConfig | None = None,
+        input_rate: int = ASR_SAMPLE_RATE,
+    ) -> None:
+        vad = vad or VADConfig()
+        if vad.sample_rate != ASR_SAMPLE_RATE:
+            raise ConfigError(
+                f"an ASR session runs its VAD on the 16 kHz ASR stream; VADConfig.sample_rate="
+                f"{vad.sample_rate} (leave it at 16000; input_rate sets the incoming rate)"
+            )
+        worker.backend.check_language(asr.language)
+        self.asr = asr
+        self.id = worker.new_session_id()
+        self._worker = worker
+        self._on_event = on_event
+        self._resampler = Resampler(check_rate(input_rate), ASR_SAMPLE_RATE)
+        self._vad = VoiceActivityDetector(vad)
+        self._lock = threading.Lock()
+        self._audio = np.zeros(0, np.float32)
+        self._audio_start = 0  # stream sample index of self._audio[0]
+        self._total = 0  # samples received (at 16 kHz)
+        self._utterance: int | None = None  # the utterance being spoken
+        self._utterance_start = 0  # first sample of its audio, pre-roll included
+        self._speech_start = 0
+        self._last_partial = 0
+        self._stable = StablePrefix()
+        self._keep_idle = round((asr.pre_roll_s + vad.start_ms / 1000 + 1.0) * ASR_SAMPLE_RATE)
+        self._closed = False
+
+    def feed(self, audio: bytes | np.ndarray) -> None:
+        """Feed the next piece of the stream (PCM16 bytes, int16 or float samples)."""
+        samples = self._resampler.process(to_float32(audio))
+        if not len(samples):
+            return
+        with self._lock:
+            self._audio = np.concatenate([self._audio, samples])
+            self._total += len(samples)
+        for event in self._vad.process(samples):
+            if isinstance(event, SpeechStarted):
+                self._start(event)
+            else:
+                self._finish(event)
+        self._maybe_partial()
+        self._trim()
+
+    def commit(self) -> SpeechEnded | None:
+        """End the current utterance now (the client says the turn is over); None if silent."""
+        event = self._vad.commit()
+        if event is not None:
+            self._finish(event)
+        return event
+
+    def close(self) -> None:
+        """Stop delivering events (results still in the worker are discarded)."""
+        with self._lock:
+            self._closed = True
+
+    def _emit(self, event: ASREvent) -> None:
+        if not self._closed:
+            self._on_event(event)
+
+    def _start(self, event: SpeechStarted) -> None:
+        with self._lock:
+            start = round(event.start_s * ASR_SAMPLE_RATE)
+            self._utterance = event.utterance
+            self._speech_start = start
+            self._utterance_start = max(
+                self._audio_start, start - round(self.asr.pre_roll_s * ASR_SAMPLE_RATE)
+            )
+            self._last_partial = self._total
+            self._stable = StablePrefix()
+        self._emit(event)
+
+    def _finish(self, event: SpeechEnded) -> None:
+        with self._lock:
+            end = min(
+                self._total,
+                round((event.speech_end_s + self.asr.post_roll_s) * ASR_SAMPLE_RATE),
+            )
+            job = self._job(event.utterance, True, end)
+            self._utterance = None
+        self._emit(event)
+        self._worker.submit(job)
+
+    def _maybe_partial(self) -> None:
+        interval = self.asr.partial_interval_s
+        with self._lock:
+            if self._utterance is None or interval is None:
+                return
+            if self._total - self._last_partial < interval * ASR_SAMPLE_RATE:
+                return
+            if self._total - self._speech_start < self.asr.min_partial_audio_s * ASR_SAMPLE_RATE:
+                return
+            if self._vad.silence_s > PARTIAL_MAX_SILENCE_S:
+                return  # keeps the worker free for the final that may follow
+            self._last_partial = self._total
+            job = self._job(self._utterance, False, self._total)
+        self._worker.submit(job)
+
+    def _job(self, utterance: int, is_final: bool, end: int) -> ASRJob:
+        """A job for the utterance's audio up to sample ``end`` (call with the lock held)."""
+        audio = self._audio[self._utterance_start - self._audio_start : end - self._audio_start]
+        return ASRJob(
+            session=self.id,
+            utterance=utterance,
+            is_final=is_final,
+            audio=audio.copy(),
+            prefix=self._stable.text,
+            language=self.asr.language,
+            audio_end_s=end / ASR_SAMPLE_RATE,
+            on_done=self._on_result,
+        )
+
+    def _trim(self) -> None:
+        with self._lock:
+            keep_from = self._total - self._keep_idle
+            if self._utterance is not None:
+                keep_from = min(keep_from, self._utterance_start)
+            if keep_from > self._audio_start:
+                self._audio = self._audio[keep_from - self._audio_start :]
+                self._audio_start = keep_from
+
+    def _on_result(
+        self, job: ASRJob, result: Decoded | Exception, queue_s: float, decode_s: float
+    ) -> None:
+        if not job.is_final:
+            with self._lock:
+                if job.utterance != self._utterance or isinstance(result, Exception):
+                    return  # stale (the utterance ended) or failed: the final will follow
+                grew = self._stable.update(result.text)
+                text = self._stable.text
+            if grew:
+                self._emit(
+                    Transcript(job.utterance, text, False, result.language, job.audio_end_s,
+                               queue_s, decode_s)
+                )  # fmt: skip
+            return
+        if isinstance(result, Exception):
+            self._emit(TranscriptionFailed(job.utterance, f"{type(result).__name__}: {result}"))
+            return
+        # The stable prefix was forced into the decode; if the guards rejected all of it, the
+        # prefix (agreed on by two decodes) stands, so partials stay prefixes of the final.
+        text = result.text if result.text.startswith(job.prefix) else job.prefix
+        self._emit(
+            Transcript(job.utterance, text, True, result.language, job.audio_end_s, queue_s,
+                       decode_s)
+        )  # fmt: skip
+
+
+class AsyncASRSession:
+    """An ``ASRSession`` for asyncio code; create it inside the running event loop.
+
+    ``feed()`` and ``commit()`` are plain calls (cheap: VAD and bookkeeping only); events arrive
+    through ``async for event in session`` and finals also through ``await session.final()``.
+    """
+
+    def __init__(
+        self,
+        worker: ASRWorker,
+        asr: ASRConfig,
+        vad: VADConfig | None = None,
+        input_rate: int = ASR_SAMPLE_RATE,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._events: asyncio.Queue[ASREvent | None] = asyncio.Queue()
+        self._finals: asyncio.Queue[Transcript | TranscriptionFailed] = asyncio.Queue()
+        self._session = ASRSession(worker, self._deliver, asr, vad, input_rate)
+
+    @property
+    def id(self) -> int:
+        return self._session.id
+
+    def feed(self, audio: bytes | np.ndarray) -> None:
+        self._session.feed(audio)
+
+    def commit(self) -> SpeechEnded | None:
+        return self._session.commit()
+
+    def close(self) -> None:
+        """Stop the session; an ``async for`` over it ends."""
+        self._session.close()
+        self._events.put_nowait(None)
+
+    async def final(self) -> Transcript:
+        """The next final transcript (in utterance order); raises ASRError if decoding failed."""
+        result = await self._finals.get()
+        if isinstance(result, TranscriptionFailed):
+            raise ASRError(f"utterance {result.utterance}: {result.error}")
+        return result
+
+    def __aiter__(self) -> AsyncASRSession:
+        return self
+
+    async def __anext__(self) -> ASREvent:
+        event = await self._events.get()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    def _deliver(self, event: ASREvent) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._put, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _put(self, event: ASREvent) -> None:
+        self._events.put_nowait(event)
+        if isinstance(event, TranscriptionFailed) or (
+            isinstance(event, Transcript) and event.is_final
+        ):
+            self._finals.put_nowait(event)
+
+
+__all__ = ["ASRSession", "AsyncASRSession"]

@@ -1,0 +1,154 @@
+"""The shared ASR worker: one thread, one loaded model, every session's decode requests.
+
+The queue rules: finals go before partials and are never dropped; a session's queued partial is
+replaced by its newer one (which keeps its place) or removed when its final is queued; a partial
+that finds ``queue_size`` partials queued is dropped; on close, queued partials are dropped and
+queued finals still decoded. ``stats`` counts all of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from speech.asr.backend import ASRBackend, ASRError, Decoded, load_backend
+from speech.config import ASRConfig, ConfigError
+from speech.priority_worker import PriorityWorker
+
+log = logging.getLogger(__name__)
+
+JobCallback = Callable[["ASRJob", "Decoded | Exception", float, float], None]
+
+
+@dataclass
+class ASRJob:
+    """One decode request: a session's utterance audio so far (partial) or complete (final)."""
+
+    session: int
+    utterance: int
+    is_final: bool
+    audio: np.ndarray
+    prefix: str
+    language: str
+    audio_end_s: float
+    on_done: JobCallback  # (job, result or exception, queue_s, decode_s), on the worker thread
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Counters of the shared worker, for tests and metrics."""
+
+    queued_finals: int
+    queued_partials: int
+    max_queued_partials: int
+    submitted_finals: int
+    submitted_partials: int
+    dropped_partials: int
+    processed_finals: int
+    processed_partials: int
+    failed: int
+
+
+def finals_first(job: ASRJob) -> int:
+    """The ASR queue's ordering key: finals (0) before partials (1)."""
+    return 0 if job.is_final else 1
+
+
+class ASRWorker(PriorityWorker[ASRJob]):
+    """One thread, one model, many sessions (see the module docstring for the queue rules).
+
+    ``submit(job)`` returns False when a partial was dropped because the queue was full;
+    ``close()`` drops the queued partials, decodes the queued finals, then ends the thread.
+    """
+
+    def __init__(self, backend: ASRBackend, queue_size: int = 8) -> None:
+        if queue_size < 1:
+            raise ConfigError(f"ASR worker queue_size={queue_size}: must be >= 1")
+        self.backend = backend
+        self.queue_size = queue_size
+        self._counts = dict.fromkeys(
+            ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials",
+             "processed_finals", "processed_partials", "failed"),
+            0,
+        )  # fmt: skip
+        self._session_ids = itertools.count()
+        super().__init__("asr-worker", key=finals_first)
+
+    @classmethod
+    def from_config(cls, config: ASRConfig) -> ASRWorker:
+        """Load the configured backend and start a worker with the configured queue bound."""
+        return cls(load_backend(config), config.queue_size)
+
+    def __enter__(self) -> ASRWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def new_session_id(self) -> int:
+        return next(self._session_ids)
+
+    @property
+    def stats(self) -> WorkerStats:
+        with self._cond:
+            finals = sum(job.is_final for job in self._queued())
+            return WorkerStats(
+                queued_finals=finals,
+                queued_partials=self._queued_partials(),
+                **self._counts,
+            )
+
+    def _admit(self, job: ASRJob) -> bool:
+        def session_partial(queued: ASRJob) -> bool:
+            return not queued.is_final and queued.session == job.session
+
+        if job.is_final:
+            self._counts["submitted_finals"] += 1
+            self._counts["dropped_partials"] += self._remove(session_partial)
+            self._push(job)
+            return True
+        self._counts["submitted_partials"] += 1
+        if self._replace(session_partial, job):
+            self._counts["dropped_partials"] += 1  # superseded, keeps its place
+        elif self._queued_partials() >= self.queue_size:
+            self._counts["dropped_partials"] += 1
+            return False
+        else:
+            self._push(job)
+        self._counts["max_queued_partials"] = max(self._counts["max_queued_partials"], self._queued_partials())
+        return True
+
+    def _queued_partials(self) -> int:
+        return sum(not job.is_final for job in self._queued())
+
+    def _on_close(self) -> None:
+        self._counts["dropped_partials"] += self._remove(lambda job: not job.is_final)
+
+    def _closed_error(self) -> Exception:
+        return ASRError("the ASR worker is closed")
+
+    def _process(self, job: ASRJob) -> None:
+        started = time.perf_counter()
+        try:
+            result: Decoded | Exception = self.backend.transcribe(job.audio, job.prefix, job.language)
+        except Exception as exc:  # delivered to the session; the worker keeps serving
+            log.exception("ASR backend failed")
+            result = exc
+        decode_s = time.perf_counter() - started
+        with self._cond:
+            kind = "processed_finals" if job.is_final else "processed_partials"
+            self._counts[kind] += 1
+            self._counts["failed"] += isinstance(result, Exception)
+        try:
+            job.on_done(job, result, started - job.submitted, decode_s)
+        except Exception:
+            log.exception("ASR result callback failed")
+
+
+__all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats", "finals_first"]
