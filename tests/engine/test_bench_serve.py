@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from engine.bench import main as bench_main
-from engine.bench_serve import BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_slo, summarize
+from engine.bench.cli import main as bench_main
+from engine.bench.serve import BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_slo, summarize
 
 
 @pytest.fixture(scope="module")
