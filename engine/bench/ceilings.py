@@ -30,6 +30,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in ``dtype``: the compute ceiling."""
     n = 8192 if device.type == "cuda" else 1024
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / timed(lambda: a @ b, device, 10)

@@ -1,5 +1,4 @@
-"""The chunked suite: inter-token latency of running streams while a long prompt is prefilled.
-"""
+"""The chunked suite: inter-token latency of running streams while a long prompt is prefilled."""
 
 from __future__ import annotations
 

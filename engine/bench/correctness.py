@@ -1,5 +1,4 @@
-"""Correctness before speed: the engine's log-probs against HF transformers' float32 forward.
-"""
+"""Correctness before speed: the engine's log-probs against HF transformers' float32 forward."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from engine.kernels.decode_kernels import PROJECTIONS, DecodeKernels
 
 def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
                   results: dict) -> list[Row]:
+    """Batch-1 decode speed against the bandwidth ceiling, async scheduling off, each decode-path variant (CUDA) and HF."""
     prompt = random_prompt(rng, sizes.decode_prompt, core.model_config.vocab_size)
     engine_decode(core, prompt, 4)  # warm-up
     core.block_manager.reset_prefix_cache()
@@ -112,6 +113,7 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
 
 
 def path_name(path: DecodeKernels) -> str:
+    """A short name of the decode path's parts, for the A/B rows."""
     if not path.max_rows:
         return "cuBLAS"
     parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",

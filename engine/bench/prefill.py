@@ -1,5 +1,4 @@
-"""The prefill suite: a batch of prompts against the matmul ceiling and HF's forward.
-"""
+"""The prefill suite: a batch of prompts against the matmul ceiling and HF's forward."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from engine.sampling import SamplingParams
 
 def bench_prefill(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, flops: float,
                   results: dict) -> list[Row]:
+    """Prompts prefilled in one batch against the matmul ceiling and HF's forward."""
     vocab = core.model_config.vocab_size
     prompts = [random_prompt(rng, sizes.prefill_len, vocab) for _ in range(sizes.prefill_batch)]
     saved = core.scheduler.config.max_num_batched_tokens

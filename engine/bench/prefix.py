@@ -1,5 +1,4 @@
-"""The prefix suite: time to first token after a cached prefix, against the same prompt uncached.
-"""
+"""The prefix suite: time to first token after a cached prefix, against the same prompt uncached."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from engine.sampling import SamplingParams
 
 
 def bench_prefix(core: EngineCore, sizes: Sizes, rng: random.Random, results: dict) -> list[Row]:
+    """TTFT of a question after a cached long prefix against the same with the prefix not cached."""
     vocab = core.model_config.vocab_size
     prefix = random_prompt(rng, sizes.prefix_len, vocab)
 

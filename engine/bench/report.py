@@ -1,5 +1,4 @@
-"""The report: a row per figure against its ceiling or baseline, and the sections printed under the table.
-"""
+"""The report: a row per figure against its ceiling or baseline, and the sections printed under the table."""
 
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ from engine.metrics import StepTimes
 
 @dataclass
 class Row:
+    """One figure of the report, against its ceiling or baseline (``ref_value``)."""
+
     figure: str
     value: float
     unit: str
@@ -59,12 +60,14 @@ def format_device_time(device_time: dict[str, dict]) -> str:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's and its thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 def format_table(rows: list[Row]) -> str:
+    """The report's table: each figure, its reference and their ratio."""
     lines = [f"{'figure':<78} {'value':>12} {'unit':<10} {'ceiling / baseline':<44} {'ref':>12} {'ratio':>11}"]
     for r in rows:
         ref = f"{r.ref_value:,.2f}" if r.ref_value is not None else ""

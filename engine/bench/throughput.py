@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 
 
 def bench_throughput(core: EngineCore, sizes: Sizes, rng: random.Random, results: dict, bw: float, flops: float) -> list[Row]:
+    """Many requests at once (after a warm-up on a fifth of them) against the roofline, the no-overlap bound and HF."""
     vocab = core.model_config.vocab_size
 
     def run(n: int) -> tuple[list, float]:

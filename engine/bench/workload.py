@@ -1,5 +1,4 @@
-"""The benchmarks' workloads: their sizes per device, random prompts, and requests run to completion.
-"""
+"""The benchmarks' workloads: their sizes per device, random prompts, and requests run to completion."""
 
 from __future__ import annotations
 
@@ -50,10 +49,12 @@ class Sizes:
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """``n`` random token ids (clear of the special tokens at the ends of the vocabulary)."""
     return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
 
 def run_to_completion(core: EngineCore) -> None:
+    """Step the engine until every request has finished."""
     while core.has_unfinished_requests():
         core.step()
 
