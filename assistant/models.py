@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,14 +193,25 @@ def prepare() -> None:
                 resolve(role)
 
 
-if __name__ == "__main__":
-    import sys
+USAGE = f"usage: python -m assistant.models prepare | path ROLE  (ROLE: {', '.join(ROLES)})"
 
-    if sys.argv[1:] != ["prepare"]:
-        print("usage: python -m assistant.models prepare", file=sys.stderr)
-        sys.exit(2)
+
+def main(argv: list[str]) -> int:
+    """``prepare`` resolves every default model; ``path ROLE`` prints one role's local path, for
+    commands that take a model explicitly (``python -m engine.serving --model "$(... path llm)"``)."""
     try:
-        prepare()
+        if argv == ["prepare"]:
+            prepare()
+        elif len(argv) == 2 and argv[0] == "path" and argv[1] in ROLES:
+            print(resolve(argv[1]))
+        else:
+            print(USAGE, file=sys.stderr)
+            return 2
     except ModelNotAvailable as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """The assistant's one process: every way in, on one engine and one set of speech models.
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime API over WebSocket: voice and text turns), the
-OpenAI-compatible HTTP routes of :func:`engine.serve.create_app` with chats grounded in the
+OpenAI-compatible HTTP routes of :func:`engine.serving.server.create_app` with chats grounded in the
 documents (``/v1/chat/completions`` answers from the handbook, like a voice turn), ``/v1/models``,
 ``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings and
 the session counters).
@@ -19,7 +19,7 @@ from assistant.config import ServerConfig
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
 from assistant.voice_services import VoiceServices
-from engine.serve import create_app
+from engine.serving.server import create_app
 
 
 class AssistantServer:

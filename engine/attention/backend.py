@@ -60,22 +60,3 @@ class AttentionBackend:
         the two (the Triton backend does for decode steps)."""
         q = self.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta, pdl)
         return self.attend(q, kv_cache, meta, scale, pdl)
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA when it imports, else the torch reference."""
-    from engine.attention.torch_ref import TorchReferenceAttention
-
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchReferenceAttention()
-    if device.type != "cuda":
-        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
-    from engine.kernels.triton_utils import triton_available
-
-    if not triton_available():
-        if name == "triton":
-            raise ValueError("attention backend 'triton' needs the triton package")
-        return TorchReferenceAttention()
-    from engine.attention.triton_paged import TritonPagedAttention
-
-    return TritonPagedAttention()

@@ -13,13 +13,13 @@ from engine.transfer import to_device
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
 # Split slices come in steps of this many tokens, and a slice this short is one tile of it: at
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
-# long slices keep the wide tile (``python -m engine.kernel_bench --decode-tiles``).
+# long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
 DECODE_SMALL_TILE = 32
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape of the paged prefill kernel (measured by ``python -m engine.kernel_bench``)."""
+    """Tile shape of the paged prefill kernel (measured by ``python -m engine.bench.kernels``)."""
 
     # H200 (docs/performance.md, 2026-11-30 ~03:30): with the unmasked main loop 128x128 tiles, 8
     # warps, 3 or 4 stages were fastest for chunks of 96-480 queries after 32k context and for a
@@ -90,7 +90,7 @@ def decode_attention(
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
     applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
     ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
-    (``python -m engine.kernel_bench --decode-tiles`` sweeps others)."""
+    (``python -m engine.bench.kernels --decode-tiles`` sweeps others)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache

@@ -83,3 +83,11 @@ def test_corrupt_part_fails_its_checksum(fake_whisper_packages, monkeypatch):
     with pytest.raises(ModelNotAvailable, match="wrong checksum"):
         models.resolve("asr")
     assert not (Path(models.cache_dir()) / "whisper-base-ct2" / "model.bin").exists()
+
+
+def test_the_path_command_prints_a_roles_path_for_commands_that_need_one(capsys):
+    """``python -m assistant.models path llm``: how the engine's CLIs get the embedded model."""
+    assert models.main(["path", "llm"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == models.resolve("llm")
+    assert models.main(["path", "vision"]) == 2
+    assert "path ROLE" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceC
 from assistant.eval import FACTS_FILE
 from assistant.server import AssistantServer
 from assistant.timeline import OPTIONAL_STAGES, STAGES
-from engine.serve import BackgroundServer
+from engine.serving.server import BackgroundServer
 from speech.asr.backend import FasterWhisperBackend
 from speech.audio import resample, to_float32, to_pcm16
 from speech.config import ASRConfig, TTSConfig

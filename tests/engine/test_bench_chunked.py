@@ -9,7 +9,8 @@ import random
 import torch
 
 from engine import EngineConfig, EngineCore
-from engine.bench import Sizes, bench_chunked
+from engine.bench.chunked import bench_chunked
+from engine.bench.workload import Sizes
 
 
 def test_each_budget_is_compared_with_as_many_steps_without_the_long_prompt(tiny_llama_dir):

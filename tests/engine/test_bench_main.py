@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine.bench import main
+from engine.bench.cli import main
 
 
 def test_throughput_runs_on_its_own_engine_with_its_own_batch_limit(tiny_llama_dir, tmp_path, capsys):
@@ -35,9 +35,9 @@ def test_throughput_shares_the_engine_when_its_settings_are_the_same(tiny_llama_
     assert record["step_breakdown_ms"]["throughput"]["steps"] < 4 * 32
 
 
-def test_every_suite_runs_and_the_record_holds_the_issue_fields(tmp_path):
+def test_every_suite_runs_and_the_record_holds_the_documented_fields(tmp_path):
     """All suites with the HF baseline on a tiny random model with long enough positions: the
-    JSON record has every field docs/performance.md and issue 4 rely on."""
+    JSON record has every field docs/performance.md relies on."""
     from tests.engine.conftest import save_tiny_llama
 
     model = save_tiny_llama(tmp_path / "model", seed=3, max_position_embeddings=4096)
@@ -53,7 +53,7 @@ def test_every_suite_runs_and_the_record_holds_the_issue_fields(tmp_path):
     assert set(record["step_breakdown_ms"]) == {"latency", "prefill", "throughput", "prefix", "chunked"}
     # The HF baseline's float32 weights are an owner in the engine's memory table (on a GPU
     # they would otherwise read as "other"), counted exactly.
-    from engine.bench import HF_BASELINE_MEMORY
+    from engine.bench.correctness import HF_BASELINE_MEMORY
     from engine.config import ModelConfig
 
     params = ModelConfig.from_json(model / "config.json").num_parameters
@@ -65,14 +65,23 @@ def test_an_unknown_suite_is_a_clear_usage_error(capsys):
     import pytest
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["latncy", "--device", "cpu"])
+        main(["latncy", "--model", "unused", "--device", "cpu"])
     assert exit_info.value.code == 2 and "unknown suite(s) latncy" in capsys.readouterr().err
 
 
+def test_the_model_is_required(capsys):
+    """The engine knows no default model: the assistant's embedded one is passed explicitly."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["latency", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err
+
+
 def test_the_decode_profile_batch_is_whole_when_profiled(tiny_llama_dir):
-    """kernel_bench's profiles: every requested stream still decoding after a prefill that
+    """engine.bench.kernels' profiles: every requested stream still decoding after a prefill that
     took many steps (the first streams decode meanwhile), and through the profiled steps."""
-    from engine.kernel_bench import decode_batch_engine
+    from engine.bench.kernels import decode_batch_engine
 
     steps = 4  # one prompt prefilled a step: the first stream decodes ~20 tokens before the last starts
     core = decode_batch_engine(str(tiny_llama_dir), 20, 40, steps=steps, budget=41, load_format="auto", device="cpu", num_kv_blocks=200)
@@ -85,7 +94,7 @@ def test_the_decode_profile_batch_is_whole_when_profiled(tiny_llama_dir):
 
 def test_exposed_time_counts_overlapped_kernels_once():
     """With PDL kernels overlap: each is charged with how far it moves the stream's end."""
-    from engine.kernel_bench import exposed_time
+    from engine.bench.kernels import exposed_time
 
     spans = [
         ("gemv", 0.0, 10.0),
@@ -103,7 +112,7 @@ def test_exposed_time_counts_overlapped_kernels_once():
 def test_throughput_bounds_count_flops_and_bytes_by_hand():
     """Two requests on a 1-layer shape, summed by hand: (prompt, output) (3, 1) decodes nothing;
     (2, 3) decodes 2 tokens over contexts of 3 and 4."""
-    from engine.bench import throughput_bounds
+    from engine.bench.ceilings import throughput_bounds
     from engine.config import ModelConfig
 
     mc = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""The load generator: a short real run against ``python -m engine.serve``, and its arithmetic."""
+"""The load generator: a short real run against ``python -m engine.serving``, and its arithmetic."""
 
 from __future__ import annotations
 
@@ -14,20 +14,21 @@ import time
 import httpx
 import pytest
 
-from engine.bench import main as bench_main
-from engine.bench_serve import BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_slo, summarize
+from engine.bench.cli import main as bench_main
+from engine.bench.serve import BenchConfig, RequestResult, arrival_gaps, make_prompts, parse_slo, summarize
 
 
 @pytest.fixture(scope="module")
 def served_url(llm_gguf_path, tmp_path_factory):
-    """``python -m engine.serve`` with the embedded model (the default), in a process of its own."""
+    """``python -m engine.serving`` with the embedded model, in a process of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.serve", "--port", str(port), "--log-level", "warning", "--max-num-seqs", "8", "--num-kv-blocks", "256"],
+            [sys.executable, "-m", "engine.serving", "--model", str(llm_gguf_path), "--port", str(port), "--log-level", "warning",
+             "--max-num-seqs", "8", "--num-kv-blocks", "256"],
             stdout=out, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"

@@ -29,7 +29,7 @@ def native_llm(int4_model, llm_gguf_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def hf_fp32(smollm):
-    from engine.hf_reference import build_hf_model
+    from engine.bench.hf_reference import build_hf_model
 
     return build_hf_model(smollm.model)
 

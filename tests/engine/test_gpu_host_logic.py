@@ -122,7 +122,7 @@ def test_pdl_on_without_a_hopper_gpu_is_a_clear_error(tiny_llama_dir):
 def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     from dataclasses import fields
 
-    from engine.bench import decode_path_variants
+    from engine.bench.latency import decode_path_variants
     from engine.kernels.decode_kernels import DecodeKernels
 
     path = DecodeKernels(max_rows=1, pdl=True)
@@ -181,7 +181,7 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     assert s["busy_s"] == pytest.approx(0.080) and s["idle_s"] == pytest.approx(0.003)
     assert s["by_mode"]["graph"] == {"s": pytest.approx(0.030), "ms_per_step": pytest.approx(15.0)}
     assert s["by_mode"]["piecewise"]["ms_per_step"] == pytest.approx(50.0) and set(s["by_mode"]) == {"graph", "piecewise"}
-    from engine.bench import format_device_time
+    from engine.bench.report import format_device_time
 
     assert "throughput  busy 0.08 s, idle 0.00 s;  graph 0.03 s (15.00 ms/step)  piecewise 0.05 s (50.00 ms/step)" in format_device_time({"throughput": s})
 
@@ -189,7 +189,7 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
 def test_slowest_steps_rank_by_device_span_where_recorded():
     """With async scheduling a short step's host time includes waiting for the long step before
     it: the report ranks by device spans when there are any, by host time otherwise."""
-    from engine.bench import slowest_steps
+    from engine.bench.report import slowest_steps
     from engine.metrics import StepTimes
 
     st = StepTimes()

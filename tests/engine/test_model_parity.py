@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
-from engine.hf_reference import build_hf_model
+from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
 
 from tests.engine.helpers import prompt_logits

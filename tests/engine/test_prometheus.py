@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import AsyncEngine, EngineCore
 from engine.llm import make_config
-from engine.prometheus import EngineMetrics, token_buckets
-from engine.serve import BackgroundServer, create_app
+from engine.serving.prometheus import EngineMetrics, token_buckets
+from engine.serving.server import BackgroundServer, create_app
 from tests.engine.helpers import wait_idle
 
 MODEL = "smollm2-metrics"

@@ -117,7 +117,7 @@ def test_engine_int4_tracks_the_float32_model(int4_model, smollm, llm_gguf_path)
     """Greedy tokens of the int4 engine, scored by HF transformers in float32 on the dense weights
     of the same file: each chosen token's log-prob is close to what float32 gives it, and the
     answer is the float32 engine's answer."""
-    from engine.hf_reference import build_hf_model
+    from engine.bench.hf_reference import build_hf_model
 
     prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)

@@ -12,7 +12,8 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineCore, SamplingParams
 from engine.llm import make_config
-from engine.serve import BackgroundServer, create_app, parse_settings
+from engine.serving.cli import parse_settings
+from engine.serving.server import BackgroundServer, create_app
 from tests.engine.helpers import wait_idle
 
 MODEL = "smollm2-test"
@@ -327,3 +328,10 @@ def test_command_line_settings(llm_gguf_path):
     assert (s.host, s.port, s.engine.max_num_seqs, s.engine.enable_prefix_caching) == ("127.0.0.1", 9001, 3, False)
     assert s.model_name == llm_gguf_path.stem
     assert parse_settings(["--model", str(llm_gguf_path), "--served-model-name", "m"]).model_name == "m"
+
+
+def test_the_model_is_required_on_the_command_line(capsys):
+    """The engine knows no default model (the assistant's embedded one is resolved by the assistant)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(["--port", "9001"])
+    assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err

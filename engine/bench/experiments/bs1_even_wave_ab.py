@@ -14,7 +14,8 @@ import torch
 
 import engine.kernels.linear as linear
 from engine import EngineConfig, LoadedModel
-from engine.bench import random_prompt, replay_ms, run_to_completion
+from engine.bench.timing import replay_ms
+from engine.bench.workload import random_prompt, run_to_completion
 from engine.sampling import SamplingParams
 from engine.cuda_graph import CudaGraphRunner
 from engine.engine_core import EngineCore

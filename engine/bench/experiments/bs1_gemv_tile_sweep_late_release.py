@@ -11,7 +11,8 @@ import torch
 
 import engine.kernels.linear as linear
 from engine import EngineConfig, LoadedModel
-from engine.bench import engine_decode, random_prompt, replay_ms
+from engine.bench.timing import replay_ms
+from engine.bench.workload import engine_decode, random_prompt
 from engine.cuda_graph import CudaGraphRunner
 from engine.engine_core import EngineCore
 from engine.kernels.linear import GemvConfig

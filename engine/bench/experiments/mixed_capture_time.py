@@ -8,7 +8,7 @@ import time
 
 import torch
 
-import engine.bench as bench
+import engine.bench.cli as bench
 import engine.cuda_graph as cg
 
 real = cg.MixedGraphRunner._capture

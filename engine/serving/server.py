@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: ``python -m engine.serve --model PATH [--port 8000] [engine options]``.
+"""OpenAI-compatible HTTP server: the routes around a running engine (``python -m engine.serving`` runs it).
 
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``/v1/models``,
 ``/health``, ``/metrics`` (Prometheus). :func:`create_app` builds them around a running
@@ -14,19 +14,14 @@ the request and frees its KV blocks; a whole (non-streamed) answer races a disco
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import logging
 import socket
-import sys
 import threading
 import time
-import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -40,39 +35,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import ConfigError, EngineConfig
 from engine.engine_core import RequestError
-from engine.openai_protocol import (
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.serving.openai_protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
     ChatCompletionRequest, ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
     Delta, GenerationRequest, ModelCard, ModelList, TokenLogprob, TopLogprob, Usage,
 )
-from engine.outputs import RequestOutput
-from engine.prometheus import EngineMetrics
-from engine.sampling import SamplingParams
+from engine.serving.prometheus import EngineMetrics
 
 log = logging.getLogger(__name__)
 
 ChatPrompt = Callable[[list[dict[str, str]]], tuple[list[int], tuple]]  # messages -> (prompt ids, prefix-cache keys)
-
-
-@dataclass
-class ServerSettings:
-    """Everything ``python -m engine.serve`` needs: the engine's config and where to listen."""
-
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    log_level: str = "info"
-
-    @property
-    def model_name(self) -> str:
-        """The name clients put in ``model``: given, or the model file's stem / directory name."""
-        if self.served_model_name:
-            return self.served_model_name
-        path = Path(self.engine.model)
-        return path.stem if path.is_file() else path.name
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -414,65 +389,3 @@ class BackgroundServer:
         self._thread.join(timeout=30)
         self._socket.close()
 
-
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per :class:`EngineConfig` field (booleans get ``--no-...``), EngineConfig's defaults."""
-    hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine options (EngineConfig)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        elif typing.get_origin(kind) is typing.Literal:
-            group.add_argument(flag, choices=args, default=argparse.SUPPRESS)
-        elif typing.get_origin(kind) is tuple:
-            group.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=argparse.SUPPRESS, metavar="N,N,...")
-        else:
-            group.add_argument(flag, type=args[0] if args else kind, default=argparse.SUPPRESS)
-
-
-def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
-    """:class:`ServerSettings` from the command line (the embedded SmolLM2 if --model is absent)."""
-    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's file stem)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    _engine_options(p)
-    args = vars(p.parse_args(argv))
-    model = args.pop("model")
-    if model is None:
-        from importlib.util import find_spec
-
-        if find_spec("assistant") is None:
-            p.error("--model is required")
-        from assistant.models import resolve
-
-        model = str(resolve("llm"))
-    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level")}
-    return ServerSettings(engine=EngineConfig(model=model, **args), **server)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings(argv)
-        engine = AsyncEngine(settings.engine)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        app = create_app(engine, settings.model_name)
-        print(f"serving {settings.model_name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

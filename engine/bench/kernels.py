@@ -1,4 +1,4 @@
-"""Attention kernels alone: ``python -m engine.kernel_bench`` (CUDA).
+"""Attention kernels alone: ``python -m engine.bench.kernels`` (CUDA).
 
 Times the paged decode and prefill kernels on Llama-3.1-8B attention shapes (32 query heads,
 8 KV heads, head dim 128, bf16, 16-token pages, shuffled block tables), checks each against
@@ -366,7 +366,7 @@ def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> No
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
-    p = argparse.ArgumentParser(prog="python -m engine.kernel_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.bench.kernels", description=__doc__)
     p.add_argument("--profile-decode", metavar="CONFIG", help="instead: profile one eager decode step of this model config")
     p.add_argument("--profile-chunked", metavar="CONFIG", help="instead: profile steps of --batch decodes plus a chunk of a "
                    "--long-token prompt, --budget tokens a step, near the prompt's end")

@@ -1,0 +1,96 @@
+"""What the figures are measured against: the device's copy bandwidth and matmul rate, the bytes
+a decode step must read, and the roofline and no-overlap bounds of a throughput run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.bench.timing import timed
+from engine.config import ModelConfig
+from engine.engine_core import EngineCore
+from engine.memory import storage_bytes
+from engine.quantization import Int4Linear
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy (rotating buffers)."""
+    n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
+    bufs = [torch.randn(n, device=device) for _ in range(3)]
+    out = torch.empty_like(bufs[0])
+    i = [0]
+
+    def run():
+        out.copy_(bufs[i[0] % 3])
+        i[0] += 1
+
+    return 2 * n * 4 / timed(run, device, 10)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul in ``dtype``: the compute ceiling."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timed(lambda: a @ b, device, 10)
+
+
+def decode_step_bytes(core: EngineCore, context: int) -> int:
+    """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (the
+    native step's GGUF blocks, or int4 blocks where the model has them; the embedding table is only indexed unless it is the head)
+    plus the request's KV."""
+    mc = core.model_config
+    elem = torch.empty((), dtype=core.dtype).element_size()
+    kv = mc.kv_bytes_per_token(elem) * context
+    if core.runner.native is not None:  # the native step reads its own block copy of the weights
+        return core.runner.native.weight_bytes_per_step + kv
+    model = core.model
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if int4:  # dense copies, the indexed embedding and the RoPE table are not read by a one-row step
+        skip = {t.untyped_storage().data_ptr() for t in (*(m.weight for m in int4), model.embed_tokens.weight, model.rope.cos_sin)}
+        return storage_bytes(t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage().data_ptr() not in skip) + kv
+    weights = mc.num_parameters * elem
+    if not mc.tie_word_embeddings:
+        weights -= mc.vocab_size * mc.hidden_size * elem
+    return weights + kv
+
+
+@dataclass(frozen=True)
+class ThroughputBounds:
+    """How fast a batch of requests could run on this device: its FLOPs at the measured matmul
+    rate and its bytes at the measured copy bandwidth. ``roofline_s``: the two fully overlapped
+    (the larger one); ``serial_s``: one after the other, as an engine whose compute-bound and
+    memory-bound kernels never run at the same time (ours: prefill and decode GEMMs, then decode
+    attention) at best."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.memory_s
+
+
+def throughput_bounds(mc: ModelConfig, lengths: list[tuple[int, int]], steps: int, weight_bytes: int, elem: int, flops: float,
+                      bw: float) -> ThroughputBounds:
+    """Bounds for requests of (prompt, output) ``lengths`` served in ``steps`` steps: FLOPs 2 per
+    parameter per token plus causal attention (prefill) and attention over the context (each
+    output token but the last is decoded); bytes the weights once a step plus each decoded token's
+    read of its request's K/V (prefill's own K/V traffic left out: small beside the decode's)."""
+    attn = 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim  # FLOPs per (query, key) pair
+    kv = mc.kv_bytes_per_token(elem)
+    total_flops, kv_reads = 0.0, 0
+    for prompt, out in lengths:
+        decoded = max(0, out - 1)  # the first output token comes from the prefill
+        reads = decoded * prompt + decoded * (decoded + 1) // 2  # contexts prompt+1 .. prompt+decoded
+        total_flops += 2 * mc.num_parameters * (prompt + decoded) + attn * (prompt * (prompt + 1) // 2 + reads)
+        kv_reads += reads
+    total_bytes = float(steps) * weight_bytes + float(kv_reads) * kv
+    return ThroughputBounds(total_flops, total_bytes, total_flops / flops, total_bytes / bw)

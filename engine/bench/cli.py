@@ -1,0 +1,185 @@
+"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked] --model PATH``.
+
+Every figure is printed next to a ceiling or a baseline measured in the same run:
+device copy bandwidth (bytes read + written) and a large matmul give the ceilings; HF
+transformers on the same weights gives the baseline. Speed does not depend on weight values,
+so ``--load-format dummy`` with ``engine/configs/llama-3.1-8b.json`` benchmarks the 8B shape
+with random weights (the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from engine.bench.ceilings import copy_bandwidth, matmul_flops
+from engine.bench.chunked import bench_chunked
+from engine.bench.correctness import check_against_hf
+from engine.bench.latency import bench_latency
+from engine.bench.prefill import bench_prefill
+from engine.bench.prefix import bench_prefix
+from engine.bench.report import Row, device_name, engine_settings, format_device_time, format_table, slowest_steps
+from engine.bench.sync_debug import report_host_syncs
+from engine.bench.throughput import bench_throughput, same_engine, throughput_engine
+from engine.bench.workload import Sizes
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, LoadedModel
+from engine.metrics import StepTimes
+
+
+SUITES = ("latency", "prefill", "throughput", "prefix", "chunked")  # plus "serve": engine/bench/serve.py
+
+
+def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float, flops: float,
+               suites: list[str] | tuple[str, ...], rows: list[Row], results: dict, breakdown: dict, device_time: dict) -> None:
+    """Run ``suites`` on ``core`` in order, appending their rows, each suite's host time per step and device time."""
+    for suite in suites:
+        print(f"... {suite}", file=sys.stderr, flush=True)
+        core.step_times = StepTimes()
+        if suite == "latency":
+            rows += bench_latency(core, hf, sizes, rng, bw, results)
+        elif suite == "prefill":
+            rows += bench_prefill(core, hf, sizes, rng, flops, results)
+        elif suite == "throughput":
+            rows += bench_throughput(core, sizes, rng, results, bw, flops)
+        elif suite == "prefix":
+            rows += bench_prefix(core, sizes, rng, results)
+        elif suite == "chunked":
+            rows += bench_chunked(core, sizes, rng, results)
+        st = core.step_times
+        breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "mixed_steps": st.mixed_steps, "piecewise_steps": st.piecewise_steps,
+                                               "native_steps": st.native_steps, "decode_only_steps": st.decode_only_steps,
+                                               "decode_only_s": st.decode_only_time, "decode_only_tokens": st.decode_only_tokens}
+        if st.device_span:
+            device_time[suite] = st.device_summary()
+        print(f"    {slowest_steps(st)}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suites named in ``argv`` (or ``serve ...``: the load generator) and print the report."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the load generator against an OpenAI-compatible server
+        from engine.bench.serve import main as serve_main
+
+        return serve_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", nargs="*", metavar="SUITE", help=f"one or more of all, {', '.join(SUITES)} (default: all)")
+    p.add_argument("--model", required=True, help="model path, or a config.json with --load-format dummy "
+                   "(the embedded SmolLM2: $(python -m assistant.models path llm))")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quantization", default="none", choices=("none", "int4"),
+                   help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
+    p.add_argument("--cpu-decode-kernel", default="auto", choices=("auto", "on", "off"),
+                   help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
+    p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+                   help="programmatic dependent launch on the batch-1 decode path (auto: on with a Hopper+ GPU)")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None,
+                   help="capture piecewise CUDA graphs only up to this many tokens a step (default: all sizes up to the step budget)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--sync-debug", action="store_true", help="print the stack of every place the host waits for the device (CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine of every suite but throughput (default: 256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="likewise (default: 8192 on CUDA)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="likewise; leaves room for the HF baseline and its float32 check")
+    p.add_argument("--throughput-max-num-seqs", type=int, default=None,
+                   help="the throughput suite's own engine, built after the HF baseline and the first engine are released (default: 1024 on CUDA)")
+    p.add_argument("--throughput-max-num-batched-tokens", type=int, default=None, help="likewise (default: 16384 on CUDA)")
+    p.add_argument("--throughput-gpu-memory-utilization", type=float, default=None, help="likewise (default: 0.9)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    # checked here, not by argparse's choices: with nargs="*" an empty list fails them on some
+    # Python versions (3.11) and a list default on others (3.12)
+    unknown = [name for name in args.suite if name not in ("all", *SUITES)]
+    if unknown:
+        p.error(f"unknown suite(s) {', '.join(unknown)}: choose from all, {', '.join(SUITES)}")
+
+    model = args.model
+    config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
+                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel, async_scheduling=args.async_scheduling,
+                          pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
+    loaded = LoadedModel.load(config)
+    device = loaded.device
+    sizes = Sizes.for_device(device)
+    config.max_num_seqs = args.max_num_seqs or sizes.max_num_seqs
+    config.max_num_batched_tokens = args.max_num_batched_tokens or sizes.max_num_batched_tokens
+    if args.piecewise_max_tokens is not None:
+        config.piecewise_cuda_graph_sizes = tuple(t for t in config.piecewise_cuda_graph_sizes if t <= args.piecewise_max_tokens)
+    # The prefix and chunked suites need long contexts; a model with fewer positions still runs
+    # the other suites (those two then stop at add_request's "too long" error).
+    config.max_model_len = min(max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096),
+                               loaded.model_config.max_position_embeddings)
+    core = EngineCore(config, loaded)
+    rng = random.Random(args.seed)
+    results: dict[str, float] = {}
+    print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
+          f"{core.dtype}, {'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
+    if core.runner.native is not None:
+        print(f"# native CPU decode step ({core.runner.native.simd}) for decode-only steps of <= {core.runner.native.max_batch} requests", flush=True)
+    bw = copy_bandwidth(device)
+    flops = matmul_flops(device, core.dtype)
+    rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
+    results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
+    suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
+    hf = None
+    if not args.no_hf:
+        from engine.bench.hf_reference import build_hf_model
+
+        hf = build_hf_model(core.model)
+        rows.append(check_against_hf(core, hf, rng, results))
+    breakdown: dict[str, dict[str, float]] = {}
+    device_time: dict[str, dict[str, object]] = {}
+    tput_config = replace(config, max_num_seqs=args.throughput_max_num_seqs or sizes.throughput_max_num_seqs,
+                          max_num_batched_tokens=args.throughput_max_num_batched_tokens or sizes.throughput_max_num_batched_tokens,
+                          gpu_memory_utilization=args.throughput_gpu_memory_utilization or sizes.throughput_gpu_memory_utilization)
+    separate = "throughput" in suites and not same_engine(config, tput_config, device)
+    memory: dict[str, list[tuple[str, int]]] = {}
+    with report_host_syncs() if args.sync_debug else nullcontext() as syncs:
+        run_suites(core, hf, sizes, rng, bw, flops, [s for s in suites if not (separate and s == "throughput")], rows, results,
+                   breakdown, device_time)
+        if separate:
+            memory["engine of the other suites"] = core.memory_rows()  # its peak, before the next engine's
+            hf = core = None  # release the HF copy, the first KV pool and its graphs before sizing the next pool
+            core = throughput_engine(tput_config, loaded)
+            run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
+    if syncs:
+        print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
+    hf = None
+    memory["throughput engine" if separate else "engine"] = core.memory_rows()
+    print(format_table(rows))
+    print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
+          "reads samples back, waiting for the device):")
+    for suite, b in breakdown.items():
+        print(f"  {suite:<11} " + "  ".join(f"{k} {v:.3f}" for k, v in b.items() if "steps" not in k and "decode_only" not in k)
+              + f"   ({b['steps']} steps: {b['graph_steps']} decode graphs, {b['mixed_steps']} mixed graphs, {b['piecewise_steps']} piecewise, {b['native_steps']} native;"
+              f" {b['decode_only_steps']} decode-only steps took {b['decode_only_s']:.2f} s for {b['decode_only_tokens']} tokens)")
+    if device_time:
+        print(format_device_time(device_time))
+    for name, memory_rows in memory.items():
+        print(f"\nmemory ({name}):\n" + core.memory.format(memory_rows))
+    if args.json:
+        record = {
+            "gpu" if device.type == "cuda" else "device": device_name(device),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m engine.bench " + " ".join(argv),
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "model": Path(model).name, "random_weights": args.load_format == "dummy",
+            "sizes": asdict(sizes), "results": results, "step_breakdown_ms": breakdown, "device_time_s": device_time, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+            "memory": {name: dict(memory_rows) for name, memory_rows in memory.items()},
+            "engines": {"main": engine_settings(config), **({"throughput": engine_settings(tput_config)} if separate else {})},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0

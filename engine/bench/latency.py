@@ -1,0 +1,122 @@
+"""The latency suite: batch-1 decode against the bandwidth ceiling, with async scheduling off, with
+each part of the decode path changed (CUDA), and against HF ``generate()``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, replace
+
+import torch
+
+from engine.bench.ceilings import decode_step_bytes
+from engine.bench.report import Row
+from engine.bench.timing import replay_ms, timed
+from engine.bench.workload import Sizes, engine_decode, random_prompt
+from engine.engine_core import EngineCore
+from engine.kernels.decode_kernels import PROJECTIONS, DecodeKernels
+
+
+def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
+                  results: dict) -> list[Row]:
+    """Batch-1 decode speed against the bandwidth ceiling, async scheduling off, each decode-path variant (CUDA) and HF."""
+    prompt = random_prompt(rng, sizes.decode_prompt, core.model_config.vocab_size)
+    engine_decode(core, prompt, 4)  # warm-up
+    core.block_manager.reset_prefix_cache()
+    ttft, tpot = engine_decode(core, prompt, sizes.decode_tokens)
+    ceiling = bw / decode_step_bytes(core, sizes.decode_prompt + sizes.decode_tokens // 2)
+    rows = [Row(f"decode batch 1 (prompt {sizes.decode_prompt})", 1 / tpot, "tok/s", "bandwidth ceiling (bytes/step / copy bw)", ceiling)]
+    results.update(decode_bs1_tok_s=1 / tpot, decode_bs1_roofline_frac=(1 / tpot) / ceiling, decode_bs1_ceiling_tok_s=ceiling)
+    graphs = core.runner.graphs
+    if graphs is not None and graphs.bucket(1) == 1:
+        # The device alone: replay the batch-1 graph back to back (last request's buffers).
+        gpu_ms = replay_ms(graphs.graphs[1])
+        rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
+        results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
+        if core.model.decode_kernels.max_rows:
+            rows += decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results)
+    if core.async_scheduling:  # what async scheduling buys: the same decode with it off
+        core.async_scheduling = False
+        core.block_manager.reset_prefix_cache()
+        _, tpot_sync = engine_decode(core, prompt, sizes.decode_tokens)
+        core.async_scheduling = True
+        rows.append(Row("decode batch 1, async scheduling", 1 / tpot, "tok/s", "same, async scheduling off", 1 / tpot_sync))
+        results.update(decode_bs1_sync_tok_s=1 / tpot_sync)
+    if hf is not None:
+        # HF's best: on a CPU float32 can beat bf16 (no AMX path for its small matmuls), so both run.
+        dtype = next(hf.parameters()).dtype
+        by_dtype = {str(dtype).removeprefix("torch."): 1 / hf_decode(hf, prompt, sizes.decode_tokens, core.device)[1]}
+        if core.device.type == "cpu" and dtype != torch.float32:
+            hf.float()
+            by_dtype["float32"] = 1 / hf_decode(hf, prompt, sizes.decode_tokens, core.device)[1]
+            hf.to(dtype)
+        best = max(by_dtype, key=by_dtype.get)
+        rows.append(Row("decode batch 1 vs HF generate()", 1 / tpot, "tok/s", f"HF generate() same model ({best}, best of {'/'.join(by_dtype)})", by_dtype[best]))
+        results.update(hf_decode_bs1_tok_s=by_dtype[best], hf_decode_bs1_tok_s_by_dtype=by_dtype)
+    return rows
+
+
+def hf_decode(hf: torch.nn.Module, prompt: list[int], tokens: int, device: torch.device) -> tuple[float, float]:
+    x = torch.tensor([prompt], device=device)
+    gen = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(x, max_new_tokens=2, min_new_tokens=2, **gen)  # warm-up
+        t1 = timed(lambda: hf.generate(x, max_new_tokens=1, min_new_tokens=1, **gen), device, 2)
+        tn = timed(lambda: hf.generate(x, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **gen), device, 1)
+    return t1, (tn - t1) / tokens
+
+
+def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
+    """What each part of the batch-1 decode path buys: the path with one part changed."""
+    variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
+    if path.pdl:
+        variants["same, PDL off"] = replace(path, pdl=False)
+        for late in sorted({(), *((name,) for name in PROJECTIONS), ("o", "gate_up"), PROJECTIONS} - {path.late_release}):
+            variants[f"same, late PDL release: {'+'.join(late) or 'none'}"] = replace(path, late_release=late)
+    if path.fused_swiglu:
+        variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
+    down = "on cuBLAS" if path.gemv_down else f"as a GEMV too (split-K {path.down_split_k})"
+    variants[f"same, down_proj {down}"] = replace(path, gemv_down=not path.gemv_down)
+    for split in sorted({1, 2, 4} - {path.o_split_k}):
+        variants[f"same, o_proj split-K {split}"] = replace(path, o_split_k=split)
+    if path.gemv_down:
+        for split in sorted({1, 2, 4} - {path.down_split_k}):
+            variants[f"same, down_proj split-K {split}"] = replace(path, down_split_k=split)
+    return variants
+
+
+def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: float, gpu_ms: float, results: dict) -> list[Row]:
+    """The batch-1 graph captured again for each variant of the decode path (DecodeKernels): its
+    replay time and the engine's decode speed with it, against the configured path."""
+    from engine.cuda_graph import CudaGraphRunner
+
+    runner, graphs, path = core.runner, core.runner.graphs, core.model.decode_kernels
+    rows, by_variant = [], {}
+    for name, variant in decode_path_variants(path).items():
+        core.model.decode_kernels = variant
+        try:
+            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
+                                    core.device)
+            runner.graphs = other
+            core.block_manager.reset_prefix_cache()
+            _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)
+            other_ms = replay_ms(other.graphs[1])  # like the other replay: with the decoded request's context
+        finally:
+            runner.graphs = graphs
+            core.model.decode_kernels = path
+        del other
+        by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
+        rows += [Row(f"decode batch 1 ({path_name(path)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
+                 Row("  graph replay", gpu_ms, "ms", name, other_ms, False)]
+    results.update(decode_bs1_path=asdict(path), decode_bs1_variants=by_variant)
+    return rows
+
+
+def path_name(path: DecodeKernels) -> str:
+    """A short name of the decode path's parts, for the A/B rows."""
+    if not path.max_rows:
+        return "cuBLAS"
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
+             f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
+             "PDL" if path.pdl else "", f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
+    return ", ".join(p for p in parts if p)
