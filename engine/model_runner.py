@@ -130,6 +130,7 @@ class ModelRunner:
             else:
                 ids += tokens[start : start + n]
             blocks = req.block_ids
+            # flat KV slots (block id x block size + offset), inline: this loop is per token
             if n == 1:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
