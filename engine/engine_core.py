@@ -18,6 +18,7 @@ from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.execution_path import ExecutionPath
 from engine.kernels.decode_kernels import DecodeKernels
 from engine.kernels.linear import DECODE_MAX_ROWS
 from engine.kernels.triton_utils import pdl_supported, triton_available
@@ -49,7 +50,7 @@ class InflightStep:
     sampled: list[Request]  # the requests it samples a token for, in sample-row order
     sample: PendingSample | None
     device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
-    mode: str = ""  # how the forward ran (ModelRunner.last_step_mode)
+    path: ExecutionPath = ExecutionPath.EAGER  # how the forward ran (decided by ModelRunner.prepare)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
     chained: bool = False  # launched while the step before it was in flight (async scheduling)
     num_tokens: int = 0  # tokens the step computed
@@ -350,7 +351,7 @@ class EngineCore:
         if not self.async_scheduling:
             outputs += self._finalize(self._take_inflight())
         self.step_times.record(
-            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), inputs.num_tokens
+            t0, t1, t2, t3, time.perf_counter(), inputs.path, len(inputs.chunks), inputs.num_tokens
         )
         return outputs
 
@@ -378,7 +379,7 @@ class EngineCore:
         for req in sampled:
             req.num_pending_tokens += 1
         device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
-        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span,
+        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, inputs.path, span,
                             self._inflight is not None, inputs.num_tokens)
 
     def _take_inflight(self) -> InflightStep:
@@ -413,7 +414,7 @@ class EngineCore:
         idle = 0.0
         if step.chained and self._last_step_end is not None:
             idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
-        self.step_times.record_device(step.mode, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
+        self.step_times.record_device(step.path, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
         self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

@@ -124,6 +124,9 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
     its kernels under torch.profiler: per-step kernel time, top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.metrics import StepTimes
+
+    core.step_times = StepTimes()  # the paths of the profiled steps only
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run_steps()
@@ -132,7 +135,7 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
         run_steps()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / steps / 1e3
-    print(f"{label}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
+    print(f"{label}, mode {'/'.join(sorted(core.step_times.device_span))}: {total:.3f} ms of kernel time "
           f"per step; {wall:.3f} ms wall per step unprofiled (the rest: gaps between kernels, host time)")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3

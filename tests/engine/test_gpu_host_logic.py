@@ -8,6 +8,7 @@ import torch
 from engine import ConfigError, EngineConfig, EngineCore
 from engine.attention.triton_paged import MAX_SPLITS, TARGET_PROGRAMS, decode_splits, prefill_splits, prefill_tiles
 from engine.cuda_graph import graph_bucket
+from engine.execution_path import ExecutionPath
 
 
 def test_graph_bucket_is_the_smallest_that_fits():
@@ -174,9 +175,9 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     from engine.metrics import StepTimes
 
     st = StepTimes()
-    st.record_device("graph", 0.010, 0.0)
-    st.record_device("graph", 0.020, 0.001)
-    st.record_device("piecewise", 0.050, 0.002)
+    st.record_device(ExecutionPath.GRAPH, 0.010, 0.0)
+    st.record_device(ExecutionPath.GRAPH, 0.020, 0.001)
+    st.record_device(ExecutionPath.PIECEWISE, 0.050, 0.002)
     s = st.device_summary()
     assert s["busy_s"] == pytest.approx(0.080) and s["idle_s"] == pytest.approx(0.003)
     assert s["by_mode"]["graph"] == {"s": pytest.approx(0.030), "ms_per_step": pytest.approx(15.0)}
@@ -193,9 +194,14 @@ def test_slowest_steps_rank_by_device_span_where_recorded():
     from engine.metrics import StepTimes
 
     st = StepTimes()
-    st.record(0.0, 0.0, 0.0, 0.0, 0.30, "piecewise", 1, 8192)
-    st.record(0.0, 0.0, 0.0, 0.0, 0.45, "mixed", 1, 286)  # waited for the 8,192-token step
+    st.record(0.0, 0.0, 0.0, 0.0, 0.30, ExecutionPath.PIECEWISE, 1, 8192)
+    st.record(0.0, 0.0, 0.0, 0.0, 0.45, ExecutionPath.MIXED, 1, 286)  # waited for the 8,192-token step
     assert slowest_steps(st) == "slowest steps by host time (s, requests, tokens): [(0.45, 1, 286), (0.3, 1, 8192)]"
-    st.record_device("piecewise", 0.32, 0.0, 1, 8192)
-    st.record_device("mixed", 0.021, 0.0, 1, 286)
+    st.record_device(ExecutionPath.PIECEWISE, 0.32, 0.0, 1, 8192)
+    st.record_device(ExecutionPath.MIXED, 0.021, 0.0, 1, 286)
     assert slowest_steps(st) == "slowest steps on the device (s, mode, requests, tokens): [(0.32, 'piecewise', 1, 8192), (0.021, 'mixed', 1, 286)]"
+
+
+def test_execution_paths_keep_the_mode_names_of_metrics_and_bench_json():
+    assert [p.value for p in ExecutionPath] == ["graph", "mixed", "piecewise", "native", "eager"]
+    assert f"{ExecutionPath.MIXED}" == "mixed"
