@@ -634,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "int4"),
                    help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
-    p.add_argument("--cpu-decode-kernel", default="auto", choices=("auto", "on", "off"),
-                   help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
+    p.add_argument("--native-decode-step", default="auto", choices=("auto", "on", "off"),
+                   help="with int4 on the CPU: small decode-only steps as one native call (engine/native_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(resolve("llm"))
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel, async_scheduling=args.async_scheduling,
+                          quantization=args.quantization, native_decode_step=args.native_decode_step, async_scheduling=args.async_scheduling,
                           pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device

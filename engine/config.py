@@ -179,9 +179,9 @@ class EngineConfig:
     quantization: Literal["none", "int4"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
-    cpu_decode_kernel: Literal["auto", "on", "off"] = "auto"
+    native_decode_step: Literal["auto", "on", "off"] = "auto"
     """With ``quantization="int4"`` on the CPU, decode-only steps of up to 8 requests run as one
-    native call (engine/cpu_decode.py, compiled on first use). ``auto``: use it when it builds,
+    native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
@@ -222,10 +222,10 @@ class EngineConfig:
             raise ConfigError("pdl='on' applies to the batch-1 decode kernels: it needs decode_kernels=True")
         if self.warm_up not in ("auto", "on", "off"):
             raise ConfigError(f"warm_up must be auto/on/off, got {self.warm_up!r}")
-        if self.cpu_decode_kernel not in ("auto", "on", "off"):
-            raise ConfigError(f"cpu_decode_kernel must be auto/on/off, got {self.cpu_decode_kernel!r}")
-        if self.cpu_decode_kernel == "on" and self.quantization != "int4":
-            raise ConfigError("cpu_decode_kernel='on' runs the GGUF's int4 blocks: it needs quantization='int4'")
+        if self.native_decode_step not in ("auto", "on", "off"):
+            raise ConfigError(f"native_decode_step must be auto/on/off, got {self.native_decode_step!r}")
+        if self.native_decode_step == "on" and self.quantization != "int4":
+            raise ConfigError("native_decode_step='on' runs the GGUF's int4 blocks: it needs quantization='int4'")
         path = Path(self.model)
         if not path.exists():
             raise ConfigError(f"model path does not exist: {self.model}")

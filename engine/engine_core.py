@@ -30,7 +30,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_runner import DeviceTokens, ModelRunner, StepInputs
 from engine.outputs import RequestOutput
 from engine.prefix_cache import PrefixCacheStats
-from engine.cpu_decode import NativeWeights
+from engine.native_decode import NativeWeights
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
@@ -84,7 +84,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     device: torch.device
     dtype: torch.dtype
-    native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/cpu_decode.py
+    native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/native_decode.py
 
     @classmethod
     def load(cls, config: EngineConfig) -> "LoadedModel":
@@ -102,7 +102,7 @@ class LoadedModel:
                 quantize_from_gguf(model, tensors)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
-            if config.cpu_decode_kernel != "off":
+            if config.native_decode_step != "off":
                 native = NativeWeights.from_gguf(tensors, model_config)
         tokenizer = None
         if config.tokenizer or has_tokenizer(config):
@@ -158,8 +158,8 @@ class EngineCore:
                 self.runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, self.max_model_len,
                                                 config.mixed_cuda_graph_max_graphs)
             self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
-        if config.quantization == "int4" and config.cpu_decode_kernel != "off":
-            self._attach_cpu_decode_kernel()
+        if config.quantization == "int4" and config.native_decode_step != "off":
+            self._attach_native_decode_step()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -228,19 +228,19 @@ class EngineCore:
                               f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
         return DecodeKernels(max_rows=DECODE_MAX_ROWS, pdl=pdl)
 
-    def _attach_cpu_decode_kernel(self) -> None:
-        """Small decode-only steps run as one native call (engine/cpu_decode.py)."""
+    def _attach_native_decode_step(self) -> None:
+        """Small decode-only steps run as one native call (engine/native_decode.py)."""
         from engine.config import default_cache_dir
-        from engine.cpu_decode import CpuDecodeKernel, NativeKernelError, build_library
+        from engine.native_decode import NativeDecodeStep, NativeDecodeError, build_library
 
-        if self.loaded.native_weights is None:  # loaded with cpu_decode_kernel="off", shared with this engine
+        if self.loaded.native_weights is None:  # loaded with native_decode_step="off", shared with this engine
             self.loaded.native_weights = NativeWeights.from_gguf(gguf_tensors(self.config.model), self.model_config)
         try:
             lib = build_library(self.config.cache_dir or default_cache_dir())
-            kernel = CpuDecodeKernel(lib, self.model, self.loaded.native_weights, self.kv_cache.storage, self.config.block_size)
-        except NativeKernelError as e:
-            if self.config.cpu_decode_kernel == "on":
-                raise ConfigError(f"cpu_decode_kernel='on': {e}") from e
+            kernel = NativeDecodeStep(lib, self.model, self.loaded.native_weights, self.kv_cache.storage, self.config.block_size)
+        except NativeDecodeError as e:
+            if self.config.native_decode_step == "on":
+                raise ConfigError(f"native_decode_step='on': {e}") from e
             log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
             return
         self.runner.native = kernel

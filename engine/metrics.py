@@ -115,7 +115,7 @@ class StepTimes:
     mixed_forward: float = 0.0
     piecewise_steps: int = 0  # steps replayed as piecewise CUDA graphs (attention eager)
     piecewise_forward: float = 0.0
-    native_steps: int = 0  # CPU decode-only steps run as one native call (engine/cpu_decode.py)
+    native_steps: int = 0  # CPU decode-only steps run as one native call (engine/native_decode.py)
     native_forward: float = 0.0
     decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
     decode_only_time: float = 0.0

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
-from engine.cpu_decode import CpuDecodeKernel
+from engine.native_decode import NativeDecodeStep
 from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
 from engine.execution_path import ExecutionPath
 from engine.kernels.step_inputs import pack_decode_step
@@ -74,7 +74,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
-        self.native: CpuDecodeKernel | None = None  # CPU: small decode-only steps as one C call
+        self.native: NativeDecodeStep | None = None  # CPU: small decode-only steps as one C call
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (on the CPU only tests use it: nothing is captured, the same
