@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, LoadedModel
-from engine.kernels.decode_kernels import PROJECTIONS, DecodeKernels
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
+from engine.kernels.gemv_policy import PROJECTIONS, GemvPolicy
 from engine.memory import storage_bytes, tensor_bytes
 from engine.metrics import StepTimes
 from engine.quantization import Int4Linear
@@ -248,7 +250,7 @@ def bench_latency(core, hf, sizes, rng, bw, results) -> list[Row]:
         gpu_ms = replay_ms(graphs.graphs[1])
         rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
         results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
-        if core.model.decode_kernels.max_rows:
+        if core.runner.gemv.max_rows:
             rows += decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results)
     if core.async_scheduling:  # what async scheduling buys: the same decode with it off
         core.async_scheduling = False
@@ -282,7 +284,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 50) -> float:
     return start.elapsed_time(end) / times
 
 
-def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
+def decode_path_variants(path: GemvPolicy) -> dict[str, GemvPolicy]:
     """What each part of the batch-1 decode path buys: the path with one part changed."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if path.pdl:
@@ -302,24 +304,22 @@ def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
 
 
 def decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
-    """The batch-1 graph captured again for each variant of the decode path (DecodeKernels): its
+    """The batch-1 graph captured again for each variant of the decode path (GemvPolicy): its
     replay time and the engine's decode speed with it, against the configured path."""
     from engine.cuda_graph import CudaGraphRunner
 
-    runner, graphs, path = core.runner, core.runner.graphs, core.model.decode_kernels
+    runner, graphs, path = core.runner, core.runner.graphs, core.runner.gemv
     rows, by_variant = [], {}
     for name, variant in decode_path_variants(path).items():
-        core.model.decode_kernels = variant
         try:
             other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
-                                    core.device)
+                                    core.device, variant)
             runner.graphs = other
             core.block_manager.reset_prefix_cache()
             _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)
             other_ms = replay_ms(other.graphs[1])  # like the other replay: with the decoded request's context
         finally:
             runner.graphs = graphs
-            core.model.decode_kernels = path
         del other
         by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
         rows += [Row(f"decode batch 1 ({path_name(path)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
@@ -328,7 +328,7 @@ def decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results) -> list[Row]:
     return rows
 
 
-def path_name(path: DecodeKernels) -> str:
+def path_name(path: GemvPolicy) -> str:
     if not path.max_rows:
         return "cuBLAS"
     parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
@@ -559,7 +559,7 @@ def throughput_engine(config: EngineConfig, loaded: LoadedModel) -> EngineCore:
     if loaded.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(loaded.device)
-    core = EngineCore(config, loaded)
+    core = build_engine(config, loaded)
     print(f"# throughput engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
           f"gpu_memory_utilization {config.gpu_memory_utilization}: {core.kv_cache.num_blocks:,} KV blocks", flush=True)
     return core
@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     # the other suites (those two then stop at add_request's "too long" error).
     config.max_model_len = min(max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096),
                                loaded.model_config.max_position_embeddings)
-    core = EngineCore(config, loaded)
+    core = build_engine(config, loaded)
     rng = random.Random(args.seed)
     results: dict[str, float] = {}
     print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "

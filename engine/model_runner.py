@@ -18,6 +18,7 @@ from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.native_decode import NativeDecodeStep
 from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
 from engine.execution_path import ExecutionPath
+from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
@@ -63,8 +64,14 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, block_manager: BlockManager, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, block_manager: BlockManager, device: torch.device,
+        gemv: GemvPolicy, native: NativeDecodeStep | None = None,
+    ) -> None:
+        """``gemv``: which steps of few tokens run the batch-1 GEMVs (every forward and graph of
+        this runner); ``native``: the CPU's native step for small decode-only steps, if built."""
         self.model = model
+        self.gemv = gemv
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
         self.backend = backend
@@ -74,13 +81,14 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
-        self.native: NativeDecodeStep | None = None  # CPU: small decode-only steps as one C call
+        self.native = native
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (on the CPU only tests use it: nothing is captured, the same
         steps run eagerly); afterwards decode-only steps replay them."""
         self.graphs = CudaGraphRunner(
-            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device
+            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device,
+            self.gemv,
         )
 
     def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
@@ -95,14 +103,14 @@ class ModelRunner:
     def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
         """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
         steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
-        self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device)
+        self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device, self.gemv)
 
     def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int) -> None:
         """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens replay whole
         (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner)."""
         self.mixed = MixedGraphRunner(
             self.model, self.backend, self.kv_layers, decode_buckets, max_chunk, -(-max_model_len // self.block_size),
-            max_model_len, max_graphs, self.device,
+            max_model_len, max_graphs, self.device, self.gemv,
         )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:
@@ -230,9 +238,10 @@ class ModelRunner:
         if path is ExecutionPath.NATIVE:
             return self.native.run(inputs.input_ids, inputs.positions, meta.block_tables)[inputs.sample_rows]
         if path is ExecutionPath.MIXED:
-            return self.model.compute_logits(self.mixed.run(inputs.input_ids, inputs.positions, meta, inputs.mixed_key, inputs.sample_rows))
+            hidden = self.mixed.run(inputs.input_ids, inputs.positions, meta, inputs.mixed_key, inputs.sample_rows)
+            return self.model.compute_logits(hidden, self.gemv)
         if path is ExecutionPath.PIECEWISE:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, inputs.pieces)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, self.gemv)
+        return self.model.compute_logits(hidden[inputs.sample_rows], self.gemv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ConfigError, EngineConfig, EngineCore
+from engine import ConfigError, EngineConfig, build_engine
 from engine.attention.triton_paged import MAX_SPLITS, TARGET_PROGRAMS, decode_splits, prefill_splits, prefill_tiles
 from engine.cuda_graph import graph_bucket
 from engine.execution_path import ExecutionPath
@@ -54,11 +54,11 @@ def test_triton_backend_on_the_cpu_is_a_clear_error(tmp_path):
         ' "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128}'
     )
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
+        build_engine(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
                                 attention_backend="triton", num_kv_blocks=8))
     if not torch.cuda.is_available():  # on a CUDA machine this configuration is valid
         with pytest.raises(ConfigError, match="CUDA is not available"):
-            EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
+            build_engine(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
 
 
 def test_every_per_step_tensor_starts_16_byte_aligned(tiny_llama_dir):
@@ -102,48 +102,48 @@ def test_the_cpu_engine_never_launches_a_triton_kernel(tiny_llama_dir):
 
 
 def test_the_decode_path_applies_to_steps_of_1_to_max_rows_tokens():
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
-    assert not DecodeKernels().applies(1)  # the default is the plain (cuBLAS) path
-    path = DecodeKernels(max_rows=1)
+    assert not GemvPolicy().applies(1)  # the default is the plain (cuBLAS) path
+    path = GemvPolicy(max_rows=1)
     assert path.applies(1) and not path.applies(0) and not path.applies(2)
 
 
 def test_pdl_on_without_a_hopper_gpu_is_a_clear_error(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="pdl='on' needs the Triton decode kernels on a CUDA device"):
-        EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, pdl="on"))
-    with pytest.raises(ConfigError, match="needs decode_kernels=True"):
-        EngineConfig(model=str(tiny_llama_dir), pdl="on", decode_kernels=False).validate()
+    with pytest.raises(ConfigError, match="pdl='on' needs the Triton batch-1 GEMVs on a CUDA device"):
+        build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, pdl="on"))
+    with pytest.raises(ConfigError, match="needs batch1_gemv=True"):
+        EngineConfig(model=str(tiny_llama_dir), pdl="on", batch1_gemv=False).validate()
     with pytest.raises(ConfigError, match="pdl must be auto/on/off"):
         EngineConfig(model=str(tiny_llama_dir), pdl="yes").validate()
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
-    assert core.model.decode_kernels.max_rows == 0 and not core.model.decode_kernels.pdl  # auto: off on the CPU
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    assert core.runner.gemv.max_rows == 0 and not core.runner.gemv.pdl  # auto: off on the CPU
 
 
 def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     from dataclasses import fields
 
     from engine.bench import decode_path_variants
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
-    path = DecodeKernels(max_rows=1, pdl=True)
+    path = GemvPolicy(max_rows=1, pdl=True)
     variants = decode_path_variants(path)
     assert variants["cuBLAS projections, separate SwiGLU"].max_rows == 0
     for name, variant in variants.items():
         if variant.max_rows:
-            changed = [f.name for f in fields(DecodeKernels) if getattr(variant, f.name) != getattr(path, f.name)]
+            changed = [f.name for f in fields(GemvPolicy) if getattr(variant, f.name) != getattr(path, f.name)]
             assert len(changed) == 1, (name, changed)
     assert {v.pdl for v in variants.values() if v.max_rows} == {True, False}
-    assert "same, PDL off" not in decode_path_variants(DecodeKernels(max_rows=1))
+    assert "same, PDL off" not in decode_path_variants(GemvPolicy(max_rows=1))
     releases = {v.late_release for v in variants.values() if v.max_rows}
     assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
 
 
 def test_late_release_names_known_projections():
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
     with pytest.raises(ValueError, match="unknown projections \\['q_proj'\\]"):
-        DecodeKernels(late_release=("q_proj",))
+        GemvPolicy(late_release=("q_proj",))
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):
@@ -153,9 +153,10 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     from engine.attention import AttentionMetadata
     from engine.cuda_graph import MixedGraphRunner
 
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
     runner = MixedGraphRunner(core.model, core.runner.backend, core.runner.kv_layers, [1, 2, 4], max_chunk=16,
-                              max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"))
+                              max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"),
+                              gemv=core.runner.gemv)
 
     def meta(qlens):
         return AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, query_lens_host=qlens,
