@@ -15,13 +15,13 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
-from engine.native_decode import NativeDecodeStep
 from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
 from engine.execution_path import ExecutionPath
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
+from engine.native_decode import NativeDecodeStep
 from engine.scheduler import ScheduledChunk
 from engine.transfer import to_device
 
@@ -92,8 +92,8 @@ class ModelRunner:
         )
 
     def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
-        """The decode graph bucket of a decode-only step; None when it runs another way (the
-        native CPU kernel first, where it is attached)."""
+        """The decode graph bucket of a decode-only step (its path is then GRAPH); None when it
+        runs another way (``_choose_path``: the native CPU step first, where the runner has one)."""
         if self.graphs is None or any(c.num_tokens != 1 for c in chunks):
             return None
         if self.native is not None and len(chunks) <= self.native.max_batch:
