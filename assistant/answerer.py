@@ -21,7 +21,7 @@ from assistant.docs import DocumentError, DocumentSet, detect_language, load_lib
 from assistant.prompt import ContextBudget, Message, PromptBuilder
 from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from engine.engine_core import resolve_device
+from engine.loaded_model import resolve_device
 from engine.quantization import gguf_supports_int4
 
 log = logging.getLogger(__name__)

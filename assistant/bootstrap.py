@@ -24,7 +24,7 @@ STAMP = VENV / ".bootstrap-stamp"
 
 # Debian packages: espeak-ng (TTS fallback, Mandarin), ffmpeg (torchcodec, audio decoding),
 # sox and libportaudio2 (audio tools, speaker output), chromium (the web UI's browser tests),
-# gcc and libc6-dev (the engine compiles its native CPU decode step, engine/cpu_decode.py).
+# gcc and libc6-dev (the engine compiles its native CPU decode step, engine/native_decode.py).
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox", "chromium": "chromium", "gcc": "gcc"}
 APT_LIBS = ["libportaudio2"]
 APT_HEADERS = {"/usr/include/stdint.h": "libc6-dev"}

@@ -5,12 +5,14 @@ Knows tokens, not speech. Offline use: :class:`LLM`; online use: :class:`AsyncEn
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.engine_core import EngineCore, LoadedModel, RequestError
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore, RequestError
 from engine.llm import LLM
+from engine.loaded_model import LoadedModel
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingError, SamplingParams
 
 __all__ = [
-    "LLM", "AsyncEngine", "EngineCore", "LoadedModel", "EngineConfig", "ModelConfig", "SamplingParams",
+    "LLM", "AsyncEngine", "EngineCore", "build_engine", "LoadedModel", "EngineConfig", "ModelConfig", "SamplingParams",
     "RequestOutput", "CompletionOutput", "ConfigError", "RequestError", "SamplingError", "EngineDeadError",
 ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore, RequestError
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
@@ -155,7 +156,7 @@ class AsyncEngine:
     def _run(self, config: EngineConfig | None) -> None:
         if config is not None:
             try:
-                self.core = EngineCore(config)
+                self.core = build_engine(config)
             except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
                 self._load_error = e
         self._loaded.set()

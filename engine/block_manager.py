@@ -130,7 +130,3 @@ class BlockManager:
                     self.free_queue.move_to_end(block, last=False)
         req.block_ids = []
         req.num_registered_blocks = 0
-
-    def slot(self, req: Request, position: int) -> int:
-        """Flat cache slot of the token at ``position`` of ``req``."""
-        return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size

@@ -161,14 +161,14 @@ class EngineConfig:
     engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first
     took 0.66 s of Triton compiles until the start-up warm-up ran a mixed step); later shapes
     take the piecewise graphs."""
-    decode_kernels: bool = True
+    batch1_gemv: bool = True
     """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
     lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:
-    cuBLAS throughout (engine/kernels/decode_kernels.py)."""
+    cuBLAS throughout (engine/kernels/gemv_policy.py)."""
     pdl: Literal["auto", "on", "off"] = "auto"
     """Programmatic dependent launch for the batch-1 decode path's Triton kernels: each may start
     while the previous one finishes (engine/kernels/_pdl_triton.py).
-    ``auto``: on where supported (decode_kernels on, a compute capability 9.0+ GPU); ``on`` fails
+    ``auto``: on where supported (batch1_gemv on, a compute capability 9.0+ GPU); ``on`` fails
     elsewhere."""
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     """Schedule and launch step N+1 while the device still runs step N, whose sampled tokens
@@ -179,9 +179,9 @@ class EngineConfig:
     quantization: Literal["none", "int4"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
-    cpu_decode_kernel: Literal["auto", "on", "off"] = "auto"
+    native_decode_step: Literal["auto", "on", "off"] = "auto"
     """With ``quantization="int4"`` on the CPU, decode-only steps of up to 8 requests run as one
-    native call (engine/cpu_decode.py, compiled on first use). ``auto``: use it when it builds,
+    native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
@@ -218,14 +218,14 @@ class EngineConfig:
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.pdl not in ("auto", "on", "off"):
             raise ConfigError(f"pdl must be auto/on/off, got {self.pdl!r}")
-        if self.pdl == "on" and not self.decode_kernels:
-            raise ConfigError("pdl='on' applies to the batch-1 decode kernels: it needs decode_kernels=True")
+        if self.pdl == "on" and not self.batch1_gemv:
+            raise ConfigError("pdl='on' applies to the batch-1 GEMVs: it needs batch1_gemv=True")
         if self.warm_up not in ("auto", "on", "off"):
             raise ConfigError(f"warm_up must be auto/on/off, got {self.warm_up!r}")
-        if self.cpu_decode_kernel not in ("auto", "on", "off"):
-            raise ConfigError(f"cpu_decode_kernel must be auto/on/off, got {self.cpu_decode_kernel!r}")
-        if self.cpu_decode_kernel == "on" and self.quantization != "int4":
-            raise ConfigError("cpu_decode_kernel='on' runs the GGUF's int4 blocks: it needs quantization='int4'")
+        if self.native_decode_step not in ("auto", "on", "off"):
+            raise ConfigError(f"native_decode_step must be auto/on/off, got {self.native_decode_step!r}")
+        if self.native_decode_step == "on" and self.quantization != "int4":
+            raise ConfigError("native_decode_step='on' runs the GGUF's int4 blocks: it needs quantization='int4'")
         path = Path(self.model)
         if not path.exists():
             raise ConfigError(f"model path does not exist: {self.model}")

@@ -34,6 +34,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK
 from engine.kernels.argmax import argmax_rows
+from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import packed_size, scatter_decode_inputs
 from engine.model import LlamaForCausalLM
 from engine.transfer import copy_to_device
@@ -86,8 +87,10 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         token_rows: int,
         device: torch.device,
+        gemv: GemvPolicy,
     ) -> None:
         self.model = model
+        self.gemv = gemv  # the batch-1 GEMV policy the graphs are captured with
         self.backend = backend
         self.kv_layers = kv_layers
         self.batch_sizes = sorted(set(batch_sizes))
@@ -138,8 +141,8 @@ class CudaGraphRunner:
         """What a graph holds: scatter the staged step, forward ``bs`` rows, logits, argmax."""
         scatter_decode_inputs(self.staging, self.tokens, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                               self.block_tables, bs)
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend, meta, self.kv_layers)
-        logits = self.model.compute_logits(hidden)
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend, meta, self.kv_layers, self.gemv)
+        logits = self.model.compute_logits(hidden, self.gemv)
         argmax_rows(logits, out=self.tokens[:bs])
         return logits
 
@@ -154,7 +157,8 @@ class CudaGraphRunner:
             block_tables=self.block_tables[:n, :width], query_lens_host=[1] * n, seq_lens_host=seq_lens, num_decodes=n,
             max_seq_len=max(seq_lens),
         )
-        logits = self.model.compute_logits(self.model(self.input_ids[:n], self.positions[:n], self.backend, meta, self.kv_layers))
+        hidden = self.model(self.input_ids[:n], self.positions[:n], self.backend, meta, self.kv_layers, self.gemv)
+        logits = self.model.compute_logits(hidden, self.gemv)
         argmax_rows(logits, out=self.tokens[:n])
         return logits
 
@@ -212,8 +216,8 @@ def _flat(x) -> tuple[torch.Tensor, ...]:
 class PiecewiseGraphRunner:
     """Steps of up to ``max(token_sizes)`` tokens: graphs for the pieces, attention eager."""
 
-    def __init__(self, model: LlamaForCausalLM, token_sizes: list[int], device: torch.device) -> None:
-        self.model = model
+    def __init__(self, model: LlamaForCausalLM, token_sizes: list[int], device: torch.device, gemv: GemvPolicy) -> None:
+        self.model, self.gemv = model, gemv
         self.token_sizes = sorted(set(token_sizes))
         cfg = model.config
         tmax = self.token_sizes[-1]
@@ -234,7 +238,7 @@ class PiecewiseGraphRunner:
         log.info("captured piecewise CUDA graphs for %s tokens", self.token_sizes)
 
     def _capture(self, t: int, pool, device: torch.device) -> list[_Piece]:
-        m, ids, attn = self.model, self.input_ids[:t], self.attn_out[:t]
+        m, gemv, ids, attn = self.model, self.gemv, self.input_ids[:t], self.attn_out[:t]
         qkv_out, residual, hidden = self.qkv[:t], self.residual[:t], self.hidden[:t]
 
         def store(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,10 +246,10 @@ class PiecewiseGraphRunner:
             residual.copy_(result[1])  # read by this piece before it is overwritten: same stream order
             return qkv_out, residual
 
-        pieces = [_Piece(lambda: store(m.first_piece(ids)), pool, device)]
+        pieces = [_Piece(lambda: store(m.first_piece(ids, gemv)), pool, device)]
         for i in range(len(m.layers) - 1):
-            pieces.append(_Piece(lambda i=i: store(m.middle_piece(i, attn, residual)), pool, device))
-        pieces.append(_Piece(lambda: hidden.copy_(m.last_piece(attn, residual)), pool, device))
+            pieces.append(_Piece(lambda i=i: store(m.middle_piece(i, attn, residual, gemv)), pool, device))
+        pieces.append(_Piece(lambda: hidden.copy_(m.last_piece(attn, residual, gemv)), pool, device))
         return pieces
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -295,9 +299,9 @@ class MixedGraphRunner:
     def __init__(
         self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         decode_buckets: list[int], max_chunk: int, max_blocks_per_seq: int, max_model_len: int, max_graphs: int,
-        device: torch.device,
+        device: torch.device, gemv: GemvPolicy,
     ) -> None:
-        self.model, self.backend, self.kv_layers, self.device = model, backend, kv_layers, device
+        self.model, self.backend, self.kv_layers, self.device, self.gemv = model, backend, kv_layers, device, gemv
         self.decode_buckets = sorted({0, *decode_buckets})  # 0: a lone chunk (a question after a cached prefix)
         self.max_chunk, self.max_model_len, self.max_graphs = max_chunk, max_model_len, max_graphs
         dmax = self.decode_buckets[-1]
@@ -378,7 +382,7 @@ class MixedGraphRunner:
             self.graphs.setdefault(key, None)
             lens = meta.seq_lens_host
             hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend,
-                                self._meta(db, c, lens[:d] + [1] * (db - d) + lens[d:]), self.kv_layers)
+                                self._meta(db, c, lens[:d] + [1] * (db - d) + lens[d:]), self.kv_layers, self.gemv)
         else:
             hidden = self._replay(key)
         rows = sample_rows + (sample_rows >= d).to(sample_rows.dtype) * (db - d)
@@ -401,7 +405,7 @@ class MixedGraphRunner:
         meta = self._meta(db, c, [1] * db + [self.max_model_len])
         t = db + c
         with torch.inference_mode():
-            self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
+            self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
             torch.cuda.synchronize(self.device)
             # Capturing empties the allocator's cache first: measured from after that, the
             # difference is the pool's growth (from before the warm-up it went negative).
@@ -409,7 +413,7 @@ class MixedGraphRunner:
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers)
+                hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
         self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)
         return graph, hidden, meta

@@ -1,7 +1,8 @@
 """The engine loop: add requests, step (schedule -> run -> sample -> detokenize), abort.
 
 Single-threaded and synchronous; :class:`engine.LLM` drives it to completion and
-:class:`engine.AsyncEngine` runs it on a background thread.
+:class:`engine.AsyncEngine` runs it on a background thread. Built from its parts by
+:func:`engine.engine_builder.build_engine`.
 """
 
 from __future__ import annotations
@@ -14,31 +15,22 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import select_backend
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kernels.decode_kernels import DecodeKernels
-from engine.kernels.linear import DECODE_MAX_ROWS
-from engine.kernels.triton_utils import pdl_supported, triton_available
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import has_tokenizer, load_model, model_kind
-from engine.memory import MemoryLedger, tensor_bytes
+from engine.execution_path import ExecutionPath
+from engine.kv_cache import KVCache
+from engine.loaded_model import LoadedModel
+from engine.memory import MemoryLedger
 from engine.metrics import EngineStats, StepTimes
-from engine.model import LlamaForCausalLM
 from engine.model_runner import DeviceTokens, ModelRunner, StepInputs
 from engine.outputs import RequestOutput
 from engine.prefix_cache import PrefixCacheStats
-from engine.cpu_decode import NativeWeights
-from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import Tokenizer
+from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -49,7 +41,7 @@ class InflightStep:
     sampled: list[Request]  # the requests it samples a token for, in sample-row order
     sample: PendingSample | None
     device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
-    mode: str = ""  # how the forward ran (ModelRunner.last_step_mode)
+    path: ExecutionPath = ExecutionPath.EAGER  # how the forward ran (decided by ModelRunner.prepare)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
     chained: bool = False  # launched while the step before it was in flight (async scheduling)
     num_tokens: int = 0  # tokens the step computed
@@ -59,108 +51,23 @@ class RequestError(ValueError):
     """A request is invalid; raised by ``add_request`` before anything is scheduled."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
-    return getattr(torch, name)
-
-
-@dataclass
-class LoadedModel:
-    """Weights and tokenizer, loaded once; several engines (e.g. benchmark variants) may share it."""
-
-    model: LlamaForCausalLM
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    device: torch.device
-    dtype: torch.dtype
-    native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/cpu_decode.py
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> "LoadedModel":
-        config.validate()
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, config.quantization)
-        if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
-            raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
-                              f"(got {model_kind(config)} weights on {device.type})")
-        model, model_config = load_model(config, device, dtype)
-        native = None
-        if config.quantization == "int4":
-            tensors = gguf_tensors(config.model)  # one read for the int4 swap and the native copy
-            try:
-                quantize_from_gguf(model, tensors)
-            except ValueError as e:
-                raise ConfigError(f"quantization='int4': {e}") from e
-            if config.cpu_decode_kernel != "off":
-                native = NativeWeights.from_gguf(tensors, model_config)
-        tokenizer = None
-        if config.tokenizer or has_tokenizer(config):
-            tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
-        return cls(model, model_config, tokenizer, device, dtype, native)
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        config.validate()
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, max_model_len: int, kv_cache: KVCache,
+        block_manager: BlockManager, scheduler: Scheduler, runner: ModelRunner,
+    ) -> None:
+        """The step loop over parts already set up (:func:`engine.engine_builder.build_engine`)."""
         self.config = config
-        loaded = loaded or LoadedModel.load(config)
         self.device, self.dtype = loaded.device, loaded.dtype
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
-        self.loaded = loaded
-        self.memory = MemoryLedger(str(self.device))
-        self.memory.record("weights", tensor_bytes(self.model))
-        mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
-        spec = KVCacheSpec.for_model(mc, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(self._kv_budget(spec))
-        if num_blocks < 2:
-            raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
-        self.memory.record("kv_cache", self.kv_cache.nbytes)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_model_len=self.max_model_len,
-            ),
-            self.block_manager,
-        )
-        self.model.decode_kernels = self._decode_kernels(config)
-        backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, self.block_manager, self.device)
-        if config.enable_cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
-            sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
-            torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
-            before = torch.cuda.memory_reserved(self.device)
-            self.runner.capture_cuda_graphs(sizes, self.max_model_len, config.max_num_seqs)
-            tokens = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens]
-            if tokens:
-                self.runner.capture_piecewise_graphs(tokens)
-                self.scheduler.config.step_token_buckets = tuple(sorted(set(tokens)))
-            if config.mixed_cuda_graph_max_chunk > 0:
-                decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
-                self.runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, self.max_model_len,
-                                                config.mixed_cuda_graph_max_graphs)
-            self.memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(self.device) - before)
-        if config.quantization == "int4" and config.cpu_decode_kernel != "off":
-            self._attach_cpu_decode_kernel()
+        self.memory = memory
+        self.max_model_len = max_model_len
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.runner = runner
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.eos_token_ids = set(mc.eos_token_ids)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
@@ -171,10 +78,7 @@ class EngineCore:
         self._inflight: InflightStep | None = None
         self._reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
-        if config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda"):
-            self._warm_up()
 
-    # ---- setup helpers ------------------------------------------------------------------------
     def _reset_counters(self) -> None:
         """Request ids, step counts and timings, token totals and prefix-cache statistics from zero."""
         self._ids = itertools.count()
@@ -186,12 +90,12 @@ class EngineCore:
         self.scheduler.num_preemptions = 0
         self.block_manager.prefix_cache.stats = PrefixCacheStats()
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Run throwaway requests through the real step loop - a short prompt, a long one, the
         long one again with a few more tokens (a prefix-cache hit: a short chunk after a cached
         context, whose attention splits and merges), and a prompt arriving while another request
         decodes (a mixed step) - then forget them: no cached prefixes, counters and step timings
-        back to zero, request ids from the start."""
+        back to zero, request ids from the start. Called once by the builder, before serving."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         pool = self.block_manager.num_usable_blocks * self.config.block_size
@@ -214,46 +118,6 @@ class EngineCore:
         log.info("warm-up: %d steps in %.2f s", self.num_steps, time.perf_counter() - start)
         self.block_manager.reset_prefix_cache()
         self._reset_counters()
-
-    def _decode_kernels(self, config: EngineConfig) -> DecodeKernels:
-        """The batch-1 decode path from the config: CUDA with Triton only."""
-        if not (config.decode_kernels and self.device.type == "cuda" and triton_available()):
-            if config.pdl == "on":
-                raise ConfigError(f"pdl='on' needs the Triton decode kernels on a CUDA device, not {self.device}")
-            return DecodeKernels()
-        pdl = config.pdl == "on" or (config.pdl == "auto" and pdl_supported(self.device))
-        if config.pdl == "on" and not pdl_supported(self.device):
-            raise ConfigError(f"pdl='on' needs compute capability 9.0+, {torch.cuda.get_device_name(self.device)} has "
-                              f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
-        return DecodeKernels(max_rows=DECODE_MAX_ROWS, pdl=pdl)
-
-    def _attach_cpu_decode_kernel(self) -> None:
-        """Small decode-only steps run as one native call (engine/cpu_decode.py)."""
-        from engine.config import default_cache_dir
-        from engine.cpu_decode import CpuDecodeKernel, NativeKernelError, build_library
-
-        if self.loaded.native_weights is None:  # loaded with cpu_decode_kernel="off", shared with this engine
-            self.loaded.native_weights = NativeWeights.from_gguf(gguf_tensors(self.config.model), self.model_config)
-        try:
-            lib = build_library(self.config.cache_dir or default_cache_dir())
-            kernel = CpuDecodeKernel(lib, self.model, self.loaded.native_weights, self.kv_cache.storage, self.config.block_size)
-        except NativeKernelError as e:
-            if self.config.cpu_decode_kernel == "on":
-                raise ConfigError(f"cpu_decode_kernel='on': {e}") from e
-            log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
-            return
-        self.runner.native = kernel
-        self.memory.record("weights (native decode layout)", kernel.weight_bytes_per_step)
-        log.info("native CPU decode step: %s, %d threads, batches up to %d", kernel.simd, kernel.threads, kernel.max_batch)
-
-    def _kv_budget(self, spec: KVCacheSpec) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES
-        from engine.profiling import kv_budget_after_profile
-
-        return kv_budget_after_profile(self, spec)
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None) -> None:
@@ -350,7 +214,7 @@ class EngineCore:
         if not self.async_scheduling:
             outputs += self._finalize(self._take_inflight())
         self.step_times.record(
-            t0, t1, t2, t3, time.perf_counter(), self.runner.last_step_mode, len(inputs.chunks), inputs.num_tokens
+            t0, t1, t2, t3, time.perf_counter(), inputs.path, len(inputs.chunks), inputs.num_tokens
         )
         return outputs
 
@@ -378,7 +242,7 @@ class EngineCore:
         for req in sampled:
             req.num_pending_tokens += 1
         device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
-        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, self.runner.last_step_mode, span,
+        return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, inputs.path, span,
                             self._inflight is not None, inputs.num_tokens)
 
     def _take_inflight(self) -> InflightStep:
@@ -413,7 +277,7 @@ class EngineCore:
         idle = 0.0
         if step.chained and self._last_step_end is not None:
             idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
-        self.step_times.record_device(step.mode, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
+        self.step_times.record_device(step.path, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
         self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

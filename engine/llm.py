@@ -8,7 +8,9 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine_core import EngineCore, LoadedModel
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
 from engine.metrics import EngineStats
 from engine.outputs import CompletionOutput
 from engine.sampling import SamplingParams
@@ -27,14 +29,19 @@ def make_config(model: str, **kwargs: Any) -> EngineConfig:
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, config: EngineConfig | None = None, loaded: LoadedModel | None = None, **kwargs: Any
+        self, model: str | None = None, *, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+        core: EngineCore | None = None, **kwargs: Any
     ) -> None:
-        """``LLM(path, **EngineConfig fields)``; pass ``loaded`` to reuse already loaded weights."""
+        """``LLM(path, **EngineConfig fields)``; pass ``loaded`` to reuse already loaded weights, or
+        ``core`` to drive an engine already built (:func:`engine.engine_builder.build_engine`)."""
+        if core is not None:
+            self.core = core
+            return
         if config is None:
             if model is None:
                 raise ConfigError("LLM needs a model path or an EngineConfig")
             config = make_config(model, **kwargs)
-        self.core = EngineCore(config, loaded)
+        self.core = build_engine(config, loaded)
 
     @property
     def tokenizer(self) -> Tokenizer:

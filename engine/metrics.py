@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from engine.execution_path import ExecutionPath
+
 
 @dataclass
 class RequestMetrics:
@@ -113,7 +115,7 @@ class StepTimes:
     mixed_forward: float = 0.0
     piecewise_steps: int = 0  # steps replayed as piecewise CUDA graphs (attention eager)
     piecewise_forward: float = 0.0
-    native_steps: int = 0  # CPU decode-only steps run as one native call (engine/cpu_decode.py)
+    native_steps: int = 0  # CPU decode-only steps run as one native call (engine/native_decode.py)
     native_forward: float = 0.0
     decode_only_steps: int = 0  # steps with no prefill chunk, and their whole duration and tokens
     decode_only_time: float = 0.0
@@ -129,24 +131,23 @@ class StepTimes:
     device_span: dict[str, list[float]] = field(default_factory=dict)  # mode -> [seconds, steps]
     device_idle: float = 0.0
 
-    def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, mode: str, requests: int, tokens: int) -> None:
-        """Account one step: phase boundaries t0..t4, how the forward ran (``graph``, ``mixed``,
-        ``piecewise``, ``native`` or ``eager``), batch shape."""
+    def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, path: ExecutionPath, requests: int, tokens: int) -> None:
+        """Account one step: phase boundaries t0..t4, how the forward ran, batch shape."""
         self.steps += 1
         self.schedule += t1 - t0
         self.prepare += t2 - t1
         self.forward += t3 - t2
         self.postprocess += t4 - t3
-        if mode == "graph":
+        if path is ExecutionPath.GRAPH:
             self.graph_steps += 1
             self.graph_forward += t3 - t2
-        elif mode == "mixed":
+        elif path is ExecutionPath.MIXED:
             self.mixed_steps += 1
             self.mixed_forward += t3 - t2
-        elif mode == "piecewise":
+        elif path is ExecutionPath.PIECEWISE:
             self.piecewise_steps += 1
             self.piecewise_forward += t3 - t2
-        elif mode == "native":
+        elif path is ExecutionPath.NATIVE:
             self.native_steps += 1
             self.native_forward += t3 - t2
         if requests == tokens:
@@ -155,8 +156,10 @@ class StepTimes:
             self.decode_only_tokens += tokens
         self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
 
-    def record_device(self, mode: str, span: float, idle: float, requests: int = 0, tokens: int = 0) -> None:
-        """Account one step's device span and the idle gap before it (seconds), and its batch shape."""
+    def record_device(self, path: ExecutionPath, span: float, idle: float, requests: int = 0, tokens: int = 0) -> None:
+        """Account one step's device span and the idle gap before it (seconds), and its batch shape
+        (by the path's name: ``device_span`` and ``slowest_device`` hold plain strings)."""
+        mode = path.value
         total = self.device_span.setdefault(mode, [0.0, 0])
         total[0] += span
         total[1] += 1

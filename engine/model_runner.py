@@ -15,11 +15,13 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import NULL_BLOCK, BlockManager
-from engine.cpu_decode import CpuDecodeKernel
 from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
+from engine.execution_path import ExecutionPath
+from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
+from engine.native_decode import NativeDecodeStep
 from engine.scheduler import ScheduledChunk
 from engine.transfer import to_device
 
@@ -35,18 +37,22 @@ class DeviceTokens:
 
 @dataclass
 class StepInputs:
-    """One step's inputs: on the device for the eager, piecewise and mixed paths; packed on the
-    host for a decode graph (``graph``), whose first kernel scatters them."""
+    """One step's inputs and the path its forward takes: on the device for the eager, piecewise,
+    mixed and native paths; packed on the host for a decode graph (``graph``), whose first kernel
+    scatters them."""
 
     chunks: list[ScheduledChunk]  # in batch order
     sampled_chunks: list[ScheduledChunk]
     num_tokens: int
     sample_rows_host: list[int]  # index into the flattened tokens of each chunk that yields a sample
+    path: ExecutionPath
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     meta: AttentionMetadata | None = None
     sample_rows: torch.Tensor | None = None  # sample_rows_host on the device
-    graph: DecodeGraphStep | None = None
+    graph: DecodeGraphStep | None = None  # the GRAPH path's packed step
+    pieces: int | None = None  # the PIECEWISE path's token bucket
+    mixed_key: tuple[int, int] | None = None  # the MIXED path's (decode bucket, chunk length)
 
 
 @dataclass
@@ -58,8 +64,14 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, block_manager: BlockManager, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, block_manager: BlockManager, device: torch.device,
+        gemv: GemvPolicy, native: NativeDecodeStep | None = None,
+    ) -> None:
+        """``gemv``: which steps of few tokens run the batch-1 GEMVs (every forward and graph of
+        this runner); ``native``: the CPU's native step for small decode-only steps, if built."""
         self.model = model
+        self.gemv = gemv
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
         self.backend = backend
@@ -69,19 +81,19 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
-        self.native: CpuDecodeKernel | None = None  # CPU: small decode-only steps as one C call
-        self.last_step_mode = "eager"  # graph | mixed | piecewise | native | eager: how the last forward ran
+        self.native = native
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (on the CPU only tests use it: nothing is captured, the same
         steps run eagerly); afterwards decode-only steps replay them."""
         self.graphs = CudaGraphRunner(
-            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device
+            self.model, self.backend, self.kv_layers, batch_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device,
+            self.gemv,
         )
 
     def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
-        """The decode graph bucket of a decode-only step; None when it runs another way (the
-        native CPU kernel first, where it is attached)."""
+        """The decode graph bucket of a decode-only step (its path is then GRAPH); None when it
+        runs another way (``_choose_path``: the native CPU step first, where the runner has one)."""
         if self.graphs is None or any(c.num_tokens != 1 for c in chunks):
             return None
         if self.native is not None and len(chunks) <= self.native.max_batch:
@@ -91,14 +103,14 @@ class ModelRunner:
     def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
         """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
         steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
-        self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device)
+        self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device, self.gemv)
 
     def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int) -> None:
         """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens replay whole
         (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner)."""
         self.mixed = MixedGraphRunner(
             self.model, self.backend, self.kv_layers, decode_buckets, max_chunk, -(-max_model_len // self.block_size),
-            max_model_len, max_graphs, self.device,
+            max_model_len, max_graphs, self.device, self.gemv,
         )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:
@@ -130,6 +142,7 @@ class ModelRunner:
             else:
                 ids += tokens[start : start + n]
             blocks = req.block_ids
+            # flat KV slots (block id x block size + offset), inline: this loop is per token
             if n == 1:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -149,13 +162,13 @@ class ModelRunner:
             table += c.request.block_ids
             table += [NULL_BLOCK] * (width - len(c.request.block_ids))
         common = {"chunks": chunks, "sampled_chunks": sampled, "num_tokens": len(ids), "sample_rows_host": sample_rows}
-        if bucket is not None:
+        if bucket is not None:  # ExecutionPath.GRAPH
             src = [-1] * n_req
             for dst, row in zip(fix_dst, fix_src):
                 src[dst] = row
             step = DecodeGraphStep(bucket, pack_decode_step(ids, positions, slots, slens, src, table, width),
                                    pending.tokens if fix_dst else None)
-            return StepInputs(**common, graph=step)
+            return StepInputs(**common, path=ExecutionPath.GRAPH, graph=step)
         qsl = [0]
         for q in qlens:
             qsl.append(qsl[-1] + q)
@@ -188,14 +201,31 @@ class ModelRunner:
             num_decodes=sum(1 for q in qlens if q == 1),
             max_seq_len=max(slens),
         )
-        return StepInputs(**common, input_ids=t_ids, positions=t_pos, meta=meta, sample_rows=t_rows)
+        path, pieces, mixed_key = self._choose_path(meta, len(ids))
+        return StepInputs(**common, path=path, input_ids=t_ids, positions=t_pos, meta=meta, sample_rows=t_rows,
+                          pieces=pieces, mixed_key=mixed_key)
+
+    def _choose_path(self, meta: AttentionMetadata, num_tokens: int) -> tuple[ExecutionPath, int | None, tuple[int, int] | None]:
+        """The path of a step that is not a decode graph's (``_graph_bucket`` took those), with
+        its piecewise token bucket or mixed-step key: the native CPU step for a small decode-only
+        step, else a mixed-step graph whose shape is ready (this counts the shape's sighting),
+        else piecewise graphs where a token bucket holds the step, else eager."""
+        decode_only = meta.num_decodes == meta.num_requests
+        if self.native is not None and decode_only and meta.num_requests <= self.native.max_batch:
+            return ExecutionPath.NATIVE, None, None
+        mixed = self.mixed.key(meta, num_tokens) if self.mixed and not decode_only else None
+        if mixed is not None and self.mixed.ready(mixed):
+            return ExecutionPath.MIXED, None, mixed
+        pieces = self.piecewise.bucket(num_tokens) if self.piecewise else None
+        if pieces is not None:
+            return ExecutionPath.PIECEWISE, pieces, None
+        return ExecutionPath.EAGER, None, None
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> StepLogits:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt, and
         their argmax when the step computed it."""
-        if inputs.graph is not None:
-            self.last_step_mode = "graph"
+        if inputs.path is ExecutionPath.GRAPH:
             logits, tokens = self.graphs.run(inputs.graph)  # the graph ends with the lm_head and the argmax
             if len(inputs.sampled_chunks) != len(inputs.chunks):  # a one-token prefill chunk that samples nothing
                 rows = to_device(inputs.sample_rows_host, torch.long, self.device)
@@ -204,20 +234,14 @@ class ModelRunner:
         return StepLogits(self._forward(inputs))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        meta = inputs.meta
-        decode_only = meta.num_decodes == meta.num_requests
-        if self.native is not None and decode_only and meta.num_requests <= self.native.max_batch:
-            self.last_step_mode = "native"
+        meta, path = inputs.meta, inputs.path
+        if path is ExecutionPath.NATIVE:
             return self.native.run(inputs.input_ids, inputs.positions, meta.block_tables)[inputs.sample_rows]
-        pieces = self.piecewise.bucket(inputs.num_tokens) if self.piecewise else None
-        mixed = self.mixed.key(meta, inputs.num_tokens) if self.mixed and not decode_only else None
-        if mixed is not None and self.mixed.ready(mixed):
-            self.last_step_mode = "mixed"
-            return self.model.compute_logits(self.mixed.run(inputs.input_ids, inputs.positions, meta, mixed, inputs.sample_rows))
-        if pieces is not None:
-            self.last_step_mode = "piecewise"
-            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, pieces)
+        if path is ExecutionPath.MIXED:
+            hidden = self.mixed.run(inputs.input_ids, inputs.positions, meta, inputs.mixed_key, inputs.sample_rows)
+            return self.model.compute_logits(hidden, self.gemv)
+        if path is ExecutionPath.PIECEWISE:
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, inputs.pieces)
         else:
-            self.last_step_mode = "eager"
-            hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            hidden = self.model(inputs.input_ids, inputs.positions, self.backend, meta, self.kv_layers, self.gemv)
+        return self.model.compute_logits(hidden[inputs.sample_rows], self.gemv)

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, select_backend
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineCore
+from engine.memory import MemoryLedger
+from engine.model import LlamaForCausalLM
 
 
 @torch.inference_mode()
-def profile_peak_activations(core: "EngineCore", spec: KVCacheSpec) -> int:
+def profile_peak_activations(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, spec: KVCacheSpec,
+                             max_model_len: int) -> int:
     """Run one prefill of ``max_num_batched_tokens`` tokens and return the activation peak (bytes)."""
-    device = core.device
-    tokens = min(core.config.max_num_batched_tokens, core.max_model_len)
+    tokens = min(config.max_num_batched_tokens, max_model_len)
     blocks = -(-tokens // spec.block_size) + 1
     scratch = KVCache(spec, blocks, device)
     torch.cuda.synchronize(device)
@@ -33,13 +31,11 @@ def profile_peak_activations(core: "EngineCore", spec: KVCacheSpec) -> int:
         num_decodes=0,
         max_seq_len=tokens,
     )
-    ids = torch.randint(0, core.model_config.vocab_size, (tokens,), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
     positions = torch.arange(tokens, device=device)
-    from engine.attention import select_backend
-
-    backend = select_backend(core.config.attention_backend, device)
-    hidden = core.model(ids, positions, backend, meta, scratch.layers())
-    core.model.compute_logits(hidden[-core.config.max_num_seqs :])
+    backend = select_backend(config.attention_backend, device)
+    hidden = model(ids, positions, backend, meta, scratch.layers())
+    model.compute_logits(hidden[-config.max_num_seqs :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden
@@ -47,12 +43,13 @@ def profile_peak_activations(core: "EngineCore", spec: KVCacheSpec) -> int:
     return peak
 
 
-def kv_budget_after_profile(core: "EngineCore", spec: KVCacheSpec) -> int:
-    """``gpu_memory_utilization`` x total memory, minus what is in use and the activation peak."""
-    device = core.device
-    activations = profile_peak_activations(core, spec)
-    core.memory.record("activations (profiled peak)", activations)
+def kv_budget_after_profile(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, memory: MemoryLedger,
+                            spec: KVCacheSpec, max_model_len: int) -> int:
+    """``gpu_memory_utilization`` x total memory, minus what is in use and the activation peak
+    (recorded in ``memory``)."""
+    activations = profile_peak_activations(model, config, device, spec, max_model_len)
+    memory.record("activations (profiled peak)", activations)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
-    budget = int(core.config.gpu_memory_utilization * total) - used - activations
+    budget = int(config.gpu_memory_utilization * total) - used - activations
     return max(budget, 0)

@@ -34,6 +34,19 @@ class SchedulerConfig:
     step_token_buckets: tuple[int, ...] = ()
 
 
+@dataclass
+class TokenBudget:
+    """The tokens a step may still hand out; helpers take from it and preemption gives back."""
+
+    remaining: int
+
+    def take(self, n: int) -> None:
+        self.remaining -= n
+
+    def give_back(self, n: int) -> None:
+        self.remaining += n
+
+
 # Below this many tokens a step is bound by reading the weights, so padding it to the next bucket
 # is nearly free and trimming would only delay a prompt's first token by a step.
 FIT_BUCKET_MIN_TOKENS = 1024
@@ -101,7 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledChunk] = {}
-        budget = [self.config.max_num_batched_tokens]
+        budget = TokenBudget(self.config.max_num_batched_tokens)
         admission_open = True
         oversize_used = False
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -110,9 +123,9 @@ class Scheduler:
             decodes = [r for r in members if not r.is_prefilling]
             prefills = [r for r in members if r.is_prefilling]
             for req in decodes + prefills:
-                if req.status is not RequestStatus.RUNNING or budget[0] <= 0 or self._awaits_last_token(req):
+                if req.status is not RequestStatus.RUNNING or budget.remaining <= 0 or self._awaits_last_token(req):
                     continue
-                n = self._chunk_size(req, budget[0])
+                n = self._chunk_size(req, budget.remaining)
                 while not self.block_manager.allocate_slots(req, n):
                     victim = self.running[-1]
                     if victim is req and len(self.running) == 1:
@@ -125,14 +138,14 @@ class Scheduler:
                         break
                 if req.status is RequestStatus.RUNNING:
                     scheduled[id(req)] = ScheduledChunk(req, n)
-                    budget[0] -= n
+                    budget.take(n)
             if not admission_open:
                 continue
             for req in [r for r in self.waiting if r.priority == cls]:
                 if req in out.preempted:  # not re-admitted in the step that preempted it
                     admission_open = False
                     break
-                if budget[0] <= 0:
+                if budget.remaining <= 0:
                     break
                 admitted, oversize = self._try_admit(req, scheduled, budget, out, oversize_used)
                 oversize_used |= oversize
@@ -186,7 +199,7 @@ class Scheduler:
         )
 
     def _try_admit(
-        self, req: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput, oversize_used: bool
+        self, req: Request, scheduled: dict[int, ScheduledChunk], budget: TokenBudget, out: SchedulerOutput, oversize_used: bool
     ) -> tuple[bool, bool]:
         """Admit one waiting request (possibly preempting lower classes). Returns (admitted, used the
         one oversize slot that non-chunked prefill gets per step)."""
@@ -200,12 +213,12 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.block_manager.block_size
         oversize = False
         if self.config.enable_chunked_prefill:
-            n = min(remaining, budget[0])
+            n = min(remaining, budget.remaining)
             if self.config.long_prefill_token_threshold:
                 n = min(n, self.config.long_prefill_token_threshold)
             # A first chunk that fits the free blocks beats waiting for the whole chunk's worth.
             n = max(1, min(n, self.block_manager.free_token_capacity(req, cached)))
-        elif remaining <= budget[0]:
+        elif remaining <= budget.remaining:
             n = remaining
         elif not oversize_used:
             n, oversize = remaining, True  # without chunking a long prompt runs whole, once per step
@@ -223,20 +236,20 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
         scheduled[id(req)] = ScheduledChunk(req, n)
-        budget[0] -= n
+        budget.take(n)
         return True, oversize
 
-    def _preempt_lower(self, req: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput) -> bool:
+    def _preempt_lower(self, req: Request, scheduled: dict[int, ScheduledChunk], budget: TokenBudget, out: SchedulerOutput) -> bool:
         """Preempt the last running request if it is of a strictly lower class than ``req``."""
         if not self.running or self.running[-1].priority <= req.priority:
             return False
         self._preempt(self.running[-1], scheduled, budget, out)
         return True
 
-    def _preempt(self, victim: Request, scheduled: dict[int, ScheduledChunk], budget: list[int], out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, scheduled: dict[int, ScheduledChunk], budget: TokenBudget, out: SchedulerOutput) -> None:
         chunk = scheduled.pop(id(victim), None)
         if chunk is not None:
-            budget[0] += chunk.num_tokens
+            budget.give_back(chunk.num_tokens)
         self.running.remove(victim)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0

@@ -8,8 +8,8 @@ lives in block ``block_table[t // page]`` at row ``t % page``.
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
-- ``decode_kernel`` + ``combine_kernel``: split-KV ("flash decoding") attention for one query per
-  request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
+- ``split_kv_decode_attention`` + ``combine_kernel``: split-KV ("flash decoding") attention for
+  one query per request. A program handles all query heads of one KV head (GQA: K/V are read once per group)
   over one slice of the context; the combine kernel merges the slices by their log-sum-exp.
   Splitting keeps the GPU busy when few requests have long contexts; a batch large enough to
   fill the GPU unsplit (one slice) writes its output directly and launches no combine.
@@ -87,7 +87,7 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
-def decode_kernel(
+def split_kv_decode_attention(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
     K_NEW, V_NEW, POS, COS_SIN, SLOT,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
@@ -314,6 +314,6 @@ def prefill_kernel(
 # What triton_paged launches: these run eagerly between the piecewise graphs of mixed steps, where
 # the JIT's per-launch dispatch was most of a step's host time (engine/kernels/cached_launch.py).
 rope_store_launch = CachedLaunch(rope_store_kernel)
-decode_launch = CachedLaunch(decode_kernel)
+decode_launch = CachedLaunch(split_kv_decode_attention)
 combine_launch = CachedLaunch(combine_kernel)
 prefill_launch = CachedLaunch(prefill_kernel)

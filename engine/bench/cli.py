@@ -32,7 +32,9 @@ from engine.bench.sync_debug import report_host_syncs
 from engine.bench.throughput import bench_throughput, same_engine, throughput_engine
 from engine.bench.workload import Sizes
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, LoadedModel
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
 from engine.metrics import StepTimes
 
 
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "int4"),
                    help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
-    p.add_argument("--cpu-decode-kernel", default="auto", choices=("auto", "on", "off"),
-                   help="with int4 on the CPU: small decode-only steps as one native call (engine/cpu_decode.py)")
+    p.add_argument("--native-decode-step", default="auto", choices=("auto", "on", "off"),
+                   help="with int4 on the CPU: small decode-only steps as one native call (engine/native_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel, async_scheduling=args.async_scheduling,
+                          quantization=args.quantization, native_decode_step=args.native_decode_step, async_scheduling=args.async_scheduling,
                           pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # the other suites (those two then stop at add_request's "too long" error).
     config.max_model_len = min(max(sizes.prefix_len + 2 * sizes.question_len, sizes.chunked_long + 16, 4096),
                                loaded.model_config.max_position_embeddings)
-    core = EngineCore(config, loaded)
+    core = build_engine(config, loaded)
     rng = random.Random(args.seed)
     results: dict[str, float] = {}
     print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "

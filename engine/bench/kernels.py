@@ -65,7 +65,7 @@ def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill:
     output limit covers that too (with a fixed 64 the 256 x 736 profiles of 2026-11-30 had lost
     the early requests before the profile and measured a smaller batch than they said)."""
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.engine_builder import build_engine
     from engine.sampling import SamplingParams
 
     budget = budget or max(2048, batch + prefill)
@@ -76,7 +76,7 @@ def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill:
     cfg = EngineConfig(model=model_config, max_model_len=context + prefill + headroom, max_num_seqs=seqs, max_num_batched_tokens=budget,
                        **options)
     cfg.piecewise_cuda_graph_sizes = tuple(t for t in cfg.piecewise_cuda_graph_sizes if prefill and t <= batch + prefill + 2 * steps)
-    core = EngineCore(cfg)
+    core = build_engine(cfg)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=headroom, ignore_eos=True)
     vocab = core.model_config.vocab_size
@@ -124,6 +124,9 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
     its kernels under torch.profiler: per-step kernel time, top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.metrics import StepTimes
+
+    core.step_times = StepTimes()  # the paths of the profiled steps only
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run_steps()
@@ -132,7 +135,7 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
         run_steps()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / steps / 1e3
-    print(f"{label}, mode {core.runner.last_step_mode}: {total:.3f} ms of kernel time "
+    print(f"{label}, mode {'/'.join(sorted(core.step_times.device_span))}: {total:.3f} ms of kernel time "
           f"per step; {wall:.3f} ms wall per step unprofiled (the rest: gaps between kernels, host time)")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:20]:
         per_step = e.device_time_total / steps / 1e3
@@ -176,13 +179,13 @@ def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) 
     ``long``-token prompt is prefilled ``budget`` tokens a step (as bench's chunked suite);
     profiled near the prompt's end, where its chunks attend to the most context."""
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.engine_builder import build_engine
     from engine.sampling import SamplingParams
 
     steps = 10
     config = EngineConfig(model=model_config, load_format="dummy", gpu_memory_utilization=0.5, max_model_len=long + 256,
                           async_scheduling="off", max_num_seqs=batch + 1, max_num_batched_tokens=budget)
-    core = EngineCore(config)
+    core = build_engine(config)
     rng = random.Random(0)
     for _ in range(batch):
         core.add_request([rng.randrange(100, 1000) for _ in range(64)], SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))

@@ -14,7 +14,7 @@ from engine.bench.report import Row
 from engine.bench.timing import replay_ms, timed
 from engine.bench.workload import Sizes, engine_decode, random_prompt
 from engine.engine_core import EngineCore
-from engine.kernels.decode_kernels import PROJECTIONS, DecodeKernels
+from engine.kernels.gemv_policy import PROJECTIONS, GemvPolicy
 
 
 def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
@@ -33,7 +33,7 @@ def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rn
         gpu_ms = replay_ms(graphs.graphs[1])
         rows.append(Row("decode batch 1: device time per step (graph replay)", gpu_ms, "ms", "engine time per token (tpot)", tpot * 1e3, False))
         results.update(decode_bs1_graph_ms=gpu_ms, decode_bs1_tpot_ms=tpot * 1e3)
-        if core.model.decode_kernels.max_rows:
+        if core.runner.gemv.max_rows:
             rows += decode_path_ab(core, prompt, sizes, tpot, gpu_ms, results)
     if core.async_scheduling:  # what async scheduling buys: the same decode with it off
         core.async_scheduling = False
@@ -66,7 +66,7 @@ def hf_decode(hf: torch.nn.Module, prompt: list[int], tokens: int, device: torch
     return t1, (tn - t1) / tokens
 
 
-def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
+def decode_path_variants(path: GemvPolicy) -> dict[str, GemvPolicy]:
     """What each part of the batch-1 decode path buys: the path with one part changed."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if path.pdl:
@@ -86,24 +86,22 @@ def decode_path_variants(path: DecodeKernels) -> dict[str, DecodeKernels]:
 
 
 def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: float, gpu_ms: float, results: dict) -> list[Row]:
-    """The batch-1 graph captured again for each variant of the decode path (DecodeKernels): its
+    """The batch-1 graph captured again for each variant of the decode path (GemvPolicy): its
     replay time and the engine's decode speed with it, against the configured path."""
     from engine.cuda_graph import CudaGraphRunner
 
-    runner, graphs, path = core.runner, core.runner.graphs, core.model.decode_kernels
+    runner, graphs, path = core.runner, core.runner.graphs, core.runner.gemv
     rows, by_variant = [], {}
     for name, variant in decode_path_variants(path).items():
-        core.model.decode_kernels = variant
         try:
             other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
-                                    core.device)
+                                    core.device, variant)
             runner.graphs = other
             core.block_manager.reset_prefix_cache()
             _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)
             other_ms = replay_ms(other.graphs[1])  # like the other replay: with the decoded request's context
         finally:
             runner.graphs = graphs
-            core.model.decode_kernels = path
         del other
         by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
         rows += [Row(f"decode batch 1 ({path_name(path)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
@@ -112,7 +110,7 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
     return rows
 
 
-def path_name(path: DecodeKernels) -> str:
+def path_name(path: GemvPolicy) -> str:
     """A short name of the decode path's parts, for the A/B rows."""
     if not path.max_rows:
         return "cuBLAS"

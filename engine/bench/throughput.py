@@ -14,7 +14,9 @@ from engine.bench.ceilings import decode_step_bytes, throughput_bounds
 from engine.bench.report import Row, slowest_steps
 from engine.bench.workload import Sizes, random_prompt, run_to_completion
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, LoadedModel
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
 from engine.metrics import StepTimes
 from engine.sampling import SamplingParams
 
@@ -75,7 +77,7 @@ def throughput_engine(config: EngineConfig, loaded: LoadedModel) -> EngineCore:
     if loaded.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(loaded.device)
-    core = EngineCore(config, loaded)
+    core = build_engine(config, loaded)
     print(f"# throughput engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
           f"gpu_memory_utilization {config.gpu_memory_utilization}: {core.kv_cache.num_blocks:,} KV blocks", flush=True)
     return core

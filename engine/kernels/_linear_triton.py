@@ -21,7 +21,7 @@ down_proj with both norms folded replayed in 4.63 ms (7.53 without the early loa
 3.75 with the norm kernels.
 
 ``LATE_RELEASE`` (with PDL): the next kernel may launch only after the K loop, not right after
-the wait (DecodeKernels.late_release says for which projections it pays).
+the wait (GemvPolicy.late_release says for which projections it pays).
 """
 
 import triton

@@ -6,7 +6,7 @@ is still running. Before :func:`pdl_wait` it may only *read memory nothing in fl
 Calling ``gdc_launch_dependents`` right after the wait lets the next kernel start its own
 prologue now: at most two kernels overlap, and the earlier one has passed its own wait. A kernel
 may instead wait with ``RELEASE=False`` and call :func:`pdl_release` later (the decode GEMVs
-named in ``DecodeKernels.late_release`` do so after their K loop).
+named in ``GemvPolicy.late_release`` do so after their K loop).
 """
 
 import triton

@@ -7,7 +7,7 @@ cuBLAS on q|k|v, o_proj, gate|up and the lm_head (15.2 / 12.3 / 56.7 / 233.6 us 
 partials summed by the next norm (``split_k``: in the batch-1 graph 4.07 vs 4.14 ms against
 cuBLAS's split-K and reduction kernel, docs/performance.md); at 8 rows cuBLAS
 was ahead on q|k|v and gate|up (docs/results/2026-11-29-h200-gemv-sweep.txt), so only batch-1
-steps use it (``DecodeKernels.max_rows``, engine/kernels/decode_kernels.py). ``python -m engine.kernel_bench
+steps use it (``GemvPolicy.max_rows``, engine/kernels/gemv_policy.py). ``python -m engine.kernel_bench
 --gemv`` sweeps its tiles against cuBLAS; :func:`decode_tile` holds the winners.
 """
 
@@ -54,7 +54,7 @@ def decode_tile(n: int, k: int) -> GemvConfig:
     4.106-4.111 with full-width tiles (96 and 224 programs; both with the early residual read of
     add_rms_norm, H200, 2026-11-30, docs/performance.md). 131 programs of q|k|v were 2% slower than
     96, and a grid that needs a second wave (gate|up at 4 stages) 5%."""
-    if n <= 4096 and k > 8192:  # down_proj, split-K 2 (DecodeKernels.down_split_k): in the batch-1 graph
+    if n <= 4096 and k > 8192:  # down_proj, split-K 2 (GemvPolicy.down_split_k): in the batch-1 graph
         return GemvConfig("dot", 64, 256, 4, 4)  # replay 4.065 vs 4.105 ms with 32x256 s5 (H200, 2026-11-30)
     if n <= 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
         return GemvConfig("dot", 32, 256, 4, 5)
@@ -90,7 +90,7 @@ def decode_linear(
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
     (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): its launch
     overlaps the previous kernel's tail; ``late_release``: the kernel after it may launch only once
-    this one's K loop is done (DecodeKernels.late_release)."""
+    this one's K loop is done (GemvPolicy.late_release)."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 

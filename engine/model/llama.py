@@ -5,7 +5,8 @@ where each request's tokens start and which KV blocks it owns from :class:`Atten
 Q/K/V and gate/up projections are fused into one matmul each, the residual add is fused into
 the next RMSNorm, and RoPE is fused into the KV-cache write (on CUDA decode steps, into the
 attention kernel too): fewer kernel launches per layer. Steps of one token can take the batch-1
-decode path (:class:`~engine.kernels.decode_kernels.DecodeKernels`: Triton GEMVs, PDL).
+GEMV path (:class:`~engine.kernels.gemv_policy.GemvPolicy`: Triton GEMVs, PDL): the policy is an
+argument of each forward, not model state, so engines sharing one loaded model each run their own.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
-from engine.kernels.decode_kernels import DecodeKernels
+from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.linear import decode_linear, usable_split_k
 from engine.model.rope import RotaryEmbedding
+
+PLAIN = GemvPolicy()  # cuBLAS throughout: the default of every forward
 
 
 class RMSNorm(nn.Module):
@@ -98,10 +101,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        # The batch-1 decode path (Triton GEMVs, PDL); off by default. Set by the engine
-        # (EngineConfig.decode_kernels / .pdl, CUDA only) before it captures graphs; tests set it
-        # on the CPU to run the same kernels in Triton's interpreter.
-        self.decode_kernels = DecodeKernels()
 
     def forward(
         self,
@@ -110,83 +109,88 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        gemv: GemvPolicy = PLAIN,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened tokens of one step; writes their KV.
+        ``gemv``: which steps of few tokens run the batch-1 GEMVs (the engine's policy).
 
         Written as pieces split at attention (see :mod:`engine.cuda_graph`): piece 0, then per
         layer attention and the piece after it. Run straight through here; the piecewise runner
         replays the pieces as CUDA graphs and runs only attention eagerly."""
-        qkv, residual = self.first_piece(input_ids)
+        qkv, residual = self.first_piece(input_ids, gemv)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i], self._pdl(qkv))
+            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i], _pdl(gemv, qkv))
             if i == last:
-                return self.last_piece(attn, residual)
-            qkv, residual = self.middle_piece(i, attn, residual)
+                return self.last_piece(attn, residual, gemv)
+            qkv, residual = self.middle_piece(i, attn, residual, gemv)
         raise AssertionError("a model has at least one layer")
 
-    def first_piece(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_piece(self, input_ids: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
-        return self._norm_qkv(0, self.embed_tokens(input_ids), None)
+        return self._norm_qkv(0, self.embed_tokens(input_ids), None, gemv)
 
-    def _use_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this step's ``x`` ([rows, dim], or a split-K GEMV's [parts, rows, dim]
-        partials) takes the batch-1 decode path (DecodeKernels)."""
-        return self.decode_kernels.applies(x.shape[-2])
-
-    def _pdl(self, x: torch.Tensor) -> bool:
-        return self.decode_kernels.pdl and self._use_gemv(x)
-
-    def _proj(self, name: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """A projection: the decode GEMV for steps of few tokens, else the module (cuBLAS)."""
-        return self._gemv(name, x, linear.weight) if self._use_gemv(x) else linear(x)
-
-    def _gemv(
-        self, name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False,
-        split_k: int = 1,
-    ) -> torch.Tensor:
-        """Projection ``name`` (of decode_kernels.PROJECTIONS) as the decode GEMV."""
-        path = self.decode_kernels
-        return decode_linear(x, weight, out_dtype, gated=gated, pdl=path.pdl, split_k=usable_split_k(weight, split_k),
-                             late_release=name in path.late_release)
-
-    def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_qkv(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, gemv: GemvPolicy) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm (of h + residual) and q|k|v projection -> (qkv, new residual)."""
         layer = self.layers[i]
-        x, residual = layer.input_layernorm(h, residual, self._pdl(h))
-        return self._proj("qkv", layer.self_attn.qkv_proj, x), residual
+        x, residual = layer.input_layernorm(h, residual, _pdl(gemv, h))
+        return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x), residual
 
-    def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, pdl, path = self.layers[i], self._pdl(attn), self.decode_kernels
+    def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, pdl = self.layers[i], _pdl(gemv, attn)
         o_proj = layer.self_attn.o_proj
         # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
-        h = self._gemv("o", attn, o_proj.weight, split_k=path.o_split_k) if self._use_gemv(attn) else o_proj(attn)
+        h = _gemv(gemv, "o", attn, o_proj.weight, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
-        if self._use_gemv(x) and self.decode_kernels.fused_swiglu:
-            act = self._gemv("gate_up", x, mlp.gate_up_proj.weight, gated=True)
+        if _use_gemv(gemv, x) and gemv.fused_swiglu:
+            act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj.weight, gated=True)
         else:
-            act = silu_and_mul(self._proj("gate_up", mlp.gate_up_proj, x), pdl=pdl)
-        if path.gemv_down:
-            down = self._gemv("down", act, mlp.down_proj.weight, split_k=path.down_split_k) if self._use_gemv(act) else mlp.down_proj(act)
+            act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
+        if gemv.gemv_down:
+            down = _gemv(gemv, "down", act, mlp.down_proj.weight, split_k=gemv.down_split_k) if _use_gemv(gemv, act) else mlp.down_proj(act)
             return down, residual
         return mlp.down_proj(act), residual
 
-    def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
-        h, residual = self._after_attention(i, attn, residual)
-        return self._norm_qkv(i + 1, h, residual)
+        h, residual = self._after_attention(i, attn, residual, gemv)
+        return self._norm_qkv(i + 1, h, residual, gemv)
 
-    def last_piece(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def last_piece(self, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
-        h, residual = self._after_attention(len(self.layers) - 1, attn, residual)
-        return self.norm(h, residual, self._pdl(h))[0]
+        h, residual = self._after_attention(len(self.layers) - 1, attn, residual, gemv)
+        return self.norm(h, residual, _pdl(gemv, h))[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
-        if self._use_gemv(hidden):  # float32 straight from the accumulator: no cast kernel
+        if _use_gemv(gemv, hidden):  # float32 straight from the accumulator: no cast kernel
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return self._gemv("lm_head", hidden, weight, torch.float32)
+            return _gemv(gemv, "lm_head", hidden, weight, torch.float32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+def _use_gemv(gemv: GemvPolicy, x: torch.Tensor) -> bool:
+    """Whether this step's ``x`` ([rows, dim], or a split-K GEMV's [parts, rows, dim] partials)
+    takes the batch-1 GEMV path."""
+    return gemv.applies(x.shape[-2])
+
+
+def _pdl(gemv: GemvPolicy, x: torch.Tensor) -> bool:
+    return gemv.pdl and _use_gemv(gemv, x)
+
+
+def _proj(gemv: GemvPolicy, name: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A projection: the GEMV for steps of few tokens, else the module (cuBLAS)."""
+    return _gemv(gemv, name, x, linear.weight) if _use_gemv(gemv, x) else linear(x)
+
+
+def _gemv(
+    gemv: GemvPolicy, name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False,
+    split_k: int = 1,
+) -> torch.Tensor:
+    """Projection ``name`` (of gemv_policy.PROJECTIONS) as the batch-1 GEMV."""
+    return decode_linear(x, weight, out_dtype, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k),
+                         late_release=name in gemv.late_release)

@@ -9,6 +9,7 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
+from engine.execution_path import ExecutionPath
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -82,6 +83,20 @@ def prompt_logits(core, token_ids: list[int]) -> torch.Tensor:
             return core.model.compute_logits(hidden)
     finally:
         core.block_manager.free(req)
+
+
+def record_paths(runner) -> list[ExecutionPath]:
+    """The path of every step ``runner`` prepares from now on, in order (wraps its ``prepare``)."""
+    paths: list[ExecutionPath] = []
+    prepare = runner.prepare
+
+    def spy(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        paths.append(inputs.path)
+        return inputs
+
+    runner.prepare = spy
+    return paths
 
 
 async def wait_idle(engine, timeout: float = 30.0):

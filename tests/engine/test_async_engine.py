@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineCore, RequestError, SamplingError, SamplingParams
+from engine import LLM, AsyncEngine, RequestError, SamplingError, SamplingParams, build_engine
 from engine.llm import make_config
 from tests.engine.helpers import wait_idle
 
@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 @pytest.fixture
 def engine(smollm, llm_gguf_path):
-    eng = AsyncEngine(core=EngineCore(make_config(str(llm_gguf_path), num_kv_blocks=256, max_num_seqs=4), smollm))
+    eng = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=256, max_num_seqs=4), smollm))
     yield eng
     eng.shutdown()
 

@@ -8,13 +8,13 @@ import random
 
 import torch
 
-from engine import EngineConfig, EngineCore
+from engine import EngineConfig, build_engine
 from engine.bench.chunked import bench_chunked
 from engine.bench.workload import Sizes
 
 
 def test_each_budget_is_compared_with_as_many_steps_without_the_long_prompt(tiny_llama_dir):
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=256, max_model_len=400))
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=256, max_model_len=400))
     sizes = dataclasses.replace(Sizes.for_device(torch.device("cpu")), chunked_streams=2, chunked_long=60, chunked_budgets=(16, 8))
     results: dict = {}
     rows = bench_chunked(core, sizes, random.Random(0), results)

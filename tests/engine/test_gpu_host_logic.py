@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ConfigError, EngineConfig, EngineCore
+from engine import ConfigError, EngineConfig, build_engine
 from engine.attention.triton_paged import MAX_SPLITS, TARGET_PROGRAMS, decode_splits, prefill_splits, prefill_tiles
 from engine.cuda_graph import graph_bucket
+from engine.execution_path import ExecutionPath
 
 
 def test_graph_bucket_is_the_smallest_that_fits():
@@ -53,11 +54,11 @@ def test_triton_backend_on_the_cpu_is_a_clear_error(tmp_path):
         ' "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 128}'
     )
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
+        build_engine(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
                                 attention_backend="triton", num_kv_blocks=8))
     if not torch.cuda.is_available():  # on a CUDA machine this configuration is valid
         with pytest.raises(ConfigError, match="CUDA is not available"):
-            EngineCore(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
+            build_engine(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cuda", num_kv_blocks=8))
 
 
 def test_every_per_step_tensor_starts_16_byte_aligned(tiny_llama_dir):
@@ -101,48 +102,48 @@ def test_the_cpu_engine_never_launches_a_triton_kernel(tiny_llama_dir):
 
 
 def test_the_decode_path_applies_to_steps_of_1_to_max_rows_tokens():
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
-    assert not DecodeKernels().applies(1)  # the default is the plain (cuBLAS) path
-    path = DecodeKernels(max_rows=1)
+    assert not GemvPolicy().applies(1)  # the default is the plain (cuBLAS) path
+    path = GemvPolicy(max_rows=1)
     assert path.applies(1) and not path.applies(0) and not path.applies(2)
 
 
 def test_pdl_on_without_a_hopper_gpu_is_a_clear_error(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="pdl='on' needs the Triton decode kernels on a CUDA device"):
-        EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, pdl="on"))
-    with pytest.raises(ConfigError, match="needs decode_kernels=True"):
-        EngineConfig(model=str(tiny_llama_dir), pdl="on", decode_kernels=False).validate()
+    with pytest.raises(ConfigError, match="pdl='on' needs the Triton batch-1 GEMVs on a CUDA device"):
+        build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, pdl="on"))
+    with pytest.raises(ConfigError, match="needs batch1_gemv=True"):
+        EngineConfig(model=str(tiny_llama_dir), pdl="on", batch1_gemv=False).validate()
     with pytest.raises(ConfigError, match="pdl must be auto/on/off"):
         EngineConfig(model=str(tiny_llama_dir), pdl="yes").validate()
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
-    assert core.model.decode_kernels.max_rows == 0 and not core.model.decode_kernels.pdl  # auto: off on the CPU
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    assert core.runner.gemv.max_rows == 0 and not core.runner.gemv.pdl  # auto: off on the CPU
 
 
 def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     from dataclasses import fields
 
     from engine.bench.latency import decode_path_variants
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
-    path = DecodeKernels(max_rows=1, pdl=True)
+    path = GemvPolicy(max_rows=1, pdl=True)
     variants = decode_path_variants(path)
     assert variants["cuBLAS projections, separate SwiGLU"].max_rows == 0
     for name, variant in variants.items():
         if variant.max_rows:
-            changed = [f.name for f in fields(DecodeKernels) if getattr(variant, f.name) != getattr(path, f.name)]
+            changed = [f.name for f in fields(GemvPolicy) if getattr(variant, f.name) != getattr(path, f.name)]
             assert len(changed) == 1, (name, changed)
     assert {v.pdl for v in variants.values() if v.max_rows} == {True, False}
-    assert "same, PDL off" not in decode_path_variants(DecodeKernels(max_rows=1))
+    assert "same, PDL off" not in decode_path_variants(GemvPolicy(max_rows=1))
     releases = {v.late_release for v in variants.values() if v.max_rows}
     assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
 
 
 def test_late_release_names_known_projections():
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine.kernels.gemv_policy import GemvPolicy
 
     with pytest.raises(ValueError, match="unknown projections \\['q_proj'\\]"):
-        DecodeKernels(late_release=("q_proj",))
+        GemvPolicy(late_release=("q_proj",))
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):
@@ -152,9 +153,10 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     from engine.attention import AttentionMetadata
     from engine.cuda_graph import MixedGraphRunner
 
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
     runner = MixedGraphRunner(core.model, core.runner.backend, core.runner.kv_layers, [1, 2, 4], max_chunk=16,
-                              max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"))
+                              max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"),
+                              gemv=core.runner.gemv)
 
     def meta(qlens):
         return AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, query_lens_host=qlens,
@@ -174,9 +176,9 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     from engine.metrics import StepTimes
 
     st = StepTimes()
-    st.record_device("graph", 0.010, 0.0)
-    st.record_device("graph", 0.020, 0.001)
-    st.record_device("piecewise", 0.050, 0.002)
+    st.record_device(ExecutionPath.GRAPH, 0.010, 0.0)
+    st.record_device(ExecutionPath.GRAPH, 0.020, 0.001)
+    st.record_device(ExecutionPath.PIECEWISE, 0.050, 0.002)
     s = st.device_summary()
     assert s["busy_s"] == pytest.approx(0.080) and s["idle_s"] == pytest.approx(0.003)
     assert s["by_mode"]["graph"] == {"s": pytest.approx(0.030), "ms_per_step": pytest.approx(15.0)}
@@ -193,9 +195,14 @@ def test_slowest_steps_rank_by_device_span_where_recorded():
     from engine.metrics import StepTimes
 
     st = StepTimes()
-    st.record(0.0, 0.0, 0.0, 0.0, 0.30, "piecewise", 1, 8192)
-    st.record(0.0, 0.0, 0.0, 0.0, 0.45, "mixed", 1, 286)  # waited for the 8,192-token step
+    st.record(0.0, 0.0, 0.0, 0.0, 0.30, ExecutionPath.PIECEWISE, 1, 8192)
+    st.record(0.0, 0.0, 0.0, 0.0, 0.45, ExecutionPath.MIXED, 1, 286)  # waited for the 8,192-token step
     assert slowest_steps(st) == "slowest steps by host time (s, requests, tokens): [(0.45, 1, 286), (0.3, 1, 8192)]"
-    st.record_device("piecewise", 0.32, 0.0, 1, 8192)
-    st.record_device("mixed", 0.021, 0.0, 1, 286)
+    st.record_device(ExecutionPath.PIECEWISE, 0.32, 0.0, 1, 8192)
+    st.record_device(ExecutionPath.MIXED, 0.021, 0.0, 1, 286)
     assert slowest_steps(st) == "slowest steps on the device (s, mode, requests, tokens): [(0.32, 'piecewise', 1, 8192), (0.021, 'mixed', 1, 286)]"
+
+
+def test_execution_paths_keep_the_mode_names_of_metrics_and_bench_json():
+    assert [p.value for p in ExecutionPath] == ["graph", "mixed", "piecewise", "native", "eager"]
+    assert f"{ExecutionPath.MIXED}" == "mixed"

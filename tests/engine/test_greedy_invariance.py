@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.helpers import generate_staggered
+from engine.execution_path import ExecutionPath
+from tests.engine.helpers import generate_staggered, record_paths
 
 SYSTEM = (
     "You are the handbook assistant of Northwind Robotics. Employees get 20 days of annual leave, "
@@ -70,9 +71,10 @@ def test_piecewise_pieces_give_the_same_output(smollm, llm_gguf_path, prompts, r
     graphs replay it on a GPU; here each piece reruns its function into the same outputs)."""
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_num_batched_tokens=40)
     llm.core.runner.capture_piecewise_graphs([8, 24, 40])
+    paths = record_paths(llm.core.runner)
     results = llm.generate(prompts, PARAMS)
     assert [r.token_ids for r in results] == reference
-    assert llm.core.step_times.piecewise_steps > 0 and llm.core.runner.last_step_mode == "piecewise"
+    assert llm.core.step_times.piecewise_steps > 0 and paths[-1] is ExecutionPath.PIECEWISE
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
@@ -87,12 +89,13 @@ def test_decode_graph_steps_give_the_same_output(async_scheduling, smollm, llm_g
     runner = llm.core.runner
     runner.capture_cuda_graphs([1, 2, 4], llm.core.max_model_len, llm.core.config.max_num_seqs)
     chained, engine_step = 0, llm.core.step  # chained: graph steps reading a graph step's pending tokens
+    paths = record_paths(runner)
 
     def step():
         nonlocal chained
         pending = llm.core._inflight.device_tokens if llm.core._inflight else None
         outputs = engine_step()
-        if runner.last_step_mode == "graph" and pending is not None:
+        if paths and paths[-1] is ExecutionPath.GRAPH and pending is not None:
             chained += pending.tokens.data_ptr() == runner.graphs.tokens.data_ptr()
         return outputs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, EngineCore, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, build_engine
 from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
 
@@ -21,7 +21,7 @@ def test_tiny_llama_logits_match_transformers(fixture, request):
     from transformers import LlamaForCausalLM
 
     path = request.getfixturevalue(fixture)
-    core = EngineCore(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=8, num_kv_blocks=64))
+    core = build_engine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=8, num_kv_blocks=64))
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
     for length in (1, 9, 37, 100):  # odd lengths, partial last blocks
@@ -54,7 +54,7 @@ def test_gguf_loader_matches_transformers_gguf_loading(llm_gguf_path, smollm):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(llm_gguf_path.parent), gguf_file=llm_gguf_path.name, dtype=torch.float32).eval()
-    core = EngineCore(EngineConfig(model=str(llm_gguf_path), num_kv_blocks=32), loaded=smollm)
+    core = build_engine(EngineConfig(model=str(llm_gguf_path), num_kv_blocks=32), loaded=smollm)
     ids = smollm.tokenizer.encode("Employees receive 20 days of paid annual leave per year.")
     ours = prompt_logits(core, ids)
     with torch.no_grad():

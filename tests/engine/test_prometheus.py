@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import AsyncEngine, EngineCore
+from engine import AsyncEngine, build_engine
 from engine.llm import make_config
 from engine.serving.prometheus import EngineMetrics, token_buckets
 from engine.serving.server import BackgroundServer, create_app
@@ -21,7 +21,7 @@ MODEL = "smollm2-metrics"
 @pytest.fixture(scope="module")
 def engine(smollm, llm_gguf_path):
     # Two seats, so a third, more urgent request has to preempt.
-    eng = AsyncEngine(core=EngineCore(make_config(str(llm_gguf_path), num_kv_blocks=256, max_num_seqs=2), smollm))
+    eng = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=256, max_num_seqs=2), smollm))
     yield eng
     eng.shutdown()
 

@@ -149,3 +149,13 @@ def test_small_steps_and_unchunked_steps_are_not_trimmed():
     for i in range(3):
         whole.add(make_request(f"w{i}", 500))
     assert whole.step().num_batched_tokens == 1500  # without chunking a prompt runs whole
+
+
+def test_the_token_budget_is_taken_and_given_back():
+    from engine.scheduler import TokenBudget
+
+    budget = TokenBudget(16)
+    budget.take(10)
+    budget.give_back(3)  # a preempted request's chunk returns its tokens
+    budget.take(9)
+    assert budget.remaining == 0

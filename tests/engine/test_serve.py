@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, AsyncEngine, EngineCore, SamplingParams
+from engine import LLM, AsyncEngine, SamplingParams, build_engine
 from engine.llm import make_config
 from engine.serving.cli import parse_settings
 from engine.serving.server import BackgroundServer, create_app
@@ -23,7 +23,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What i
 
 @pytest.fixture(scope="module")
 def engine(smollm, llm_gguf_path):
-    eng = AsyncEngine(core=EngineCore(make_config(str(llm_gguf_path), num_kv_blocks=1024, max_num_seqs=64), smollm))
+    eng = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=1024, max_num_seqs=64), smollm))
     yield eng
     eng.shutdown()
 
@@ -312,7 +312,7 @@ def test_unknown_route_is_an_openai_error(server):
 
 
 async def test_health_reports_a_stopped_engine(smollm, llm_gguf_path):
-    eng = AsyncEngine(core=EngineCore(make_config(str(llm_gguf_path), num_kv_blocks=16), smollm))
+    eng = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=16), smollm))
     with BackgroundServer(create_app(eng, MODEL)) as srv:
         async with httpx.AsyncClient(base_url=srv.url) as http:
             assert (await http.get("/health")).status_code == 200

@@ -23,7 +23,7 @@ from engine.attention.backend import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import paged_attention_reference, rotate, write_kv  # noqa: E402
 from engine.attention.triton_paged import PREFILL, PrefillConfig, decode_attention, prefill_attention, rope_and_store  # noqa: E402
 from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from engine.kernels.decode_kernels import DecodeKernels  # noqa: E402
+from engine.kernels.gemv_policy import GemvPolicy  # noqa: E402
 from engine.kernels.norm import add_rms_norm_ref, add_rms_norm_triton  # noqa: E402
 from engine.kernels.triton_utils import pdl_supported  # noqa: E402
 
@@ -306,22 +306,23 @@ def test_a_gated_gemv_needs_gate_and_up_halves():
 def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_dir):
     """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs give the same tokens and
     log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU)."""
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, build_engine
+    from engine.llm import make_config
 
     prompt = [5, 17, 33, 2, 90, 41, 7]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outputs = {}
-    paths = {"plain": DecodeKernels(), "gemv": DecodeKernels(max_rows=1), "gemv+swiglu kernel": DecodeKernels(max_rows=1, fused_swiglu=False),
-             "gemv+down": DecodeKernels(max_rows=1, gemv_down=True)}
+    paths = {"plain": GemvPolicy(), "gemv": GemvPolicy(max_rows=1), "gemv+swiglu kernel": GemvPolicy(max_rows=1, fused_swiglu=False),
+             "gemv+down": GemvPolicy(max_rows=1, gemv_down=True)}
     if PDL:
-        paths["gemv+pdl"] = DecodeKernels(max_rows=1, pdl=True)
+        paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
     for name, path in paths.items():
-        llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
-        llm.core.model.decode_kernels = path
+        config = make_config(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+        llm = LLM(core=build_engine(config, gemv=path))
         outputs[name] = llm.generate([prompt], params)[0]
     if PDL:  # as the engine runs it: its own path (PDL on), captured in CUDA graphs
         llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
-        assert llm.core.model.decode_kernels.pdl
+        assert llm.core.runner.gemv.pdl
         outputs["engine, graphs"] = llm.generate([prompt], params)[0]
     plain = outputs.pop("plain")
     for name, out in outputs.items():
@@ -331,10 +332,11 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_d
 
 
 def test_late_release_reaches_the_named_projections_gemvs(tiny_llama_dir, monkeypatch):
-    """DecodeKernels.late_release names projections; their GEMVs (and only theirs) get the flag.
+    """GemvPolicy.late_release names projections; their GEMVs (and only theirs) get the flag.
     The real kernels run (a spy records each call's weight and flag on the way through)."""
     import engine.model.llama as llama
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, build_engine
+    from engine.llm import make_config
 
     calls = []
     real = llama.decode_linear
@@ -344,9 +346,9 @@ def test_late_release_reaches_the_named_projections_gemvs(tiny_llama_dir, monkey
         return real(x, w, *args, **kwargs)
 
     monkeypatch.setattr(llama, "decode_linear", spy)
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
+    config = make_config(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+    llm = LLM(core=build_engine(config, gemv=GemvPolicy(max_rows=1, late_release=("o", "gate_up"))))
     model = llm.core.model
-    model.decode_kernels = DecodeKernels(max_rows=1, late_release=("o", "gate_up"))
     llm.generate([[5, 17, 33]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     late = {id(layer.self_attn.o_proj.weight) for layer in model.layers} | {id(layer.mlp.gate_up_proj.weight) for layer in model.layers}
     assert calls and {id(w) for w, _ in calls} > late  # every projection ran as a GEMV
@@ -418,17 +420,18 @@ def test_split_k_gemv_partials_summed_by_the_norm(split):
 def test_split_k_projections_decode_like_torch_linear(tmp_path):
     """The wiring of split-K o_proj and down_proj GEMVs (partials into the next norm) in the
     model: same tokens and log-probs as torch's linear, on a model whose K splits into tiles."""
-    from engine import LLM, SamplingParams
-    from engine.kernels.decode_kernels import DecodeKernels
+    from engine import LLM, SamplingParams, build_engine
+    from engine.llm import make_config
+    from engine.kernels.gemv_policy import GemvPolicy
     from engine.kernels.linear import usable_split_k
     from tests.engine.conftest import save_tiny_llama
 
     model_dir = save_tiny_llama(tmp_path, seed=2, intermediate_size=512, num_attention_heads=8, head_dim=64)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outputs = {}
-    for name, path in {"plain": DecodeKernels(), "split": DecodeKernels(max_rows=1, gemv_down=True, o_split_k=2, down_split_k=2)}.items():
-        llm = LLM(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False, decode_kernels=False)
-        llm.core.model.decode_kernels = path
+    for name, path in {"plain": GemvPolicy(), "split": GemvPolicy(max_rows=1, gemv_down=True, o_split_k=2, down_split_k=2)}.items():
+        config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+        llm = LLM(core=build_engine(config, gemv=path))
         layer = llm.core.model.layers[0]
         assert usable_split_k(layer.self_attn.o_proj.weight, 2) == 2 and usable_split_k(layer.mlp.down_proj.weight, 2) == 2
         outputs[name] = llm.generate([[5, 17, 33, 2, 90]], params)[0]

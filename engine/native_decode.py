@@ -1,7 +1,7 @@
 """The native CPU decode step: small decode-only batches run as one C call (the CPU's "CUDA graph").
 
 At batch 1 on a 2-core CPU the eager PyTorch step of SmolLM2-135M spends more time dispatching
-~900 small ops than multiplying (see docs/performance.md). ``engine/kernels/cpu_decode.c`` runs
+~900 small ops than multiplying (see docs/performance.md). ``engine/kernels/native_decode.c`` runs
 the whole step (embedding to logits) over the GGUF's own Q4_1/Q8_0 blocks with integer dot
 products, reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
@@ -26,7 +26,7 @@ import torch
 from engine.config import ModelConfig
 from engine.quantization import q4_1_blocks, q8_0_blocks
 
-SOURCE = Path(__file__).parent / "kernels" / "cpu_decode.c"
+SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_BATCH = 8  # MAX_BATCH in the C source: rows of activations one weight block is reused for
 QK = 32
@@ -34,7 +34,7 @@ Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI"}
 
 
-class NativeKernelError(RuntimeError):
+class NativeDecodeError(RuntimeError):
     """The native decode step cannot be built or cannot run this model."""
 
 
@@ -56,19 +56,19 @@ def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
     builds the portable paths, for tests."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
-        raise NativeKernelError(f"no C compiler {cc!r} on PATH (install one, e.g. `apt install gcc`, or set "
-                                "cpu_decode_kernel='off')")
+        raise NativeDecodeError(f"no C compiler {cc!r} on PATH (install one, e.g. `apt install gcc`, or set "
+                                "native_decode_step='off')")
     source = SOURCE.read_bytes()
     flags = (*FLAGS, f"-march={march}")
     key = hashlib.sha256(source + " ".join((cc, *flags, _cpu_signature())).encode()).hexdigest()[:16]
-    target = cache_dir / "native" / f"cpu_decode-{key}.so"
+    target = cache_dir / "native" / f"native_decode-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             proc = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise NativeKernelError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()}")
+                raise NativeDecodeError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()}")
             os.replace(out, target)  # atomic: a concurrent engine sees the old or the new file
     lib = ctypes.CDLL(str(target))
     lib.decode_step.restype = ctypes.c_int
@@ -134,7 +134,7 @@ def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
         (q, d), m = q8_0_blocks(raw, rows, cols), None
         kind = Q8_0
     else:
-        raise NativeKernelError(f"{tensor.name}: {tensor.tensor_type.name} weights are not supported (Q4_1, Q8_0)")
+        raise NativeDecodeError(f"{tensor.name}: {tensor.tensor_type.name} weights are not supported (Q4_1, Q8_0)")
     if unpermute_heads is not None:
         q, d, m = (None if a is None else _unpermute(a, unpermute_heads) for a in (q, d, m))
     if kind == Q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
@@ -146,7 +146,7 @@ def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
 def concat_block_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
     """Fuse q|k|v or gate|up into one matrix (one pass over the activations)."""
     if len({m.type for m in matrices}) != 1:
-        raise NativeKernelError("fused projections mix Q4_1 and Q8_0 weights")
+        raise NativeDecodeError("fused projections mix Q4_1 and Q8_0 weights")
     m0 = matrices[0]
     return BlockMatrix(m0.type, *(None if getattr(m0, f) is None else np.concatenate([getattr(m, f) for m in matrices])
                                   for f in ("qs", "d", "m")))
@@ -177,8 +177,8 @@ class NativeWeights:
         return self.head.nbytes + sum(m.nbytes for layer in self.layers for m in layer)
 
 
-# ---- the kernel ---------------------------------------------------------------------------------
-class CpuDecodeKernel:
+# ---- the step ----------------------------------------------------------------------------------
+class NativeDecodeStep:
     """Runs decode-only steps of up to :data:`MAX_BATCH` requests over :class:`NativeWeights`."""
 
     max_batch = MAX_BATCH
@@ -187,7 +187,7 @@ class CpuDecodeKernel:
                  block_size: int) -> None:
         cfg: ModelConfig = model.config
         if kv_storage.dtype != torch.bfloat16 or not kv_storage.is_contiguous() or kv_storage.device.type != "cpu":
-            raise NativeKernelError("the native decode step needs a contiguous bfloat16 KV cache on the CPU")
+            raise NativeDecodeError("the native decode step needs a contiguous bfloat16 KV cache on the CPU")
         self.lib, self.kv, self.weights = lib, kv_storage, weights
         self.num_blocks = kv_storage.shape[2]
         self.vocab = cfg.vocab_size
@@ -222,11 +222,11 @@ class CpuDecodeKernel:
         ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors."""
         b = input_ids.shape[0]
         if not 1 <= b <= MAX_BATCH:
-            raise NativeKernelError(f"the native decode step runs 1..{MAX_BATCH} requests, got {b}")
+            raise NativeDecodeError(f"the native decode step runs 1..{MAX_BATCH} requests, got {b}")
         ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
         logits = torch.empty(b, self.vocab, dtype=torch.float32)
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
                                   tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads)
         if rc != 0:
-            raise NativeKernelError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
+            raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
         return logits

@@ -13,7 +13,7 @@
    Residual stream, norms, RoPE and attention are float32; the KV cache is bf16, shared with the
    PyTorch path (layout [layers, 2, blocks, page, kv_heads, head_dim]).
 
-   Built at run time by engine/cpu_decode.py with the machine's C compiler (-O3 -march=native
+   Built at run time by engine/native_decode.py with the machine's C compiler (-O3 -march=native
    -fopenmp). Without AVX2 a portable scalar path computes the same integer sums. */
 
 #include <math.h>

@@ -1,4 +1,4 @@
-"""Which kernels a step of few tokens runs on CUDA: the batch-1 decode path's launch policy."""
+"""Which kernels a step of few tokens runs on CUDA: the batch-1 GEMV policy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 @dataclass(frozen=True)
-class DecodeKernels:
+class GemvPolicy:
     """The batch-1 decode path (measured on the H200: docs/performance.md). Steps of 1 to
     ``max_rows`` tokens run q|k|v, o_proj, gate|up, down_proj (``gemv_down``) and the lm_head as
     Triton GEMVs (engine/kernels/linear.py) instead of cuBLAS; ``fused_swiglu``: the gate|up
@@ -18,8 +18,9 @@ class DecodeKernels:
     kernel's tail (Hopper+). down_proj is a split-K GEMV whose partials the next norm sums: graph
     replay 4.07 vs 4.14 ms with cuBLAS (split-K plus its reduction kernel; H200, 2026-11-30
     05:35 run); unsplit or split 4 ways the GEMV was slower than cuBLAS (4.40 / 4.51 ms). An
-    o_proj split measured no gain (2) or a loss (4). The bench keeps each as an A/B. The engine sets this before it captures CUDA graphs
-    (EngineConfig.decode_kernels / .pdl); the default is the plain path."""
+    o_proj split measured no gain (2) or a loss (4). The bench keeps each as an A/B. The engine's
+    model runner passes its policy (EngineConfig.batch1_gemv / .pdl) to every forward and CUDA
+    graph capture; the default is the plain path."""
 
     max_rows: int = 0
     fused_swiglu: bool = True
@@ -43,7 +44,7 @@ class DecodeKernels:
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:
-            raise ValueError(f"DecodeKernels.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
+            raise ValueError(f"GemvPolicy.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

@@ -1,4 +1,4 @@
-"""The native CPU decode step (engine/cpu_decode.py): the real C kernel, built by the test run,
+"""The native CPU decode step (engine/native_decode.py): the real C kernel, built by the test run,
 on the embedded SmolLM2 GGUF's real blocks, checked against HF transformers in float32 on the
 dequantized weights, against its own portable (AVX2-only, scalar) builds, and inside the engine."""
 
@@ -12,8 +12,10 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.cpu_decode import MAX_BATCH, CpuDecodeKernel, NativeKernelError, build_library
+from engine.native_decode import MAX_BATCH, NativeDecodeStep, NativeDecodeError, build_library
+from engine.execution_path import ExecutionPath
 from engine.sampling import SamplingParams
+from tests.engine.helpers import record_paths
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def int4_model(llm_gguf_path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def native_llm(int4_model, llm_gguf_path) -> LLM:
-    return LLM(str(llm_gguf_path), quantization="int4", cpu_decode_kernel="on", max_model_len=512, num_kv_blocks=96,
+    return LLM(str(llm_gguf_path), quantization="int4", native_decode_step="on", max_model_len=512, num_kv_blocks=96,
                loaded=int4_model)
 
 
@@ -34,7 +36,7 @@ def hf_fp32(smollm):
     return build_hf_model(smollm.model)
 
 
-def feed(kernel: CpuDecodeKernel, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+def feed(kernel: NativeDecodeStep, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     """Run prompts through the kernel one position per call ("prefill by decode"), all rows in
     one batch per call; returns the last call's logits [rows, vocab]. Each row: (tokens, blocks)."""
     n = len(rows[0][0])
@@ -120,7 +122,7 @@ def test_portable_builds(native_llm, int4_model, hf_fp32, tmp_path):
     fast = feed(kernel, [(ids, [50, 51, 52])])
     builds = {}
     for march in ("haswell", "x86-64"):
-        other = CpuDecodeKernel(build_library(tmp_path, march=march), int4_model.model, int4_model.native_weights,
+        other = NativeDecodeStep(build_library(tmp_path, march=march), int4_model.model, int4_model.native_weights,
                                 native_llm.core.kv_cache.storage, 16)
         builds[other.simd] = feed(other, [(ids, [50, 51, 52])])
     assert set(builds) == {"AVX2", "scalar"}
@@ -144,11 +146,10 @@ def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
 
     for i in range(MAX_BATCH + 2):
         core.add_request(prompts[i % 2], SamplingParams(temperature=0, max_tokens=3))
-    modes = []
+    paths = record_paths(core.runner)
     while core.has_unfinished_requests():
         core.step()
-        modes.append(core.runner.last_step_mode)
-    assert modes == ["eager"] * len(modes)  # every step of this run had more than MAX_BATCH requests
+    assert paths and set(paths) == {ExecutionPath.EAGER}  # every step of this run had more than MAX_BATCH requests
     assert native_llm.stats().kv_blocks_free == native_llm.stats().kv_blocks_total
 
 
@@ -166,20 +167,20 @@ def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
 def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
     kernel = native_llm.core.runner.native
     table = torch.tensor([[1, 2]] * (MAX_BATCH + 1))
-    with pytest.raises(NativeKernelError, match="1..8 requests"):
+    with pytest.raises(NativeDecodeError, match="1..8 requests"):
         kernel.run(torch.tensor([1] * (MAX_BATCH + 1)), torch.tensor([0] * (MAX_BATCH + 1)), table)
     for ids, pos, blocks in (([kernel.vocab], [0], [[1, 2]]), ([1], [40], [[1, 2]]), ([1], [20], [[1, 10**6]])):
-        with pytest.raises(NativeKernelError, match="out of range"):  # token id; position past the table; block id
+        with pytest.raises(NativeDecodeError, match="out of range"):  # token id; position past the table; block id
             kernel.run(torch.tensor(ids), torch.tensor(pos), torch.tensor(blocks))
     with pytest.raises(ConfigError, match="needs quantization='int4'"):
-        EngineConfig(model=str(llm_gguf_path), cpu_decode_kernel="on").validate()
+        EngineConfig(model=str(llm_gguf_path), native_decode_step="on").validate()
     with pytest.raises(ConfigError, match="auto/on/off"):
-        EngineConfig(model=str(llm_gguf_path), cpu_decode_kernel="yes").validate()
+        EngineConfig(model=str(llm_gguf_path), native_decode_step="yes").validate()
     monkeypatch.setenv("CC", "no-such-compiler")
-    with pytest.raises(NativeKernelError, match="no C compiler 'no-such-compiler'"):
+    with pytest.raises(NativeDecodeError, match="no C compiler 'no-such-compiler'"):
         build_library(tmp_path)
-    with pytest.raises(ConfigError, match="cpu_decode_kernel='on': no C compiler"):
-        LLM(str(llm_gguf_path), quantization="int4", cpu_decode_kernel="on", cache_dir=tmp_path, loaded=int4_model)
+    with pytest.raises(ConfigError, match="native_decode_step='on': no C compiler"):
+        LLM(str(llm_gguf_path), quantization="int4", native_decode_step="on", cache_dir=tmp_path, loaded=int4_model)
     with caplog.at_level(logging.WARNING, logger="engine.engine_core"):  # auto: warn, decode through PyTorch
         fallback = LLM(str(llm_gguf_path), quantization="int4", cache_dir=tmp_path, max_model_len=256, loaded=int4_model)
     assert fallback.core.runner.native is None and "decoding through PyTorch" in caplog.text

@@ -1,0 +1,134 @@
+"""Engine set-up: from a config (and optionally weights already loaded) to a running EngineCore.
+
+Load the weights, size the KV cache (on CUDA from a profiled prefill's activation peak), allocate
+it, choose the batch-1 GEMV policy, build the native CPU decode step or capture the CUDA graphs,
+then warm the step loop up. :class:`~engine.engine_core.EngineCore` receives the parts and only
+runs steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import select_backend
+from engine.block_manager import BlockManager
+from engine.config import ConfigError, EngineConfig, default_cache_dir
+from engine.engine_core import EngineCore
+from engine.kernels.gemv_policy import GemvPolicy
+from engine.kernels.linear import DECODE_MAX_ROWS
+from engine.kernels.triton_utils import pdl_supported, triton_available
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loaded_model import LoadedModel
+from engine.memory import MemoryLedger, tensor_bytes
+from engine.model_runner import ModelRunner
+from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
+from engine.profiling import kv_budget_after_profile
+from engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, gemv: GemvPolicy | None = None) -> EngineCore:
+    """An engine ready to serve: ``loaded`` reuses weights already loaded (benchmarks build
+    several engines on one model); ``gemv`` overrides the config's batch-1 GEMV policy (tests run
+    each variant in Triton's interpreter on the CPU)."""
+    config.validate()
+    loaded = loaded or LoadedModel.load(config)
+    device, mc = loaded.device, loaded.model_config
+    memory = MemoryLedger(str(device))
+    memory.record("weights", tensor_bytes(loaded.model))
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
+    spec = KVCacheSpec.for_model(mc, config.block_size, loaded.dtype)
+    num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(_kv_budget(config, loaded, memory, spec, max_model_len))
+    if num_blocks < 2:
+        raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
+    kv_cache = KVCache(spec, num_blocks, device)
+    memory.record("kv_cache", kv_cache.nbytes)
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    backend = select_backend(config.attention_backend, device)
+    graphs = config.enable_cuda_graphs and device.type == "cuda" and backend.name == "triton"
+    piecewise = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens] if graphs else []
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_model_len=max_model_len,
+            step_token_buckets=tuple(sorted(set(piecewise))),
+        ),
+        block_manager,
+    )
+    gemv = gemv if gemv is not None else gemv_policy(config, device)
+    native = None
+    if config.quantization == "int4" and config.native_decode_step != "off":
+        native = _native_decode_step(config, loaded, kv_cache, memory)
+    runner = ModelRunner(loaded.model, kv_cache, backend, block_manager, device, gemv, native)
+    if graphs:
+        _capture_graphs(runner, config, max_model_len, piecewise, memory)
+    core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner)
+    if config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda"):
+        core.warm_up()
+    return core
+
+
+def gemv_policy(config: EngineConfig, device: torch.device) -> GemvPolicy:
+    """The batch-1 GEMV policy from the config: Triton GEMVs on CUDA only, PDL where supported."""
+    if not (config.batch1_gemv and device.type == "cuda" and triton_available()):
+        if config.pdl == "on":
+            raise ConfigError(f"pdl='on' needs the Triton batch-1 GEMVs on a CUDA device, not {device}")
+        return GemvPolicy()
+    pdl = config.pdl == "on" or (config.pdl == "auto" and pdl_supported(device))
+    if config.pdl == "on" and not pdl_supported(device):
+        raise ConfigError(f"pdl='on' needs compute capability 9.0+, {torch.cuda.get_device_name(device)} has "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return GemvPolicy(max_rows=DECODE_MAX_ROWS, pdl=pdl)
+
+
+def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, spec: KVCacheSpec, max_model_len: int) -> int:
+    """Bytes for the KV cache: as configured, a fixed default on the CPU, or what a profiled
+    prefill leaves of ``gpu_memory_utilization`` on CUDA."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if loaded.device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    return kv_budget_after_profile(loaded.model, config, loaded.device, memory, spec, max_model_len)
+
+
+def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache, memory: MemoryLedger) -> NativeDecodeStep | None:
+    """Small decode-only steps as one native call (engine/native_decode.py); None where it
+    cannot be built and the config allows PyTorch instead."""
+    try:
+        lib = build_library(config.cache_dir or default_cache_dir())
+        step = NativeDecodeStep(lib, loaded.model, loaded.ensure_native_weights(config), kv_cache.storage, config.block_size)
+    except NativeDecodeError as e:
+        if config.native_decode_step == "on":
+            raise ConfigError(f"native_decode_step='on': {e}") from e
+        log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
+        return None
+    memory.record("weights (native decode layout)", step.weight_bytes_per_step)
+    log.info("native CPU decode step: %s, %d threads, batches up to %d", step.simd, step.threads, step.max_batch)
+    return step
+
+
+def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, piecewise: list[int], memory: MemoryLedger) -> None:
+    """Decode graphs, piecewise graphs for ``piecewise`` token counts, and the mixed-step
+    graphs' runner (it captures while serving); their memory pool goes into the ledger."""
+    device = runner.device
+    sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
+    torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
+    before = torch.cuda.memory_reserved(device)
+    runner.capture_cuda_graphs(sizes, max_model_len, config.max_num_seqs)
+    if piecewise:
+        runner.capture_piecewise_graphs(piecewise)
+    if config.mixed_cuda_graph_max_chunk > 0:
+        decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
+        runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, max_model_len, config.mixed_cuda_graph_max_graphs)
+    memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(device) - before)
+

@@ -1,0 +1,73 @@
+"""Weights and tokenizer loaded once, on a resolved device and dtype; engines are built on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.loader import has_tokenizer, load_model, model_kind
+from engine.model import LlamaForCausalLM
+from engine.native_decode import NativeWeights
+from engine.quantization import gguf_tensors, quantize_from_gguf
+from engine.tokenizer import Tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else the CPU; a CUDA device that is not there is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """``auto``: bfloat16 on CUDA or with int4 weights, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class LoadedModel:
+    """Weights and tokenizer, loaded once; several engines (e.g. benchmark variants) may share it."""
+
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/native_decode.py
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "LoadedModel":
+        config.validate()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, config.quantization)
+        if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
+            raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
+                              f"(got {model_kind(config)} weights on {device.type})")
+        model, model_config = load_model(config, device, dtype)
+        native = None
+        if config.quantization == "int4":
+            tensors = gguf_tensors(config.model)  # one read for the int4 swap and the native copy
+            try:
+                quantize_from_gguf(model, tensors)
+            except ValueError as e:
+                raise ConfigError(f"quantization='int4': {e}") from e
+            if config.native_decode_step != "off":
+                native = NativeWeights.from_gguf(tensors, model_config)
+        tokenizer = None
+        if config.tokenizer or has_tokenizer(config):
+            tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
+        return cls(model, model_config, tokenizer, device, dtype, native)
+
+    def ensure_native_weights(self, config: EngineConfig) -> NativeWeights:
+        """The GGUF's blocks for the native CPU step, read now if this model was loaded with
+        ``native_decode_step="off"`` (kept: engines built on it later share the copy)."""
+        if self.native_weights is None:
+            self.native_weights = NativeWeights.from_gguf(gguf_tensors(config.model), self.model_config)
+        return self.native_weights
