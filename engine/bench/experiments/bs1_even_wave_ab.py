@@ -13,12 +13,11 @@ import sys
 import torch
 
 import engine.kernels.linear as linear
-from engine import EngineConfig, LoadedModel
+from engine import EngineConfig, build_engine
 from engine.bench.timing import replay_ms
 from engine.bench.workload import random_prompt, run_to_completion
 from engine.sampling import SamplingParams
 from engine.cuda_graph import CudaGraphRunner
-from engine.engine_core import EngineCore
 from engine.kernels.linear import GemvConfig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -42,8 +41,8 @@ ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 
 config = EngineConfig(model="engine/configs/llama-3.1-8b.json", load_format="dummy", gpu_memory_utilization=0.5,
                       max_num_seqs=8, max_model_len=4096, cuda_graph_batch_sizes=(1, 2, 4, 8))
-core = EngineCore(config, LoadedModel.load(config))
-print("path:", core.model.decode_kernels, "SMs:", torch.cuda.get_device_properties(0).multi_processor_count)
+core = build_engine(config)
+print("path:", core.runner.gemv, "SMs:", torch.cuda.get_device_properties(0).multi_processor_count)
 rng = random.Random(0)
 prompt = random_prompt(rng, 512, core.model_config.vocab_size)
 
@@ -65,7 +64,7 @@ for rnd in range(ROUNDS):
         if early or early_res:
             raise SystemExit("the early_* switches were removed after this A/B (see the docstring)")
         try:
-            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device)
+            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device, runner.gemv)
             runner.graphs = other
             core.block_manager.reset_prefix_cache()
             tokens, tpot = decode(128)

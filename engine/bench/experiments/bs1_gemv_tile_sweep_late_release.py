@@ -1,5 +1,5 @@
 """One-off (2026-11-30, H200): the batch-1 GEMV tiles again now that o_proj and gate|up release the
-next kernel late (DecodeKernels.late_release): the batch-1 graph recaptured per variant in one
+next kernel late (GemvPolicy.late_release): the batch-1 graph recaptured per variant in one
 process (``engine.kernels.linear.decode_tile`` patched for one weight shape), engine tpot and graph
 replay, two rounds. Results: docs/results/2026-11-30-h200-bs1-gemv-tile-sweep-late-release.txt.
 Run from the repository root:
@@ -10,11 +10,10 @@ import random
 import torch
 
 import engine.kernels.linear as linear
-from engine import EngineConfig, LoadedModel
+from engine import EngineConfig, build_engine
 from engine.bench.timing import replay_ms
 from engine.bench.workload import engine_decode, random_prompt
 from engine.cuda_graph import CudaGraphRunner
-from engine.engine_core import EngineCore
 from engine.kernels.linear import GemvConfig
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -27,8 +26,8 @@ VARIANTS = [("base", None, None),  # first sweep (results ...-sweep-late-release
 
 config = EngineConfig(model="engine/configs/llama-3.1-8b.json", load_format="dummy", gpu_memory_utilization=0.5,
                       max_num_seqs=8, max_model_len=4096, cuda_graph_batch_sizes=(1, 2, 4, 8))
-core = EngineCore(config, LoadedModel.load(config))
-print("path:", core.model.decode_kernels)
+core = build_engine(config)
+print("path:", core.runner.gemv)
 rng = random.Random(0)
 prompt = random_prompt(rng, 512, core.model_config.vocab_size)
 engine_decode(core, prompt, 8)
@@ -38,7 +37,7 @@ for rnd in range(2):
     for label, which, tile in VARIANTS:
         linear.decode_tile = chosen if tile is None else (lambda n, k, tile=tile, shape=SHAPES[which]: tile if (n, k) == shape else chosen(n, k))
         try:
-            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device)
+            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device, runner.gemv)
             runner.graphs = other
             core.block_manager.reset_prefix_cache()
             _, tpot = engine_decode(core, prompt, 128)

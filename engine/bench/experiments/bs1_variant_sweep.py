@@ -11,15 +11,14 @@ import random
 import torch
 
 import engine.attention.triton_paged as tp
-from engine import EngineConfig, LoadedModel
+from engine import EngineConfig, build_engine
 from engine.bench.timing import replay_ms
 from engine.bench.workload import engine_decode, random_prompt
 from engine.cuda_graph import CudaGraphRunner
-from engine.engine_core import EngineCore
 
 config = EngineConfig(model="engine/configs/llama-3.1-8b.json", load_format="dummy", gpu_memory_utilization=0.5,
                       max_num_seqs=8, max_model_len=4096, cuda_graph_batch_sizes=(1, 2, 4, 8))
-core = EngineCore(config, LoadedModel.load(config))
+core = build_engine(config)
 rng = random.Random(0)
 prompt = random_prompt(rng, 512, core.model_config.vocab_size)
 engine_decode(core, prompt, 8)
@@ -28,7 +27,7 @@ rows = []
 for rnd in range(2):
     for s in ((64, 64), (32, 32), (64, 32), (64, 16)):
         tp.DECODE_TILE, tp.DECODE_SMALL_TILE = s
-        other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device)
+        other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens), core.device, runner.gemv)
         runner.graphs = other
         core.block_manager.reset_prefix_cache()
         _, tpot = engine_decode(core, prompt, 128)
