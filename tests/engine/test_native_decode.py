@@ -135,7 +135,7 @@ def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
     """Through the engine: small decode-only batches run natively and every greedy token is one
     float32 HF also ranks (near) first; a batch above MAX_BATCH goes through PyTorch."""
     params = SamplingParams(temperature=0, max_tokens=10)
-    prompts = [prompt_ids(native_llm, q) for q in ("What is the capital of France?", "Name a primary colour.")]
+    prompts = [prompt_ids(native_llm, q) for q in ("What is the capital of France? Answer in one word.", "Name a primary colour.")]
     core = native_llm.core
     core.step_times.native_steps = 0
     ours = native_llm.generate(prompts, params)
