@@ -1,6 +1,6 @@
 """Per-turn timeline: when each stage of a turn finished, on one clock (``time.perf_counter``).
 
-The stages, in order (shared/design.md §5): ``speech_end`` (the user's last voiced frame),
+The stages, in order: ``speech_end`` (the user's last voiced frame),
 ``endpoint`` (the server decided the turn is over), ``asr_final``, ``response_requested`` (the
 client's ``response.create`` arrived; only in a spoken turn the server did not answer on its own,
 as with push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first

@@ -1,6 +1,6 @@
 """Where the time of a turn went: the ``response.timeline`` report as a waterfall and as a table.
 
-Each stage of a turn (shared/design.md §5) is a bar from the previous recorded instant to its own,
+Each stage of a turn is a bar from the previous recorded instant to its own,
 so the bars add up to the whole turn. The summary line gives the two totals of a spoken turn (from
 the end of speech, with the VAD hangover, and from the endpoint, without it) and the prompt tokens
 with how many came from the prefix cache.
