@@ -72,7 +72,8 @@ def web_server(tmp_path_factory) -> Iterator[WebServer]:
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     own = tmp_path_factory.mktemp("web") / "documents"
     cmd = [sys.executable, "-m", "web", "--port", "0", "--docs", str(docs), "--documents-dir", str(own),
-           "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning", "--allow-document-changes"]  # fmt: skip
+           "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning",
+           "--allow-document-changes"]  # fmt: skip
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
     log = (tmp_path_factory.mktemp("web-log") / "server.log").open("w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)

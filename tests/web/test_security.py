@@ -184,3 +184,19 @@ def test_document_changes_are_off_unless_the_operator_allows_them() -> None:
     assert {"use_folder", "add_document"} <= api_names(True)
     assert not {"use_folder", "add_document"} & api_names(False)
     assert "reload" in api_names(False)
+
+
+def test_the_page_asks_for_the_key_then_opens_its_session(secured, browser) -> None:
+    """A browser signs in with the key; the tab's own Realtime session (which carries the key) opens."""
+    from playwright.sync_api import expect
+
+    context = browser.chromium.new_context()
+    tab = context.new_page()
+    try:
+        tab.goto(secured.url)
+        tab.get_by_label("username").fill("operator")
+        tab.get_by_label("password").fill(KEY)
+        tab.get_by_role("button", name="Login").click()
+        expect(tab.locator("#live")).to_contain_text("Press", timeout=60_000)
+    finally:
+        context.close()
