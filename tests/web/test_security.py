@@ -200,3 +200,17 @@ def test_the_page_asks_for_the_key_then_opens_its_session(secured, browser) -> N
         expect(tab.locator("#live")).to_contain_text("Press", timeout=60_000)
     finally:
         context.close()
+
+
+def test_a_folder_of_too_many_document_bytes_is_refused(tmp_path, monkeypatch) -> None:
+    from assistant.docs import DocumentError
+    from web import documents
+
+    monkeypatch.setattr(documents, "MAX_DOCUMENT_BYTES", 1000)
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "a.md").write_text("# A\n\n" + "x" * 600)
+    (big / "b.md").write_text("# B\n\n" + "x" * 600)
+    library = documents.DocumentLibrary(SimpleNamespace(config=SimpleNamespace(docs_dir=tmp_path)), tmp_path / "own", [])  # type: ignore[arg-type]
+    with pytest.raises(DocumentError, match="exceed"):
+        library.use_folder(big)
