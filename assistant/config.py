@@ -93,6 +93,7 @@ class ServerConfig:
     max_sessions: int = 16
     max_message_bytes: int = 1 << 20  # a larger client event gets an `error`; the session lives on
     max_errors: int = 32  # this many invalid client events in a row close the socket (1008)
+    api_key: str | None = None  # clients must send it (Bearer); required beyond loopback (see serve_command)
     assistant: AssistantConfig = field(default_factory=AssistantConfig)
     voice: VoiceConfig = field(default_factory=VoiceConfig)
 

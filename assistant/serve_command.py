@@ -3,8 +3,9 @@
     python -m assistant serve [--host 127.0.0.1] [--port 8000] [--docs DIR] [--model PATH] [--asr base|tiny|DIR]
                               [--early-prefill] [--max-sessions 16] ...
 
-There is no authentication: the default host is 127.0.0.1; pass ``--host 0.0.0.0`` explicitly to
-expose the API, behind a proxy that authenticates.
+The default host is 127.0.0.1. Listening beyond loopback (e.g. ``--host 0.0.0.0``) needs an API key,
+``--api-key KEY`` or ``$ASSISTANT_API_KEY``: clients then send ``Authorization: Bearer KEY`` on HTTP
+and on the Realtime WebSocket (the official ``openai`` SDK does); ``/health`` stays open.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, ServerConfig, VoiceConfig
+from engine.serving.auth import MissingAPIKey, resolve_api_key
+
+API_KEY_ENV = "ASSISTANT_API_KEY"
 
 if TYPE_CHECKING:
     from assistant.server import AssistantServer
@@ -34,7 +38,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     p = argparse.ArgumentParser(prog="python -m assistant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the Realtime WebSocket API, the OpenAI HTTP API, /health and /metrics")
-    s.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (no authentication: think before 0.0.0.0)")
+    s.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1; any other host requires an API key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
     s.add_argument("--model", type=Path, help="HF model directory or llama .gguf (default: embedded SmolLM2-135M)")
@@ -57,7 +61,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY (default ${API_KEY_ENV}); "
+                                     "required unless --host is 127.0.0.1, localhost or ::1")  # fmt: skip
     a = p.parse_args(argv)
+    try:
+        api_key = resolve_api_key(a.host, a.api_key, API_KEY_ENV)
+    except MissingAPIKey as e:
+        s.error(str(e))
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
                                 engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms,
@@ -65,7 +75,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
-                          max_message_bytes=a.max_message_bytes, assistant=assistant, voice=voice)  # fmt: skip
+                          max_message_bytes=a.max_message_bytes, api_key=api_key, assistant=assistant, voice=voice)  # fmt: skip
     return config, a.log_level, a.warm_up
 
 

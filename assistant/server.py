@@ -39,7 +39,7 @@ class AssistantServer:
                                  registry=registry)  # fmt: skip
         self.app: FastAPI = create_app(
             self.answerer.engine, self.model_name, chat_prompt=self.grounded_prompt,
-            collectors=[self.timelines.registry, registry],
+            collectors=[self.timelines.registry, registry], api_key=config.api_key,
         )  # fmt: skip
         self.app.add_api_websocket_route("/v1/realtime", self.realtime)
 

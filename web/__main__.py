@@ -1,11 +1,16 @@
 """``python -m web``: the assistant's server with the web page on it, on 127.0.0.1 by default.
 
-    python -m web [--documents-dir DIR] [every option of python -m assistant serve]
+    python -m web [--documents-dir DIR] [--documents-root DIR ...] [--allow-document-changes]
+                  [every option of python -m assistant serve, --api-key included]
 
 It builds the same :class:`~assistant.server.AssistantServer` as ``python -m assistant serve``
 (embedded models and handbook unless told otherwise; ``--port 0`` picks a free port), mounts the
 page at ``/`` beside ``/v1/realtime``, ``/v1``, ``/health`` and ``/metrics``, and prints its URL.
 Nothing is sent anywhere else: Gradio's analytics are off and the page loads no outside assets.
+With an API key the page asks for it (any user name, the key as password); changing the documents
+folder and uploading documents are offered only with ``--allow-document-changes``, and only
+folders under a ``--documents-root`` (default: the bundled handbook), the app's own folder and the
+folder the server started with can be chosen.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-h", "--help", action="store_true", help="show this help and the server's options")
     p.add_argument("--documents-dir", type=Path, default=DEFAULT_DOCUMENTS_DIR,
                    help=f"the folder uploaded documents go to; the app owns it (default {DEFAULT_DOCUMENTS_DIR})")  # fmt: skip
+    p.add_argument("--documents-root", type=Path, action="append", metavar="DIR",
+                   help="the page may switch to folders under DIR (repeatable; default: the bundled handbook; "
+                        "the app's own folder and the --docs folder always)")  # fmt: skip
+    p.add_argument("--allow-document-changes", action="store_true",
+                   help="let page users switch the documents folder and upload documents (off by default)")
     return p
 
 
@@ -37,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     web_options = parser()
     options, rest = web_options.parse_known_args(sys.argv[1:] if argv is None else argv)
+    from assistant.config import HANDBOOK_DIR
     from assistant.serve_command import load_server, parse_config
 
     if options.help:
@@ -63,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         local = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-        WebApp(server, f"ws://{local}:{port}/v1/realtime", DocumentLibrary(server.answerer, options.documents_dir)).mount("/")
+        library = DocumentLibrary(server.answerer, options.documents_dir, options.documents_root or [HANDBOOK_DIR])
+        WebApp(server, f"ws://{local}:{port}/v1/realtime", library, options.allow_document_changes).mount("/")
         print(f"serving {server.model_name}: ws://{config.host}:{port}/v1/realtime and http://{config.host}:{port}/v1",
               file=sys.stderr, flush=True)  # fmt: skip
         print(f"Web UI: http://{config.host}:{port}/", flush=True)

@@ -15,6 +15,11 @@ assistant's WebSocket API, so voice and text go through exactly the protocol oth
 - Documents (:mod:`web.documents`) and per-tab settings (speech language, answer voice or text,
   turn-taking, VAD hangover) with the server's defaults shown.
 
+Who may do what: when the server has an API key, the page (and its Gradio API) asks for it at a
+login form (any user name, the key as password). Pointing the assistant at another folder and
+adding documents are operator actions: the page offers them (and the Gradio API has them) only
+when the server was started with ``allow_document_changes`` (``--allow-document-changes``).
+
 One long-running update loop per tab (:meth:`WebApp.follow`) pushes the session's changes to the
 page; a new spoken answer starts a player stream of its own (:meth:`WebApp.speak`).
 """
@@ -22,6 +27,7 @@ page; a new spoken answer starts a player stream of its own (:meth:`WebApp.speak
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +76,12 @@ class Page:
 class WebApp:
     """The Gradio page of one assistant server; ``blocks()`` builds it, mount it on ``server.app``."""
 
-    def __init__(self, server: AssistantServer, realtime_url: str, documents: DocumentLibrary) -> None:
+    def __init__(self, server: AssistantServer, realtime_url: str, documents: DocumentLibrary,
+                 allow_document_changes: bool = False) -> None:  # fmt: skip
         self.server = server
         self.realtime_url = realtime_url
         self.documents = documents
+        self.allow_document_changes = allow_document_changes
         self.pages: dict[str, Page] = {}
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -109,11 +117,15 @@ class WebApp:
             with gr.Tab("Documents", elem_id="documents-tab"):
                 docs = gr.Markdown(elem_id="documents")
                 with gr.Row():
-                    folder = gr.Textbox(label="Answer from this folder", placeholder="/path/to/documents", scale=4)
-                    use_folder = gr.Button("Use folder", scale=1)
+                    if self.allow_document_changes:
+                        folder = gr.Textbox(label="Answer from this folder", placeholder="/path/to/documents", scale=4)
+                        use_folder = gr.Button("Use folder", scale=1)
                     reload = gr.Button("Reload", scale=1, elem_id="reload")
-                upload = gr.File(label=f"Add a document ({', '.join(DOCUMENT_SUFFIXES)})", file_types=list(DOCUMENT_SUFFIXES),
-                                 elem_id="upload", height=100)  # fmt: skip
+                if self.allow_document_changes:
+                    upload = gr.File(label=f"Add a document ({', '.join(DOCUMENT_SUFFIXES)})", file_types=list(DOCUMENT_SUFFIXES),
+                                     elem_id="upload", height=100)  # fmt: skip
+                else:
+                    gr.Markdown("Changing the folder or adding documents is off (the server's --allow-document-changes turns it on).")
                 docs_status = gr.Markdown(elem_id="documents-status")
             with gr.Tab("Settings", elem_id="settings-tab"):
                 with gr.Row():
@@ -145,21 +157,26 @@ class WebApp:
                 event(self.apply_settings, settings, None, **hidden)
             timer.tick(self.stats, None, [stats], **hidden)
             documents = {"concurrency_limit": 1, "concurrency_id": "documents", "show_progress": "minimal"}
-            reload.click(self.reload, None, [docs, docs_status], **documents)
-            use_folder.click(self.use_folder, [folder], [docs, docs_status], **documents)
-            upload.upload(self.add_document, [upload], [docs, docs_status, upload], **documents)
+            reload.click(self.reload, None, [docs, docs_status], api_name="reload", **documents)
+            if self.allow_document_changes:
+                use_folder.click(self.use_folder, [folder], [docs, docs_status], api_name="use_folder", **documents)
+                upload.upload(self.add_document, [upload], [docs, docs_status, upload], api_name="add_document", **documents)
         return page
 
     def mount(self, path: str = "/") -> None:
-        """Serve the page on the assistant's own app (beside ``/v1``, ``/health``, ``/metrics``)."""
+        """Serve the page on the assistant's own app (beside ``/v1``, ``/health``, ``/metrics``),
+        behind a login asking for the server's API key when it has one."""
+        key = self.server.config.api_key
+        auth = None if key is None else (lambda _user, password: hmac.compare_digest(password.encode(), key.encode()))
         gr.mount_gradio_app(self.server.app, self.blocks().queue(default_concurrency_limit=None), path=path,
-                            css=CSS, ssr_mode=False, footer_links=[])  # fmt: skip
+                            css=CSS, ssr_mode=False, footer_links=[], auth=auth,
+                            auth_message="Sign in with any user name and the server's API key as password.")  # fmt: skip
 
     # ---- a tab opens and closes ------------------------------------------------------------------
     async def open(self, request: gr.Request) -> tuple[str, str, str]:
         """Open the tab's Realtime session; the voice, the documents and the server panel."""
         try:
-            client = await RealtimeClient.open(self.realtime_url)
+            client = await RealtimeClient.open(self.realtime_url, self.server.config.api_key)
         except SessionError as exc:
             gr.Warning(str(exc), duration=None)
             return "", self.documents.markdown(), ServerSnapshot.take(self.server).markdown()

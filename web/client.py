@@ -79,10 +79,12 @@ class RealtimeClient:
         self._reader: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, url: str) -> RealtimeClient:
-        """Connect to ``url`` (``ws://.../v1/realtime``) and wait for ``session.created``."""
+    async def open(cls, url: str, api_key: str | None = None) -> RealtimeClient:
+        """Connect to ``url`` (``ws://.../v1/realtime``, with the server's API key if it has one)
+        and wait for ``session.created``."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         try:
-            ws = await asyncio.wait_for(connect(url, max_size=None), CONNECT_TIMEOUT_S)
+            ws = await asyncio.wait_for(connect(url, max_size=None, additional_headers=headers), CONNECT_TIMEOUT_S)
         except (OSError, InvalidHandshake, TimeoutError) as exc:
             raise SessionError(f"cannot reach the assistant at {url}: {exc}") from exc
         client = cls(ws)

@@ -7,13 +7,21 @@ files. Uploads go into a folder the app owns (``--documents-dir``): on the first
 a copy of the documents being served, the upload is added (into ``en/`` or ``zh/`` by the file's
 script when the handbook is split by language), and the assistant switches to it. A file that
 cannot be read is refused with the reason and the assistant keeps its documents.
+
+Only folders under the allowed roots (``--documents-root``; always the app's own folder and the
+folder the server started with) can be served: a folder is checked after resolving symlinks, and
+so is every document in it, so a link inside a root that points outside is refused. Only
+document files are read or copied, and a folder is walked only up to :data:`MAX_WALK_ENTRIES`
+entries and :data:`MAX_DOCUMENT_BYTES` of documents, so pointing at a huge tree is refused fast.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from assistant.answerer import Answerer
@@ -21,14 +29,19 @@ from assistant.docs import LANGUAGES, RICH_SUFFIXES, TEXT_SUFFIXES, DocumentErro
 
 DOCUMENT_SUFFIXES = tuple(sorted(TEXT_SUFFIXES | set(RICH_SUFFIXES)))
 MARKER = ".web-documents"  # marks a folder this app created and may rewrite
+MAX_WALK_ENTRIES = 10_000  # files and folders looked at in one documents folder
+MAX_DOCUMENT_BYTES = 256 << 20  # documents in one folder, in all
 
 
 class DocumentLibrary:
     """The page's handle on the assistant's documents; one lock serialises changes."""
 
-    def __init__(self, answerer: Answerer, own_dir: Path) -> None:
+    def __init__(self, answerer: Answerer, own_dir: Path, roots: Iterable[Path]) -> None:
+        """``roots``: the folders (with everything under them) the page may switch to; the own
+        folder and the folder served now are always allowed."""
         self.answerer = answerer
         self.own_dir = own_dir.expanduser().resolve()
+        self.roots = tuple(dict.fromkeys(Path(r).expanduser().resolve() for r in (*roots, self.own_dir, self.folder)))
         self._lock = threading.Lock()
 
     @property
@@ -57,12 +70,42 @@ class DocumentLibrary:
 
     def use_folder(self, folder: Path) -> str:
         """Answer from ``folder`` from now on; on any problem the assistant keeps its documents."""
-        folder = folder.expanduser().resolve()
+        folder = self._allowed(folder.expanduser().resolve(), folder)
         if not folder.is_dir():
             raise DocumentError(f"not a folder: {folder}")
+        self.documents_in(folder)
         with self._lock:
             self._switch(folder)
         return f"Now answering from {folder}."
+
+    def documents_in(self, folder: Path) -> list[Path]:
+        """The document files under ``folder`` (relative paths), checked: DocumentError if the walk
+        passes its bounds or a document (or a link) resolves outside the allowed roots."""
+        found, entries, size = [], 0, 0
+        for top, dirs, files in os.walk(folder):
+            entries += len(dirs) + len(files)
+            if entries > MAX_WALK_ENTRIES:
+                raise DocumentError(f"{folder} holds more than {MAX_WALK_ENTRIES} files and folders; choose a folder of documents only")
+            for name in sorted(dirs):
+                if (Path(top) / name).is_symlink():
+                    self._allowed((Path(top) / name).resolve(), Path(top) / name)
+            for name in files:
+                path = Path(top) / name
+                if path.suffix.lower() not in DOCUMENT_SUFFIXES:
+                    continue
+                self._allowed(path.resolve(), path)
+                size += path.stat().st_size
+                if size > MAX_DOCUMENT_BYTES:
+                    raise DocumentError(f"the documents in {folder} exceed {MAX_DOCUMENT_BYTES >> 20} MiB")
+                found.append(path.relative_to(folder))
+        return sorted(found)
+
+    def _allowed(self, resolved: Path, asked: Path) -> Path:
+        """``resolved`` if it lies under an allowed root, else DocumentError naming what was asked."""
+        if not any(resolved.is_relative_to(root) for root in self.roots):
+            raise DocumentError(f"{asked} is not under an allowed documents folder "
+                                f"({', '.join(map(str, self.roots))}; the server's --documents-root sets them)")  # fmt: skip
+        return resolved
 
     def add_file(self, upload: Path, name: str) -> str:
         """Add an uploaded document (``name`` as the user named it) and reload."""
@@ -97,8 +140,12 @@ class DocumentLibrary:
             return
         if self.own_dir.exists() and any(self.own_dir.iterdir()) and not (self.own_dir / MARKER).exists():
             raise DocumentError(f"{self.own_dir} was not made by this app and is not empty; start with another --documents-dir")
+        documents = self.documents_in(self.folder)
         shutil.rmtree(self.own_dir, ignore_errors=True)
-        shutil.copytree(self.folder, self.own_dir)
+        for rel in documents:
+            (self.own_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.folder / rel, self.own_dir / rel)
+        self.own_dir.mkdir(parents=True, exist_ok=True)
         (self.own_dir / MARKER).write_text("documents managed by the web UI (python -m web); rewritten on upload\n")
 
 

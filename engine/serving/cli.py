@@ -1,6 +1,8 @@
 """The OpenAI-compatible server's command line: ``python -m engine.serving --model PATH [--port 8000] [engine options]``.
 
 One ``--flag`` per :class:`EngineConfig` field; the routes themselves are in :mod:`engine.serving.server`.
+``--api-key KEY`` (or ``$ENGINE_API_KEY``) makes clients send ``Authorization: Bearer KEY``; it is
+required unless the server listens on loopback only (:mod:`engine.serving.auth`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig
+from engine.serving.auth import MissingAPIKey, resolve_api_key
 from engine.serving.server import create_app
+
+API_KEY_ENV = "ENGINE_API_KEY"
 
 
 @dataclass
@@ -29,6 +34,7 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None
     log_level: str = "info"
+    api_key: str | None = None  # required by every route but /health (see engine.serving.auth)
 
     @property
     def model_name(self) -> str:
@@ -69,11 +75,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's file stem)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY (default ${API_KEY_ENV}); "
+                                     "required unless --host is 127.0.0.1, localhost or ::1")  # fmt: skip
     _engine_options(p)
     args = vars(p.parse_args(argv))
     model = args.pop("model")
     server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level")}
-    return ServerSettings(engine=EngineConfig(model=model, **args), **server)
+    try:
+        api_key = resolve_api_key(server["host"], args.pop("api_key"), API_KEY_ENV)
+    except MissingAPIKey as e:
+        p.error(str(e))
+    return ServerSettings(engine=EngineConfig(model=model, **args), api_key=api_key, **server)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        app = create_app(engine, settings.model_name)
+        app = create_app(engine, settings.model_name, api_key=settings.api_key)
         print(f"serving {settings.model_name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
     finally:

@@ -37,6 +37,7 @@ from starlette.types import Receive
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
+from engine.serving.auth import APIKeyGuard
 from engine.sampling import SamplingParams
 from engine.serving.openai_protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
@@ -282,18 +283,22 @@ async def _until_disconnected(receive: Receive) -> None:
 
 # ---- the app -------------------------------------------------------------------------------------
 def create_app(
-    engine: AsyncEngine, model_name: str, *, chat_prompt: ChatPrompt | None = None, collectors: Sequence[Collector] = ()
+    engine: AsyncEngine, model_name: str, *, chat_prompt: ChatPrompt | None = None, collectors: Sequence[Collector] = (),
+    api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``.
 
     ``chat_prompt`` turns a chat's messages into prompt token ids instead of the model's chat
     template (the assistant grounds chats in its documents; a ValueError is a 400); ``collectors``
-    add their series to ``/metrics``.
+    add their series to ``/metrics``; with ``api_key`` every route but ``/health`` requires it
+    (:class:`~engine.serving.auth.APIKeyGuard`).
     """
     server = OpenAIServer(engine, model_name, chat_prompt)
     for collector in collectors:
         server.metrics.registry.register(collector)
     app = FastAPI(title="engine OpenAI-compatible API")
+    if api_key is not None:
+        app.add_middleware(APIKeyGuard, key=api_key)
 
     async def generate(body: GenerationRequest, request: Request) -> Any:
         job = await server.prepare(body)

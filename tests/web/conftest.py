@@ -65,13 +65,15 @@ def question_wav(tmp_path_factory, question) -> Path:
 
 @pytest.fixture(scope="package")  # stopped after the web tests, whatever runs next
 def web_server(tmp_path_factory) -> Iterator[WebServer]:
-    """``python -m web`` on a free port, with three handbook documents, Whisper tiny.en and short answers."""
+    """``python -m web`` on a free port, with three handbook documents, Whisper tiny.en and short
+    answers; page users may change the documents (as an operator on a loopback-only server)."""
     docs = tmp_path_factory.mktemp("handbook")
     for name in DOCS:
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     own = tmp_path_factory.mktemp("web") / "documents"
     cmd = [sys.executable, "-m", "web", "--port", "0", "--docs", str(docs), "--documents-dir", str(own),
-           "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning"]  # fmt: skip
+           "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning",
+           "--allow-document-changes"]  # fmt: skip
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
     log = (tmp_path_factory.mktemp("web-log") / "server.log").open("w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
