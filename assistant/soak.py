@@ -14,7 +14,8 @@ prints: turns attempted / completed / cancelled by the soak / lost, faults injec
 KV cache usage and requests running or waiting (from ``/metrics``), Realtime sessions left open,
 the server's RSS at start and end, and any traceback in the server's log. The exit code is 1 when
 a turn was lost, KV blocks or sessions stay held, RSS grew by 10% or more, an invalid event got no
-``error``, or the log holds a traceback.
+``error``, the server closed a session, a client hit an exception of its own, or the log holds a
+traceback.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def report(cfg: SoakConfig, tally: Tally, measured: dict[str, Any], found: list[
     start, end = measured["rss_start_bytes"], measured["rss_end_bytes"]
     growth = None if not start or end is None else (end - start) / start
     garbage_unanswered = tally.garbage_sent - tally.garbage_answered
+    broken = tally.errors["connection_closed"] + tally.errors["client_exception"]
     failures = [msg for bad, msg in (
         (tally.outcomes["lost"] > 0, f"{tally.outcomes['lost']} lost turn(s)"),
         (left["kv_cache_usage"] > 0, f"KV cache still {100 * left['kv_cache_usage']:.2f}% used after the clients left"),
@@ -189,6 +191,7 @@ def report(cfg: SoakConfig, tally: Tally, measured: dict[str, Any], found: list[
         (growth is not None and growth >= RSS_GROWTH_LIMIT, f"RSS grew {100 * (growth or 0):.1f}% (limit {100 * RSS_GROWTH_LIMIT:.0f}%)"),
         (garbage_unanswered > 0, f"{garbage_unanswered} invalid event(s) got no error event"),
         (bool(found), f"{len(found)} traceback(s) in the server's log"),
+        (broken > 0, f"{broken} session(s) closed by the server or client exception(s)"),
     ) if bad]  # fmt: skip
     return {
         "meta": {**machine(), "command": " ".join(["python -m assistant.soak", *sys.argv[1:]]), "url": cfg.url or "own server",

@@ -109,7 +109,10 @@ class Caller:
     async def run(self, deadline: float) -> None:
         k = self.index
         while time.monotonic() < deadline:
-            await self.episode(EPISODES[k % len(EPISODES)], deadline)
+            try:
+                await self.episode(EPISODES[k % len(EPISODES)], deadline)
+            except Exception as exc:  # a soak client's own bug: counted and shown, the soak goes on
+                self.tally.error("client_exception", f"{EPISODES[k % len(EPISODES)]}: {exc!r}", expected=False)
             k += 1
 
     async def warm_up(self) -> None:
@@ -133,6 +136,8 @@ class Caller:
                 await getattr(self, action)(ws)
         except ConnectionClosed as exc:
             self.tally.error("connection_closed", f"the server closed the session: {exc}", expected=False)
+        except TimeoutError:
+            self.tally.turn("lost", f"{actions}: no answer started in {self.plan.turn_timeout_s:.0f} s")
         finally:
             await ws.close()
 
@@ -161,10 +166,11 @@ class Caller:
         return ws
 
     # ---- reading events ----------------------------------------------------------------------------
-    async def until(self, ws: ClientConnection, stop: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> list[dict[str, Any]]:
-        """Server events up to and including the first that ``stop`` accepts; every ``error`` is tallied."""
+    async def until(self, ws: ClientConnection, stop: Callable[[dict[str, Any]], bool], timeout: float | None = None) -> list[dict[str, Any]]:
+        """Server events up to and including the first that ``stop`` accepts (within ``timeout``, by
+        default a turn's); every ``error`` is tallied."""
         events = []
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(timeout or self.plan.turn_timeout_s):
             while True:
                 event = json.loads(await ws.recv())
                 events.append(event)
