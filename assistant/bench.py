@@ -154,22 +154,24 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], c
     return results
 
 
-async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
+async def microphone(ws: Any, pcm: bytes, chunk_ms: int, stop: asyncio.Event, start: float | None = None) -> None:
+    """Stream ``pcm`` (PCM16 at ``RATE``), then silence, in ``chunk_ms`` packets at real-time pace
+    from ``start`` (a ``time.perf_counter()`` instant; default now) until ``stop`` is set."""
     chunk = RATE * chunk_ms // 1000 * 2
     silence = bytes(chunk)
+    start = time.perf_counter() if start is None else start
+    k = 0
+    while not stop.is_set():
+        piece = pcm[k * chunk : (k + 1) * chunk] or silence
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece).decode()}))
+        k += 1
+        await asyncio.sleep(max(0.0, start + k * chunk_ms / 1000 - time.perf_counter()))
+
+
+async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
     start = time.perf_counter()
     stop_sending = asyncio.Event()
-
-    async def microphone() -> None:
-        """The question, then silence, at real-time pace until the answer is done."""
-        k = 0
-        while not stop_sending.is_set():
-            piece = question.pcm[k * chunk : (k + 1) * chunk] or silence
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece).decode()}))
-            k += 1
-            await asyncio.sleep(max(0.0, start + k * chunk_ms / 1000 - time.perf_counter()))
-
-    sender = asyncio.create_task(microphone())
+    sender = asyncio.create_task(microphone(ws, question.pcm, chunk_ms, stop_sending, start))
     first_audio: float | None = None
     try:
         async for message in ws:
@@ -407,26 +409,41 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--json", type=Path, help="write the whole report here")
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    server = p.add_argument_group("server options (when the bench starts its own; see python -m assistant serve --help)")
-    for flag in ("--docs", "--model", "--asr", "--lang", "--max-tokens", "--hangover-ms", "--output-lead-ms", "--device", "--quantization"):
-        server.add_argument(flag)
-    server.add_argument("--early-prefill", action="store_true")
+    add_server_options(p, "the bench")
     a = p.parse_args(argv)
     if a.turns < 1 or min(a.callers) < 1 or a.chunk_ms < 10:
         p.error("--turns and --callers must be >= 1, --chunk-ms >= 10")
-    server_args: list[str] = []
-    for name in ("docs", "model", "asr", "lang", "max_tokens", "hangover_ms", "output_lead_ms", "device", "quantization"):
-        if getattr(a, name) is not None:
-            server_args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
-    if a.early_prefill:
-        server_args.append("--early-prefill")
+    server_args = chosen_server_args(a)
     if a.url and server_args:
         p.error("server options only apply when the bench starts its own server (no --url)")
     return BenchConfig(
         url=a.url, callers=tuple(a.callers), turns=a.turns, questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS,
         max_output_tokens=a.max_output_tokens, chunk_ms=a.chunk_ms, timeout_s=a.timeout, json_path=a.json,
-        plot_path=a.plot, progress=a.progress, server_args=tuple(server_args),
+        plot_path=a.plot, progress=a.progress, server_args=server_args,
     )  # fmt: skip
+
+
+SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "hangover_ms", "output_lead_ms", "device",
+                  "quantization")  # fmt: skip
+
+
+def add_server_options(p: argparse.ArgumentParser, who: str) -> None:
+    """The ``python -m assistant serve`` options passed on when ``who`` starts its own server."""
+    server = p.add_argument_group(f"server options (when {who} starts its own; see python -m assistant serve --help)")
+    for name in SERVER_OPTIONS:
+        server.add_argument("--" + name.replace("_", "-"))
+    server.add_argument("--early-prefill", action="store_true")
+
+
+def chosen_server_args(a: argparse.Namespace) -> tuple[str, ...]:
+    """The server options given on the command line (see :func:`add_server_options`), as arguments."""
+    args: list[str] = []
+    for name in SERVER_OPTIONS:
+        if getattr(a, name) is not None:
+            args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+    if a.early_prefill:
+        args.append("--early-prefill")
+    return tuple(args)
 
 
 def load_questions(path: Path) -> tuple[str, ...]:
