@@ -17,7 +17,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig
-from engine.serving.server import create_app
+from engine.serving.server import MAX_BODY_BYTES, create_app
 
 
 @dataclass
@@ -29,6 +29,7 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None
     log_level: str = "info"
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets a 413
 
     @property
     def model_name(self) -> str:
@@ -69,10 +70,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's file stem)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body (default 1 MiB; larger: 413)")
     _engine_options(p)
     args = vars(p.parse_args(argv))
+    if args["max_body_bytes"] < 1:
+        p.error(f"--max-body-bytes must be >= 1, got {args['max_body_bytes']}")
     model = args.pop("model")
-    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level")}
+    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level", "max_body_bytes")}
     return ServerSettings(engine=EngineConfig(model=model, **args), **server)
 
 
@@ -85,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        app = create_app(engine, settings.model_name)
+        app = create_app(engine, settings.model_name, max_body_bytes=settings.max_body_bytes)
         print(f"serving {settings.model_name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
     finally:
