@@ -368,7 +368,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        err = APIError(e.status_code, str(e.detail), code=None if e.status_code != 404 else "not_found")
+        code = {404: "not_found", 400: "invalid_json"}.get(e.status_code)  # FastAPI's 400: a body it could not parse (e.g. nested too deep)
+        err = APIError(e.status_code, str(e.detail), code=code)
         return JSONResponse(err.body().model_dump(), status_code=e.status_code, headers=e.headers)
 
     return app

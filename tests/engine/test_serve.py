@@ -253,6 +253,7 @@ async def test_non_streaming_client_that_times_out_aborts_its_request(server, en
         (CHAT, b'{"model": "x", "messages": [', 400, "invalid_json", None, "not valid JSON"),
         (CHAT, b"", 400, "invalid_json", None, "missing"),
         (CHAT, b"[1, 2]", 400, "invalid_json", None, "JSON object"),
+        (CHAT, b"[" * 50_000, 400, "invalid_json", None, "parsing the body"),  # too deep for the JSON parser
         (CHAT, {"model": "gpt-4o", "messages": HI}, 404, "model_not_found", "model", "gpt-4o"),
         (COMPLETIONS, {"model": "gpt-4o", "prompt": "hi"}, 404, "model_not_found", "model", "does not exist"),
         (COMPLETIONS, {"model": MODEL, "prompt": list(range(5, 9000))}, 400, "context_length_exceeded", "prompt", "maximum context length is 8192"),
