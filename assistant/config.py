@@ -94,12 +94,13 @@ class ServerConfig:
     max_message_bytes: int = 1 << 20  # a larger client event gets an `error`; the session lives on
     max_errors: int = 32  # this many invalid client events in a row close the socket (1008)
     api_key: str | None = None  # clients must send it (Bearer); required beyond loopback (see serve_command)
+    max_body_bytes: int = 1 << 20  # a larger HTTP request body gets a 413
     assistant: AssistantConfig = field(default_factory=AssistantConfig)
     voice: VoiceConfig = field(default_factory=VoiceConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting out of range (the speech configs check theirs)."""
-        for name in ("max_sessions", "max_message_bytes", "max_errors"):
+        for name in ("max_sessions", "max_message_bytes", "max_errors", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:

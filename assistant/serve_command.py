@@ -59,6 +59,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
     s.add_argument("--max-sessions", type=int, default=16, help="open Realtime sessions at most (then close 1013)")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest HTTP request body (default 1 MiB; larger: 413)")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY (default ${API_KEY_ENV}); "
@@ -75,7 +76,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
-                          max_message_bytes=a.max_message_bytes, api_key=api_key, assistant=assistant, voice=voice)  # fmt: skip
+                          max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
+                          assistant=assistant, voice=voice)  # fmt: skip
     return config, a.log_level, a.warm_up
 
 

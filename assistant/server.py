@@ -2,13 +2,15 @@
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime API over WebSocket: voice and text turns), the
 OpenAI-compatible HTTP routes of :func:`engine.serving.server.create_app` with chats grounded in the
-documents (``/v1/chat/completions`` answers from the handbook, like a voice turn), ``/v1/models``,
+documents (``/v1/chat/completions`` answers from the handbook, like a voice turn: at most
+``--max-tokens`` tokens, then a ``Source:`` line as the CLI prints it), ``/v1/models``,
 ``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings and
-the session counters).
+the session counters; the warm-up's requests are not counted).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fastapi import FastAPI, WebSocket
@@ -16,10 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
+from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
 from assistant.voice_services import VoiceServices
-from engine.serving.server import create_app
+from engine.serving.openai_protocol import APIError
+from engine.serving.prometheus import EngineMetrics
+from engine.serving.server import ChatPrompt, create_app
+
+SOURCE_LINE = re.compile(r"\n\nSource: [^\n]*\Z")  # what grounded_prompt's footer appends to an answer
 
 
 class AssistantServer:
@@ -37,30 +44,46 @@ class AssistantServer:
         self._active = Gauge("assistant_realtime_sessions", "Open /v1/realtime sessions.", registry=registry)
         self._rejected = Counter("assistant_realtime_sessions_rejected", "Connections refused at the session limit (1013).",
                                  registry=registry)  # fmt: skip
+        engine = self.answerer.engine
+        self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
-            self.answerer.engine, self.model_name, chat_prompt=self.grounded_prompt,
-            collectors=[self.timelines.registry, registry], api_key=config.api_key,
+            engine, self.model_name, chat_prompt=self.grounded_prompt, collectors=[self.timelines.registry, registry],
+            max_body_bytes=config.max_body_bytes, metrics=self.engine_metrics, api_key=config.api_key,
         )  # fmt: skip
         self.app.add_api_websocket_route("/v1/realtime", self.realtime)
 
-    def grounded_prompt(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple]:
+    def grounded_prompt(self, messages: list[dict[str, str]]) -> ChatPrompt:
         """A chat's prompt: the documents prefix, the earlier turns, then the last user message,
         with the documents' version as prefix-cache key, as the answerer's own requests have it
-        (so HTTP chats and voice turns share the cached prefix).
+        (so HTTP chats and voice turns share the cached prefix). The answer is capped at the
+        assistant's ``max_tokens`` (its default too) and followed by ``\\n\\nSource: path — heading``
+        (the CLI's line; the Realtime API sends it as the timeline's ``citation``).
 
-        The handbook's system prompt takes the place of the client's system messages."""
+        The handbook's system prompt takes the place of the client's system messages; an earlier
+        answer's source line is left out of the history, as the voice turns' history has none."""
         turns = [m for m in messages if m["role"] in ("user", "assistant")]
         if not turns or turns[-1]["role"] != "user":
             raise ValueError("the last message must be the user's question")
         history: list[dict[str, str]] = []
         for m in turns[:-1]:
+            content = SOURCE_LINE.sub("", m["content"]) if m["role"] == "assistant" else m["content"]
             if history and history[-1]["role"] == m["role"]:
-                history[-1]["content"] += "\n" + m["content"]
+                history[-1]["content"] += "\n" + content
             else:
-                history.append(dict(m))
+                history.append({"role": m["role"], "content": content})
         question = turns[-1]["content"]
-        docs = self.answerer.builders[self.answerer.language_for(question)].docs
-        return self.answerer.prompt_ids(question, history), (docs.version,)
+        builder = self.answerer.builders[self.answerer.language_for(question)]
+        try:
+            ids = builder.build(history, question)
+        except PromptTooLong as e:
+            raise APIError(400, f"This chat does not fit the model's context: {e}.", param="messages",
+                           code="context_length_exceeded") from e  # fmt: skip
+
+        def footer(answer: str) -> str:
+            citation = builder.index.cite(question, answer)
+            return f"\n\nSource: {citation}" if citation is not None else ""
+
+        return ChatPrompt(ids, (builder.docs.version,), max_tokens=self.config.assistant.max_tokens, footer=footer)
 
     async def realtime(self, ws: WebSocket) -> None:
         """One Realtime session, or a refusal (close 1013) when ``max_sessions`` are open."""
@@ -79,8 +102,10 @@ class AssistantServer:
             self._active.set(len(self.sessions))
 
     def warm_up(self) -> None:
-        """Compute the documents prefix and run Whisper and the voice once (outside an event loop)."""
+        """Compute the documents prefix and run Whisper and the voice once (outside an event loop),
+        then zero the engine's metrics: a fresh server reports no request."""
         self.services.warm_up()
+        self.engine_metrics.reset()
 
     def close(self) -> None:
         self.services.close()

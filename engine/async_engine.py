@@ -52,6 +52,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _ResetCounters:
+    done: threading.Event
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, core: EngineCore | None = None) -> None:
         """From a config the engine thread itself loads the model (and waits here until it has,
@@ -138,6 +143,17 @@ class AsyncEngine:
         (stopped, length or aborted), e.g. to observe its metrics; it must be quick."""
         self._finish_listeners.append(listener)
 
+    def reset_counters(self) -> None:
+        """Zero the engine's counters (:meth:`EngineCore.reset_counters`; cached prefixes stay) on the
+        engine thread, and wait for it. For a warm-up of the caller's own, once its requests are done."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        done = threading.Event()
+        self._commands.put(_ResetCounters(done))
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise EngineDeadError("the engine loop has stopped")
+
     @property
     def is_alive(self) -> bool:
         """False once the engine thread has stopped (shut down or crashed)."""
@@ -191,7 +207,12 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _ResetCounters) -> None:
+        if isinstance(cmd, _ResetCounters):
+            self.core.reset_counters()
+            self._stats = self.core.stats()
+            cmd.done.set()
+            return
         if isinstance(cmd, _Add):
             try:
                 self.core.add_request(

@@ -76,11 +76,12 @@ class EngineCore:
         # async scheduling: the step launched on the device whose samples the host has not read yet
         self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
         self._inflight: InflightStep | None = None
-        self._reset_counters()
+        self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
 
-    def _reset_counters(self) -> None:
-        """Request ids, step counts and timings, token totals and prefix-cache statistics from zero."""
+    def reset_counters(self) -> None:
+        """Request ids, step counts and timings, token totals and prefix-cache statistics from zero
+        (the cached prefixes stay). Only while no request is in flight, e.g. after a warm-up."""
         self._ids = itertools.count()
         self._last_step_end: torch.cuda.Event | None = None  # for the device's idle time between steps
         self.num_steps = 0
@@ -117,7 +118,7 @@ class EngineCore:
         self.warm_up_steps = self.num_steps
         log.info("warm-up: %d steps in %.2f s", self.num_steps, time.perf_counter() - start)
         self.block_manager.reset_prefix_cache()
-        self._reset_counters()
+        self.reset_counters()
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None) -> None:

@@ -20,7 +20,7 @@ import uvicorn
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError, EngineConfig
 from engine.serving.auth import MissingAPIKey, resolve_api_key
-from engine.serving.server import create_app
+from engine.serving.server import MAX_BODY_BYTES, create_app
 
 API_KEY_ENV = "ENGINE_API_KEY"
 
@@ -35,6 +35,7 @@ class ServerSettings:
     served_model_name: str | None = None
     log_level: str = "info"
     api_key: str | None = None  # required by every route but /health (see engine.serving.auth)
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets a 413
 
     @property
     def model_name(self) -> str:
@@ -77,10 +78,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY (default ${API_KEY_ENV}); "
                                      "required unless --host is 127.0.0.1, localhost or ::1")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body (default 1 MiB; larger: 413)")
     _engine_options(p)
     args = vars(p.parse_args(argv))
+    if args["max_body_bytes"] < 1:
+        p.error(f"--max-body-bytes must be >= 1, got {args['max_body_bytes']}")
     model = args.pop("model")
-    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level")}
+    server = {k: args.pop(k) for k in ("host", "port", "served_model_name", "log_level", "max_body_bytes")}
     try:
         api_key = resolve_api_key(server["host"], args.pop("api_key"), API_KEY_ENV)
     except MissingAPIKey as e:
@@ -97,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        app = create_app(engine, settings.model_name, api_key=settings.api_key)
+        app = create_app(engine, settings.model_name, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
         print(f"serving {settings.model_name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
     finally:

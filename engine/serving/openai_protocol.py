@@ -5,7 +5,10 @@ the answer (``user``, ``metadata``, ...) are accepted and ignored; values we can
 (``n > 1``, tools, ``logit_bias``, ...) are a 400 that says so; any other unknown field is a 400
 too, so a typo never silently changes the sampling. vLLM's extra sampling fields are accepted
 (``priority``, ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``).
-Range checks are the engine's own (:class:`engine.SamplingError`), passed through verbatim.
+Range checks are the engine's own (:class:`engine.SamplingError`), passed through verbatim. Where
+OpenAI is strict so are we: booleans must be JSON booleans, ``stop`` holds at most
+:data:`MAX_STOP` strings, and no string may hold a lone UTF-16 surrogate (``"\\ud800"`` is valid
+JSON but not text: no tokenizer or UTF-8 encoder accepts it).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling import SamplingParams
 
@@ -44,12 +48,46 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests ------------------------------------------------------------------------------------
+MAX_STOP = 4  # OpenAI's limit on stop strings
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a 32-bit signed integer
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def lone_surrogate(value: Any) -> str | None:
+    """The JSON path (``messages.0.content``) of the first string, or object key, in ``value``
+    that holds a lone UTF-16 surrogate (escaped, so the path itself is text); None if there is
+    none. Iterative, so deep nesting costs no stack."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str) and not _is_text(v):
+            return path
+        if isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if not _is_text(str(k)):
+                    return sub.encode("utf-8", "backslashreplace").decode()
+                todo.append((sub, item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(v))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextPart(_Strict):
@@ -79,7 +117,7 @@ class GenerationRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -89,12 +127,22 @@ class GenerationRequest(_Strict):
     # Accepted and ignored: it does not change the answer.
     user: str | None = None
     # vLLM's extensions.
-    priority: int = Field(0, description="lower is served first; a waiting request may preempt running ones of a higher value")
-    ignore_eos: bool = False
+    priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                          description="lower is served first; a waiting request may preempt running ones of a higher value")
+    ignore_eos: StrictBool = False
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Refuse a lone surrogate anywhere (a field's value or name) before any field is read."""
+        path = lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("lone_surrogate", "a lone UTF-16 surrogate is not text", {"path": path})
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -108,6 +156,9 @@ class GenerationRequest(_Strict):
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise APIError(400, f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
+                                f"but got an array with length {len(self.stop)} instead.", param="stop", code="array_above_max_length")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; ranges are checked later by the engine (one source of truth)."""
@@ -125,15 +176,15 @@ class GenerationRequest(_Strict):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     # Accepted and ignored.
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
 
     def check_supported(self) -> None:
@@ -164,7 +215,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for text completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 

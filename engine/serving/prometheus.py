@@ -8,6 +8,9 @@ Two sources, no global state (each :class:`EngineMetrics` has its own ``Collecto
 - request histograms and finish counters are observed, on the engine thread, from each finished
   request's :class:`~engine.metrics.RequestMetrics` (every request, HTTP or not);
 - gauges and engine-wide counters are read from :meth:`AsyncEngine.stats` at scrape time.
+
+A server that warms its engine up with requests of its own calls :meth:`EngineMetrics.reset`
+afterwards, so a fresh server reports no request (the engine's own start-up warm-up is never seen).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
@@ -44,29 +48,56 @@ def token_buckets(max_model_len: int) -> list[float]:
 class EngineMetrics:
     """The ``/metrics`` of one engine; subscribes to its finished requests on construction."""
 
+    # this model's series, bound by _start()
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prefill: Histogram
+    decode: Histogram
+    prompt_len: Histogram
+    output_len: Histogram
+    prompt_tokens: Counter
+
     def __init__(self, engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self.engine = engine
         self.model_name = model_name
+        self._families: dict[str, MetricWrapperBase] = {}  # attribute -> its family (labelled by model_name)
 
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(model_name)
+        def hist(attr: str, name: str, doc: str, buckets) -> None:
+            self._families[attr] = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
 
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_GAP_BUCKETS)
-        self.tpot = hist("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", TOKEN_GAP_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
-        self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
-        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
-        self.output_len = hist("request_generation_tokens", "Number of generation tokens processed.", token_buckets(max_model_len))
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=self.registry).labels(model_name)
+        hist("ttft", "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        hist("itl", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_GAP_BUCKETS)
+        hist("tpot", "request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", TOKEN_GAP_BUCKETS)
+        hist("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS)
+        hist("queue", "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        hist("prefill", "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        hist("decode", "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        hist("prompt_len", "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
+        hist("output_len", "request_generation_tokens", "Number of generation tokens processed.", token_buckets(max_model_len))
+        self._families["prompt_tokens"] = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=self.registry)
         self.success = Counter(PREFIX + "request_success", "Count of successfully processed requests.", (*LABELS, "finished_reason"), registry=self.registry)
-        for reason in ("stop", "length", "abort"):  # exported at 0 from the start, as vLLM does
-            self.success.labels(model_name, reason)
+        self._start()
         self.registry.register(_EngineStatsCollector(engine, model_name))
         engine.add_finish_listener(self.observe)
+
+    def _start(self) -> None:
+        """Bind each series of this model (``self.ttft``, ...) and export the finish reasons at 0, as vLLM does."""
+        for attr, family in self._families.items():
+            setattr(self, attr, family.labels(self.model_name))
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(self.model_name, reason)
+
+    def reset(self) -> None:
+        """Forget every request so far: the engine's counters and every series back to zero.
+        Only while no request is in flight (after a warm-up of the server's own, before serving)."""
+        self.engine.reset_counters()
+        for family in (*self._families.values(), self.success):
+            family.clear()
+        self._start()
 
     def observe(self, output: RequestOutput) -> None:
         """Record one finished request (called on the engine thread)."""

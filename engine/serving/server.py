@@ -4,7 +4,8 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole
 ``/health``, ``/metrics`` (Prometheus). :func:`create_app` builds them around a running
 :class:`AsyncEngine`, so the assistant's server mounts the same app on its own engine.
 
-The event loop never waits on model work: prompts are tokenized in a worker thread, the engine
+The event loop never waits on model work: a body over the limit is refused before it is read
+(:class:`~engine.serving.body_limit.BodyLimit`), prompts are tokenized in a worker thread, the engine
 steps on its own thread, and each request is checked (:meth:`EngineCore.validate_request` plus the
 context length) before anything is scheduled, so a bad request costs no KV block. A client that
 goes away aborts its request: for a stream, Starlette (under uvicorn) watches for the disconnect
@@ -37,8 +38,9 @@ from starlette.types import Receive
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import RequestError
 from engine.outputs import RequestOutput
-from engine.serving.auth import APIKeyGuard
 from engine.sampling import SamplingParams
+from engine.serving.auth import APIKeyGuard
+from engine.serving.body_limit import BodyLimit
 from engine.serving.openai_protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
     ChatCompletionRequest, ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -48,7 +50,20 @@ from engine.serving.prometheus import EngineMetrics
 
 log = logging.getLogger(__name__)
 
-ChatPrompt = Callable[[list[dict[str, str]]], tuple[list[int], tuple]]  # messages -> (prompt ids, prefix-cache keys)
+MAX_BODY_BYTES = 1 << 20  # the default request body limit (1 MiB)
+
+
+@dataclass
+class ChatPrompt:
+    """What a chat hook (see :func:`create_app`) makes of a chat's messages."""
+
+    token_ids: list[int]
+    extra_keys: tuple = ()  # extra prefix-cache keys (see AsyncEngine.generate)
+    max_tokens: int | None = None  # the default and the cap of the answer's length (None: the context's rest)
+    footer: Callable[[str], str] | None = None  # the whole answer -> text sent after it (e.g. its source)
+
+
+ChatHook = Callable[[list[dict[str, str]]], ChatPrompt]
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -63,6 +78,7 @@ class _Job:
     priority: int
     include_usage: bool
     extra_keys: tuple = ()  # extra prefix-cache keys (see AsyncEngine.generate)
+    footer: Callable[[str], str] | None = None  # see ChatPrompt
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -87,12 +103,13 @@ class _Answer:
 class OpenAIServer:
     """The route handlers' logic for one engine and one served model name."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_prompt: ChatPrompt | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_prompt: ChatHook | None = None,
+                 metrics: EngineMetrics | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.model_name = model_name
         self.chat_prompt = chat_prompt
         self.max_model_len = engine.core.max_model_len
-        self.metrics = EngineMetrics(engine, model_name, self.max_model_len)
+        self.metrics = metrics or EngineMetrics(engine, model_name, self.max_model_len)
 
     # ---- validation -----------------------------------------------------------------------------
     async def prepare(self, body: GenerationRequest) -> _Job:
@@ -107,11 +124,13 @@ class OpenAIServer:
         prompt_param = "messages" if chat else "prompt"
         prompt = None if chat else body.single_prompt()  # type: ignore[union-attr]
         try:
-            ids, extra_keys = await asyncio.to_thread(self._tokenize, body, prompt)
+            made = await asyncio.to_thread(self._tokenize, body, prompt)
         except (ValueError, TemplateError) as e:  # no tokenizer, no chat template, or the template refuses the messages
             raise APIError(400, str(e), param=prompt_param) from e
-        requested = body.requested_max_tokens
-        max_tokens = requested if requested is not None else max(1, self.max_model_len - len(ids))
+        ids, requested = made.token_ids, body.requested_max_tokens
+        max_tokens = requested if requested is not None else (made.max_tokens or max(1, self.max_model_len - len(ids)))
+        if made.max_tokens is not None:
+            max_tokens = min(max_tokens, made.max_tokens)
         if len(ids) + max_tokens > self.max_model_len:
             raise APIError(
                 400,
@@ -129,21 +148,22 @@ class OpenAIServer:
             raise APIError(400, str(e), param=param, code="invalid_value") from e
         return _Job(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat=chat, prompt_ids=ids,
-            params=params, priority=body.priority, include_usage=body.include_usage, extra_keys=extra_keys,
+            params=params, priority=body.priority, include_usage=body.include_usage, extra_keys=made.extra_keys,
+            footer=made.footer,
         )
 
-    def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> tuple[list[int], tuple]:
-        """(prompt token ids, extra prefix-cache keys)."""
+    def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> ChatPrompt:
+        """The prompt's token ids (and, from the chat hook, what goes with them)."""
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, list):
-            return list(prompt), ()
+            return ChatPrompt(list(prompt))
         if tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights): send the prompt as token ids")
         if isinstance(body, ChatCompletionRequest):
             if self.chat_prompt is not None:
                 return self.chat_prompt(body.conversation())
-            return tokenizer.apply_chat_template(body.conversation()), ()
-        return tokenizer.encode(prompt or ""), ()
+            return ChatPrompt(tokenizer.apply_chat_template(body.conversation()))
+        return ChatPrompt(tokenizer.encode(prompt or ""))
 
     # ---- answering --------------------------------------------------------------------------------
     def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
@@ -160,8 +180,9 @@ class OpenAIServer:
             async for out in outputs:
                 answer.completion_tokens, answer.cached_tokens = out.num_generated_tokens, out.num_cached_tokens
                 logprobs = self._logprobs(job, out)
-                if out.text or out.finished or logprobs:
-                    yield self._chunk(job, out.text, out, logprobs, offset=len(answer.text))
+                text = out.text + (_footer(job, answer.text + out.text, out.finish_reason) if out.finished else "")
+                if text or out.finished or logprobs:
+                    yield self._chunk(job, text, out, logprobs, offset=len(answer.text))
                 answer.text += out.text
             if job.include_usage:
                 yield self._usage_chunk(job, answer)
@@ -189,7 +210,8 @@ class OpenAIServer:
         usage = Usage.of(len(job.prompt_ids), a.completion_tokens, a.cached_tokens)
         if job.chat:
             chat_lp = ChatLogprobs(content=[_chat_logprob(t) for t in a.logprobs]) if job.params.logprobs is not None else None
-            choice = ChatChoice(message=AssistantMessage(content=a.text), logprobs=chat_lp, finish_reason=a.finish_reason, stop_reason=a.stop_reason)
+            content = a.text + _footer(job, a.text, a.finish_reason)
+            choice = ChatChoice(message=AssistantMessage(content=content), logprobs=chat_lp, finish_reason=a.finish_reason, stop_reason=a.stop_reason)
             return ChatCompletion(id=job.request_id, created=job.created, model=self.model_name, choices=[choice], usage=usage)
         lp = _completion_logprobs(a.logprobs, 0) if job.params.logprobs is not None else None
         choice = CompletionChoice(text=a.text, logprobs=lp, finish_reason=a.finish_reason, stop_reason=a.stop_reason)
@@ -244,6 +266,11 @@ class OpenAIServer:
         return _sse(cls(id=job.request_id, created=job.created, model=self.model_name, choices=[], usage=usage))
 
 
+def _footer(job: _Job, text: str, finish_reason: str | None) -> str:
+    """The text that follows a finished (not aborted) answer, if the chat hook gave one."""
+    return job.footer(text) if job.footer is not None and finish_reason in ("stop", "length") else ""
+
+
 def _chat_logprob(t: _TokenLogprob) -> TokenLogprob:
     return TokenLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()),
                         top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top])
@@ -283,21 +310,26 @@ async def _until_disconnected(receive: Receive) -> None:
 
 # ---- the app -------------------------------------------------------------------------------------
 def create_app(
-    engine: AsyncEngine, model_name: str, *, chat_prompt: ChatPrompt | None = None, collectors: Sequence[Collector] = (),
-    api_key: str | None = None,
+    engine: AsyncEngine, model_name: str, *, chat_prompt: ChatHook | None = None, collectors: Sequence[Collector] = (),
+    max_body_bytes: int = MAX_BODY_BYTES, metrics: EngineMetrics | None = None, api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` of ``engine``, served as ``model_name``.
 
-    ``chat_prompt`` turns a chat's messages into prompt token ids instead of the model's chat
-    template (the assistant grounds chats in its documents; a ValueError is a 400); ``collectors``
-    add their series to ``/metrics``; with ``api_key`` every route but ``/health`` requires it
-    (:class:`~engine.serving.auth.APIKeyGuard`).
+    ``chat_prompt`` turns a chat's messages into a :class:`ChatPrompt` instead of the model's chat
+    template (the assistant grounds chats in its documents, caps their length and cites the source;
+    a ValueError is a 400, an :class:`APIError` is answered as it is); ``collectors`` add their
+    series to ``/metrics``; ``metrics`` are the engine's series (default: new ones; pass your own
+    to :meth:`~EngineMetrics.reset` them after a warm-up); a request body over ``max_body_bytes`` gets a 413;
+    with ``api_key`` every route but ``/health`` requires it (:class:`~engine.serving.auth.APIKeyGuard`).
     """
-    server = OpenAIServer(engine, model_name, chat_prompt)
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    server = OpenAIServer(engine, model_name, chat_prompt, metrics)
     for collector in collectors:
         server.metrics.registry.register(collector)
     app = FastAPI(title="engine OpenAI-compatible API")
-    if api_key is not None:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, paths=("/v1/chat/completions", "/v1/completions"))
+    if api_key is not None:  # added last: the outermost check, before any body is read
         app.add_middleware(APIKeyGuard, key=api_key)
 
     async def generate(body: GenerationRequest, request: Request) -> Any:
@@ -340,7 +372,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        err = APIError(e.status_code, str(e.detail), code=None if e.status_code != 404 else "not_found")
+        code = {404: "not_found", 400: "invalid_json"}.get(e.status_code)  # FastAPI's 400: a body it could not parse (e.g. nested too deep)
+        err = APIError(e.status_code, str(e.detail), code=code)
         return JSONResponse(err.body().model_dump(), status_code=e.status_code, headers=e.headers)
 
     return app
@@ -354,6 +387,10 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
     if kind == "json_invalid":
         detail = (e.get("ctx") or {}).get("error", e.get("msg"))
         return APIError(400, f"The request body is not valid JSON: {detail}.", code="invalid_json")
+    if kind == "lone_surrogate":
+        path = e["ctx"]["path"]
+        return APIError(400, f"Invalid value for '{path}': the string holds a lone UTF-16 surrogate, which is not text.",
+                        param=path.split(".", 1)[0] or None, code="invalid_value")
     if not loc:
         if kind == "missing":
             return APIError(400, "The request body is missing: send a JSON object.", code="invalid_json")
@@ -363,7 +400,11 @@ def _validation_error(errors: Sequence[Any]) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=param, code="unknown_parameter")
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{'.'.join(loc)}'.", param=param, code="missing_required_parameter")
-    return APIError(400, f"Invalid value for '{'.'.join(loc)}': {e.get('msg')}.", param=param, code="invalid_type")
+    code = _BOUND_CODES.get(kind, "invalid_type")
+    return APIError(400, f"Invalid value for '{'.'.join(loc)}': {e.get('msg')}.", param=param, code=code)
+
+
+_BOUND_CODES = {"less_than_equal": "integer_above_max_value", "greater_than_equal": "integer_below_min_value"}  # OpenAI's codes
 
 
 # ---- running it ----------------------------------------------------------------------------------

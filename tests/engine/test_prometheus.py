@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import AsyncEngine, build_engine
+from engine import AsyncEngine, SamplingParams, build_engine
 from engine.llm import make_config
 from engine.serving.prometheus import EngineMetrics, token_buckets
 from engine.serving.server import BackgroundServer, create_app
@@ -142,6 +142,32 @@ def test_each_app_has_its_own_registry(engine):
     one, two = EngineMetrics(engine, "one", 4096), EngineMetrics(engine, "two", 4096)
     assert one.registry is not two.registry
     assert b'model_name="one"' in one.render()[0] and b'model_name="two"' not in one.render()[0]
+
+
+async def test_reset_forgets_a_warm_up_and_counts_what_follows(engine):
+    """A server's own warm-up (the assistant's documents prefix) is not reported as traffic."""
+    metrics = EngineMetrics(engine, "warm", 4096)
+
+    def sample(name: str, **labels: str) -> float:
+        families = text_string_to_metric_families(metrics.render()[0].decode())
+        return next(s.value for f in families for s in f.samples if s.name == name and labels.items() <= s.labels.items())
+
+    async def request() -> None:
+        async for _ in engine.generate(list(range(3000, 3040)), SamplingParams(max_tokens=2, ignore_eos=True)):
+            pass
+
+    await request()
+    assert sample("vllm:e2e_request_latency_seconds_count") == 1
+    await asyncio.to_thread(metrics.reset)
+    assert sample("vllm:e2e_request_latency_seconds_count") == 0
+    for name in ("vllm:generation_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total"):
+        assert sample(name) == 0, name
+    assert sample("vllm:request_success_total", finished_reason="length") == 0
+    await request()  # the prefix the warm-up computed is still cached
+    await wait_idle(engine)  # the engine's counters are read from its snapshot after the step
+    assert sample("vllm:e2e_request_latency_seconds_count") == 1
+    assert sample("vllm:request_success_total", finished_reason="length") == 1
+    assert sample("vllm:generation_tokens_total") == 2 and sample("vllm:prefix_cache_hits_total") == 32
 
 
 def test_token_buckets_are_vllm_1_2_5_up_to_the_context():

@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, AsyncEngine, SamplingParams, build_engine
 from engine.llm import make_config
 from engine.serving.cli import parse_settings
-from engine.serving.server import BackgroundServer, create_app
+from engine.serving.server import MAX_BODY_BYTES, BackgroundServer, create_app
 from tests.engine.helpers import wait_idle
 
 MODEL = "smollm2-test"
@@ -253,6 +253,7 @@ async def test_non_streaming_client_that_times_out_aborts_its_request(server, en
         (CHAT, b'{"model": "x", "messages": [', 400, "invalid_json", None, "not valid JSON"),
         (CHAT, b"", 400, "invalid_json", None, "missing"),
         (CHAT, b"[1, 2]", 400, "invalid_json", None, "JSON object"),
+        (CHAT, b"[" * 50_000, 400, "invalid_json", None, "parsing the body"),  # too deep for the JSON parser
         (CHAT, {"model": "gpt-4o", "messages": HI}, 404, "model_not_found", "model", "gpt-4o"),
         (COMPLETIONS, {"model": "gpt-4o", "prompt": "hi"}, 404, "model_not_found", "model", "does not exist"),
         (COMPLETIONS, {"model": MODEL, "prompt": list(range(5, 9000))}, 400, "context_length_exceeded", "prompt", "maximum context length is 8192"),
@@ -282,6 +283,23 @@ async def test_non_streaming_client_that_times_out_aborts_its_request(server, en
         (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400, None, "stream_options", "only allowed when stream"),
         (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_type", "messages", "role"),
         (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_type", "messages", "content"),
+        # a lone surrogate is valid JSON but not text: the tokenizer (and the UTF-8 encoder) refuse it
+        (CHAT, {"model": MODEL, "messages": user("\ud800")}, 400, "invalid_value", "messages", "'messages.0.content'"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]}, 400, "invalid_value", "messages", "lone UTF-16 surrogate"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi \ud800"}, 400, "invalid_value", "prompt", "'prompt'"),
+        (CHAT, {"model": "\ud800", "messages": HI}, 400, "invalid_value", "model", "lone UTF-16 surrogate"),
+        (CHAT, {"model": MODEL, "messages": HI, "stop": ["\udc00"]}, 400, "invalid_value", "stop", "'stop.0'"),
+        (CHAT, {"model": MODEL, "messages": HI, "\ud800": 1}, 400, "invalid_value", "\\ud800", "lone UTF-16 surrogate"),
+        # OpenAI's seed is a 64-bit signed integer; a stream is refused before it starts
+        (CHAT, {"model": MODEL, "messages": HI, "seed": 2**64}, 400, "invalid_value", "seed", "64-bit signed integer"),
+        (CHAT, {"model": MODEL, "messages": HI, "seed": 2**64, "stream": True}, 400, "invalid_value", "seed", "64-bit signed integer"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, 400, "invalid_value", "seed", "64-bit signed integer"),
+        # strict where OpenAI is strict
+        (CHAT, {"model": MODEL, "messages": HI, "stream": "yes"}, 400, "invalid_type", "stream", "valid boolean"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "ignore_eos": 1}, 400, "invalid_type", "ignore_eos", "valid boolean"),
+        (CHAT, {"model": MODEL, "messages": HI, "stop": [str(i) for i in range(10_000)]}, 400, "array_above_max_length", "stop", "maximum length 4"),
+        (CHAT, {"model": MODEL, "messages": HI, "priority": 10**30}, 400, "integer_above_max_value", "priority", "less than or equal to 2147483647"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "priority": -(10**30)}, 400, "integer_below_min_value", "priority", "greater than or equal to -2147483648"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_schedule_nothing(server, engine, route, body, status, code, param, message):
@@ -295,6 +313,28 @@ def test_bad_requests_get_an_openai_error_and_schedule_nothing(server, engine, r
     after = engine.stats()
     assert (after.num_steps, after.prefix_cache_queries, after.num_running, after.num_waiting) == (before.num_steps, before.prefix_cache_queries, 0, 0)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_refused_before_it_is_parsed(server, engine, chunked):
+    """30 MB of prompt (it used to be tokenized for a minute before its 400): a 413 at once."""
+    before = engine.stats()
+    body = json.dumps({"model": MODEL, "prompt": "word " * 6_000_000}).encode()
+    content = (body[i : i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    resp = httpx.post(server.url + COMPLETIONS, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 413, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "request_too_large")
+    assert str(MAX_BODY_BYTES) in err["message"]
+    after = engine.stats()
+    assert (after.num_steps, after.prefix_cache_queries) == (before.num_steps, before.prefix_cache_queries)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_extremes_of_seed_and_priority_are_served(client):
+    for seed, priority in ((2**63 - 1, 2**31 - 1), (-(2**63), -(2**31))):
+        ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, seed=seed, extra_body={"priority": priority})
+        assert ok.choices[0].finish_reason == "length"
 
 
 def test_the_sdk_surfaces_errors_and_accepts_ignored_openai_fields(client):
@@ -326,6 +366,8 @@ async def test_health_reports_a_stopped_engine(smollm, llm_gguf_path):
 def test_command_line_settings(llm_gguf_path):
     s = parse_settings(["--model", str(llm_gguf_path), "--port", "9001", "--max-num-seqs", "3", "--no-enable-prefix-caching"])
     assert (s.host, s.port, s.engine.max_num_seqs, s.engine.enable_prefix_caching) == ("127.0.0.1", 9001, 3, False)
+    assert s.max_body_bytes == MAX_BODY_BYTES
+    assert parse_settings(["--model", str(llm_gguf_path), "--max-body-bytes", "4096"]).max_body_bytes == 4096
     assert s.model_name == llm_gguf_path.stem
     assert parse_settings(["--model", str(llm_gguf_path), "--served-model-name", "m"]).model_name == "m"
 

@@ -1,0 +1,126 @@
+"""The assistant's OpenAI HTTP routes against a real server on 127.0.0.1: a fresh server's metrics,
+the answer's length cap and source line, and the requests refused before anything is scheduled."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.server import AssistantServer
+from engine.serving.server import BackgroundServer
+
+MAX_TOKENS = 24
+DOCS = ("01-annual-leave.md", "02-sick-leave.md", "05-it-accounts-and-passwords.md")
+QUESTION = "How many days of annual leave do I get per year?"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, whisper_tiny_path):
+    docs = tmp_path_factory.mktemp("handbook")
+    for name in DOCS:
+        shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
+    config = ServerConfig(assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=MAX_TOKENS),
+                          voice=VoiceConfig(asr_model=whisper_tiny_path))  # fmt: skip
+    assistant = AssistantServer(config)
+    assistant.warm_up()
+    with BackgroundServer(assistant.app) as http:
+        assistant.url = http.url  # type: ignore[attr-defined]
+        yield assistant
+    assistant.close()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)  # type: ignore[attr-defined]
+
+
+def metrics(server: AssistantServer) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels without model_name) -> value."""
+    text = httpx.get(server.url + "/metrics").text  # type: ignore[attr-defined]
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def ask(question: str = QUESTION, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "temperature": 0, **fields}
+
+
+def post(server: AssistantServer, body: dict | bytes, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + CHAT, content=content, headers={"content-type": "application/json"}, timeout=300, **kw)  # type: ignore[attr-defined]
+
+
+# First in this module: the server has served nothing yet.
+def test_a_fresh_server_reports_no_request_and_keeps_the_warm_prefix(server, client) -> None:
+    m = metrics(server)
+    for reason in ("stop", "length", "abort"):
+        assert m[("vllm:request_success_total", (("finished_reason", reason),))] == 0
+    for name in ("vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total"):  # fmt: skip
+        assert m[(name, ())] == 0, name
+    # the warm-up's documents prefix is still in the cache: the first question reuses it
+    reply = client.chat.completions.create(model=server.model_name, max_tokens=1, **ask())
+    prefix = len(server.answerer.prompt_ids("Hi", [])) - 8
+    assert reply.usage.prompt_tokens_details.cached_tokens >= prefix - 16
+    m = metrics(server)
+    assert m[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
+    assert m[("vllm:e2e_request_latency_seconds_count", ())] == 1
+
+
+def test_the_answer_is_capped_at_max_tokens_and_cites_its_source(server, client) -> None:
+    whole = [client.chat.completions.create(model=server.model_name, extra_body={"ignore_eos": True}, **ask(**limit))
+             for limit in ({}, {"max_tokens": 1000})]  # fmt: skip
+    for reply in whole:
+        assert reply.usage.completion_tokens == MAX_TOKENS and reply.choices[0].finish_reason == "length"
+    content = whole[0].choices[0].message.content
+    assert "\n\nSource: 01-annual-leave.md" in content and content.count("Source:") == 1
+    # streamed: the same text, the source line in the last delta, which finishes the answer
+    chunks = list(client.chat.completions.create(model=server.model_name, stream=True, extra_body={"ignore_eos": True}, **ask()))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == content
+    assert deltas[-1].finish_reason == "length" and deltas[-1].delta.content.endswith(content[content.index("\n\nSource:"):])
+
+
+def test_an_earlier_answers_source_line_is_not_part_of_the_prompt(server, client) -> None:
+    answer = client.chat.completions.create(model=server.model_name, max_tokens=8, **ask()).choices[0].message.content
+    assert "\n\nSource: " in answer
+    bare = answer[: answer.index("\n\nSource: ")]
+    usage = [client.chat.completions.create(model=server.model_name, max_tokens=1, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": earlier},
+        {"role": "user", "content": "And in my first year?"}]).usage.prompt_tokens for earlier in (answer, bare)]  # fmt: skip
+    assert usage[0] == usage[1]
+
+
+@pytest.mark.parametrize(
+    "body, code, param",
+    [
+        (ask("\ud800"), "invalid_value", "messages"),  # a lone surrogate: the tokenizer's TypeError was a 500
+        (ask(seed=2**64), "invalid_value", "seed"),
+        (ask(seed=2**64, stream=True), "invalid_value", "seed"),  # refused before the stream starts
+        (ask(stream="yes"), "invalid_type", "stream"),
+        (ask("word " * 9000), "context_length_exceeded", "messages"),
+    ],
+    ids=["lone-surrogate", "seed", "seed-stream", "stream-yes", "context"],
+)
+def test_bad_chats_get_a_400_and_schedule_nothing(server, body, code, param) -> None:
+    before = server.answerer.engine.stats()
+    resp = post(server, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param)
+    after = server.answerer.engine.stats()
+    assert (after.num_steps, after.prefix_cache_queries) == (before.num_steps, before.prefix_cache_queries)
+
+
+def test_a_body_over_the_limit_gets_a_413(server) -> None:
+    resp = post(server, json.dumps(ask("word " * 6_000_000)).encode())  # 30 MB
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(server.url + "/health").status_code == 200  # type: ignore[attr-defined]
