@@ -73,9 +73,10 @@ class VoicePipeline:
 
     def __init__(
         self, services: VoiceServices, send: Callable[[object], Awaitable[None]],
-        metrics: TimelineMetrics | None = None, session_id: str | None = None,
+        metrics: TimelineMetrics | None = None, session_id: str | None = None, max_conversation_chars: int | None = None,
     ) -> None:  # fmt: skip
         self.services = services
+        self.max_conversation_chars = max_conversation_chars
         self.config = services.config
         self.id = session_id or new_id("sess")
         self.settings = SessionSettings(language=services.asr_config.language, turn_detection=TurnDetection(
@@ -154,6 +155,12 @@ class VoicePipeline:
             raise TurnError("unsupported_value", f"items with role {role!r} are not supported (user, assistant)")
         if item_id is not None and item_id in self._item_ids:
             raise TurnError("item_id_in_use", f"the conversation already has an item {item_id!r}")
+        limit = self.max_conversation_chars
+        if limit is not None:
+            self._trim(limit - len(text))
+            if self._chars() + len(text) > limit:
+                raise TurnError("conversation_too_large", f"the conversation's unanswered text would exceed {limit} "
+                                "characters; ask for a response first")  # fmt: skip
         if role == "assistant":
             if not self._pending:
                 raise TurnError("unsupported_value", "an assistant item must answer a user item")
@@ -165,6 +172,21 @@ class VoicePipeline:
             self._heard = None  # typed after any speech: answering it is a text turn
         self._item_ids.append(item_id or new_id("item"))
         return self._item_ids[-1]
+
+    def _chars(self) -> int:
+        """The text the conversation holds: answered turns and unanswered user text."""
+        return sum(len(t.question) + len(t.answer) for t in self.conversation.turns) + sum(map(len, self._pending))
+
+    def _trim(self, limit: int) -> None:
+        """Drop the oldest answered turns until the conversation holds at most ``limit`` characters
+        (unanswered text is never dropped)."""
+        turns = self.conversation.turns
+        excess = self._chars() - limit
+        dropped = 0
+        while excess > 0 and dropped < len(turns):
+            excess -= len(turns[dropped].question) + len(turns[dropped].answer)
+            dropped += 1
+        self.conversation.drop_oldest(dropped)
 
     @property
     def last_item_id(self) -> str | None:
@@ -399,6 +421,8 @@ class VoicePipeline:
     def _finish(self, reply: Reply) -> None:
         """Queue the reply's end (once); a cancelled answer stays in the conversation as far as it
         was heard (not at all if nothing was: its question is then answered with the next one)."""
+        if self.max_conversation_chars is not None:
+            self._trim(self.max_conversation_chars)
         if reply.status == "cancelled":
             if reply.recorded:
                 self.conversation.turns.pop()  # the whole answer was added; only part of it was heard
