@@ -19,7 +19,8 @@ running prefill, and a partial whose final has come is skipped.
 
 The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
 trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
-user heard of the answer.
+user heard of the answer. With ``max_conversation_chars``, adding a typed item first drops the
+oldest answered turns to make room; unanswered text beyond the limit is refused.
 """
 
 from __future__ import annotations
@@ -421,8 +422,6 @@ class VoicePipeline:
     def _finish(self, reply: Reply) -> None:
         """Queue the reply's end (once); a cancelled answer stays in the conversation as far as it
         was heard (not at all if nothing was: its question is then answered with the next one)."""
-        if self.max_conversation_chars is not None:
-            self._trim(self.max_conversation_chars)
         if reply.status == "cancelled":
             if reply.recorded:
                 self.conversation.turns.pop()  # the whole answer was added; only part of it was heard
