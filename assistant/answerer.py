@@ -9,6 +9,7 @@ version is never reused for another.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -177,7 +178,9 @@ class Answerer:
             self.refresh()
         builder = self.builders[self.language_for(question)]
         conversation = history if isinstance(history, Conversation) else None
-        prompt = builder.prompt(conversation.messages() if conversation else list(history or []), question)
+        # Tokenizing a long conversation takes a while: off the event loop, so other sessions go on.
+        messages = conversation.messages() if conversation else list(history or [])
+        prompt = await asyncio.to_thread(builder.prompt, messages, question)
         if conversation is not None:
             conversation.drop_oldest(prompt.dropped_turns)
         limit = self.config.max_tokens if max_tokens is None else max(1, min(max_tokens, self.config.max_tokens))

@@ -95,14 +95,22 @@ class ServerConfig:
     max_errors: int = 32  # this many invalid client events in a row close the socket (1008)
     api_key: str | None = None  # clients must send it (Bearer); required beyond loopback (see serve_command)
     max_body_bytes: int = 1 << 20  # a larger HTTP request body gets a 413
+    max_sessions_per_client: int = 8  # open Realtime sessions per client address (then close 1013)
+    max_events_per_s: float = 200.0  # client events per second per session, in bursts of up to 2 s worth
+    send_timeout_s: float = 10.0  # a client that reads nothing for this long is closed (1008) and released
+    max_item_chars: int = 32_768  # text of one conversation.item.create
+    max_conversation_chars: int = 131_072  # text a session's conversation keeps (oldest answered turns go first)
     assistant: AssistantConfig = field(default_factory=AssistantConfig)
     voice: VoiceConfig = field(default_factory=VoiceConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting out of range (the speech configs check theirs)."""
-        for name in ("max_sessions", "max_message_bytes", "max_errors", "max_body_bytes"):
+        for name in ("max_sessions", "max_message_bytes", "max_errors", "max_body_bytes", "max_sessions_per_client",
+                     "max_item_chars", "max_conversation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_events_per_s <= 0 or self.send_timeout_s <= 0:
+            raise ValueError(f"max_events_per_s and send_timeout_s must be > 0, got {self.max_events_per_s}, {self.send_timeout_s}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
         self.assistant.validate()

@@ -2,18 +2,21 @@
 
 Control events go out at once; a reply's events keep their order and its audio is paced at real
 time (``output_lead_ms`` ahead of playback); deltas of a cancelled reply are dropped unsent, so
-barge-in's ``ResponseFinished`` goes out ahead of any paced audio.
+barge-in's ``ResponseFinished`` goes out ahead of any paced audio. The writer outlives any
+failure of a single send (it is logged), so ``sync()`` always returns once the client reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 from assistant.events import ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta
 
+log = logging.getLogger(__name__)
 REPLY_EVENTS = (ResponseStarted, ResponseTextDelta, ResponseAudioDelta, ResponseFinished)
 
 
@@ -49,15 +52,16 @@ class Outbox:
         await sent
 
     async def run(self) -> None:
-        """Send events until cancelled (or until sending fails: the client is gone)."""
+        """Send events until cancelled."""
         while True:
             self._wake.clear()
             if self._control:
                 event = self._control.popleft()
                 if isinstance(event, asyncio.Future):
-                    event.set_result(None)
+                    if not event.done():
+                        event.set_result(None)
                 else:
-                    await self._send(event)
+                    await self._deliver(event)
                 continue
             if self._replies:
                 event = self._replies[0]
@@ -67,7 +71,7 @@ class Outbox:
                 delay = self._due(event) - time.perf_counter()
                 if delay <= 0:
                     self._replies.popleft()
-                    await self._send(event)
+                    await self._deliver(event)
                     continue
                 timeout: float | None = delay
             else:
@@ -77,6 +81,12 @@ class Outbox:
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    async def _deliver(self, event: object) -> None:
+        try:
+            await self._send(event)
+        except Exception:  # one event that cannot be sent must not silence the session
+            log.exception("could not send a %s event; the session goes on", type(event).__name__)
 
     def _due(self, event: object) -> float:
         if not isinstance(event, ResponseAudioDelta) or event.reply.play_start is None:

@@ -19,7 +19,8 @@ running prefill, and a partial whose final has come is skipped.
 
 The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
 trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
-user heard of the answer.
+user heard of the answer. With ``max_conversation_chars``, adding a typed item first drops the
+oldest answered turns to make room; unanswered text beyond the limit is refused.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class VoicePipeline:
 
     def __init__(
         self, services: VoiceServices, send: Callable[[object], Awaitable[None]],
-        metrics: TimelineMetrics | None = None, session_id: str | None = None,
+        metrics: TimelineMetrics | None = None, session_id: str | None = None, max_conversation_chars: int | None = None,
     ) -> None:  # fmt: skip
         self.services = services
+        self.max_conversation_chars = max_conversation_chars
         self.config = services.config
         self.id = session_id or new_id("sess")
         self.settings = SessionSettings(language=services.asr_config.language, turn_detection=TurnDetection(
@@ -154,6 +156,12 @@ class VoicePipeline:
             raise TurnError("unsupported_value", f"items with role {role!r} are not supported (user, assistant)")
         if item_id is not None and item_id in self._item_ids:
             raise TurnError("item_id_in_use", f"the conversation already has an item {item_id!r}")
+        limit = self.max_conversation_chars
+        if limit is not None:
+            self._trim(limit - len(text))
+            if self._chars() + len(text) > limit:
+                raise TurnError("conversation_too_large", f"the conversation's unanswered text would exceed {limit} "
+                                "characters; ask for a response first")  # fmt: skip
         if role == "assistant":
             if not self._pending:
                 raise TurnError("unsupported_value", "an assistant item must answer a user item")
@@ -165,6 +173,21 @@ class VoicePipeline:
             self._heard = None  # typed after any speech: answering it is a text turn
         self._item_ids.append(item_id or new_id("item"))
         return self._item_ids[-1]
+
+    def _chars(self) -> int:
+        """The text the conversation holds: answered turns and unanswered user text."""
+        return sum(len(t.question) + len(t.answer) for t in self.conversation.turns) + sum(map(len, self._pending))
+
+    def _trim(self, limit: int) -> None:
+        """Drop the oldest answered turns until the conversation holds at most ``limit`` characters
+        (unanswered text is never dropped)."""
+        turns = self.conversation.turns
+        excess = self._chars() - limit
+        dropped = 0
+        while excess > 0 and dropped < len(turns):
+            excess -= len(turns[dropped].question) + len(turns[dropped].answer)
+            dropped += 1
+        self.conversation.drop_oldest(dropped)
 
     @property
     def last_item_id(self) -> str | None:

@@ -1,26 +1,31 @@
 """The OpenAI Realtime API (GA event names) over one WebSocket: client events in, server events out.
 
-:class:`RealtimeSession` validates each client event against the models below (unknown fields and
-values out of range are errors, as with OpenAI), turns it into a call on the session's
-:class:`~assistant.pipeline.VoicePipeline`, and renders the pipeline's events as server events.
-Every problem with a client event is answered with an ``error`` event and the session lives on;
-only a run of ``max_errors`` invalid events in a row closes the socket (1008). Each finished
-response is followed by an extra ``response.timeline`` event with its per-stage timings.
-docs/protocol.md lists every event with examples and the deviations from OpenAI's API.
+:class:`RealtimeSession` parses each client event (:mod:`assistant.client_events`), turns it into a
+call on the session's :class:`~assistant.pipeline.VoicePipeline`, and renders the pipeline's
+events as server events. Every problem with a client event is answered with an ``error`` event
+and the session lives on; only a run of ``max_errors`` invalid events in a row, or a sustained
+flood over ``max_events_per_s``, closes the socket (1008). A client that stops reading is closed
+(1008) once a send has waited ``send_timeout_s``, and its session is released either way. Each
+finished response is followed by an extra ``response.timeline`` event with its per-stage timings.
+docs/protocol.md lists every event with examples, the limits and the deviations from OpenAI's API.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
-import uuid
+import logging
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from assistant.client_events import (
+    AudioAppend, AudioClear, AudioCommit, AudioInput, ClientError, ItemCreate, ResponseCancel, ResponseCreate,
+    ResponseParams, SessionAudio, SessionPatch, SessionUpdate, ClientEvent, error_event, new_event_id, parse_event,
+)  # fmt: skip
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, ServerConfig
 from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
@@ -29,189 +34,16 @@ from assistant.events import (
 )  # fmt: skip
 from assistant.pipeline import VoicePipeline
 from assistant.timeline import TimelineMetrics
+from assistant.token_bucket import TokenBucket
 from assistant.voice_services import VoiceServices
 from speech.audio import AudioFormatError
 from speech.config import ConfigError
 
+log = logging.getLogger(__name__)
 
-CLOSE_POLICY = 1008  # too many invalid events in a row
-CLOSE_TRY_AGAIN_LATER = 1013  # the server is at its session limit
-UNSUPPORTED_EVENTS = (
-    "conversation.item.retrieve", "conversation.item.truncate", "conversation.item.delete",
-    "output_audio_buffer.clear", "transcription_session.update",
-)  # fmt: skip
-
-
-class ClientError(Exception):
-    """A client event we refuse: becomes an ``error`` event (invalid_request_error)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-        self.event_id = event_id
-
-
-def error_event(code: str, message: str, event_id: str | None = None, param: str | None = None,
-                kind: str = "invalid_request_error") -> dict[str, Any]:  # fmt: skip
-    """An OpenAI-shaped ``error`` server event."""
-    return {"type": "error", "event_id": _event_id(),
-            "error": {"type": kind, "code": code, "message": message, "param": param, "event_id": event_id}}  # fmt: skip
-
-
-def _event_id() -> str:
-    return f"event_{uuid.uuid4().hex[:20]}"
-
-
-# ---- client events --------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class AudioFormat(_Strict):
-    type: Literal["audio/pcm"] = "audio/pcm"
-    rate: int | None = None
-
-
-class Transcription(_Strict):
-    model: str | None = None
-    language: str | None = None
-
-
-class ServerVad(_Strict):
-    type: Literal["server_vad"]
-    threshold: float | None = Field(None, gt=0.15, lt=1.0)
-    prefix_padding_ms: int | None = Field(None, ge=0, le=2000)
-    silence_duration_ms: int | None = Field(None, ge=30, le=5000)
-    create_response: bool | None = None
-    interrupt_response: bool | None = None
-    idle_timeout_ms: None = None
-
-
-class AudioInput(_Strict):
-    format: AudioFormat | None = None
-    transcription: Transcription | None = None
-    turn_detection: ServerVad | None = None
-    noise_reduction: None = None
-
-
-class AudioOutput(_Strict):
-    format: AudioFormat | None = None
-    voice: str | None = None
-    speed: float | None = None
-
-
-class SessionAudio(_Strict):
-    input: AudioInput | None = None
-    output: AudioOutput | None = None
-
-
-MaxTokens = Annotated[int, Field(ge=1, le=4096)] | Literal["inf"]
-Modalities = Annotated[list[Literal["audio", "text"]], Field(min_length=1, max_length=1)]
-
-
-class SessionPatch(_Strict):
-    type: Literal["realtime"] | None = None
-    model: str | None = None
-    instructions: str | None = None
-    output_modalities: Modalities | None = None
-    max_output_tokens: MaxTokens | None = None
-    audio: SessionAudio | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-
-
-class ContentPart(_Strict):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class ItemIn(_Strict):
-    id: str | None = None
-    type: Literal["message"]
-    role: Literal["user", "assistant"]
-    status: Literal["completed"] | None = None
-    content: Annotated[list[ContentPart], Field(min_length=1)]
-
-
-class ResponseParams(_Strict):
-    output_modalities: Modalities | None = None
-    max_output_tokens: MaxTokens | None = None
-    metadata: dict[str, str] | None = None
-    conversation: Literal["auto"] | None = None
-
-
-class _Event(_Strict):
-    event_id: str | None = None
-
-
-class SessionUpdate(_Event):
-    type: Literal["session.update"]
-    session: SessionPatch
-
-
-class AudioAppend(_Event):
-    type: Literal["input_audio_buffer.append"]
-    audio: str
-
-
-class AudioCommit(_Event):
-    type: Literal["input_audio_buffer.commit"]
-
-
-class AudioClear(_Event):
-    type: Literal["input_audio_buffer.clear"]
-
-
-class ItemCreate(_Event):
-    type: Literal["conversation.item.create"]
-    previous_item_id: str | None = None
-    item: ItemIn
-
-
-class ResponseCreate(_Event):
-    type: Literal["response.create"]
-    response: ResponseParams | None = None
-
-
-class ResponseCancel(_Event):
-    type: Literal["response.cancel"]
-    response_id: str | None = None
-
-
-CLIENT_EVENTS: dict[str, type[_Event]] = {
-    m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
-    for m in (SessionUpdate, AudioAppend, AudioCommit, AudioClear, ItemCreate, ResponseCreate, ResponseCancel)
-}
-
-
-def parse_event(text: str, max_bytes: int) -> _Event:
-    """One client event from a text frame; raises :class:`ClientError` saying what is wrong."""
-    size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise ClientError("message_too_large", f"the event is {size} bytes; the limit is {max_bytes} bytes "
-                          "(send audio in smaller input_audio_buffer.append events)")  # fmt: skip
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ClientError("invalid_json", f"the message is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-        raise ClientError("invalid_event", "an event must be a JSON object with a string 'type'", "type")
-    kind = data["type"]
-    event_id = data["event_id"] if isinstance(data.get("event_id"), str) else None
-    model = CLIENT_EVENTS.get(kind)
-    if model is None:
-        if kind in UNSUPPORTED_EVENTS:
-            raise ClientError("unsupported_event_type", f"'{kind}' is not supported by this server", "type", event_id)
-        raise ClientError("unknown_event_type", f"unknown event type '{kind}'; supported: {', '.join(CLIENT_EVENTS)}",
-                          "type", event_id)  # fmt: skip
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        code = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
-        raise ClientError(code, f"invalid '{param}' in '{kind}': {err['msg']}", param, event_id) from exc
+CLOSE_POLICY = 1008  # too many invalid events in a row, a sustained flood, or a client that does not read
+CLOSE_TRY_AGAIN_LATER = 1013  # the server (or this client address) is at its session limit
+CLOSE_WAIT_S = 2.0  # the most a close frame may wait to be written
 
 
 # ---- one connection --------------------------------------------------------------------------------
@@ -221,35 +53,72 @@ class RealtimeSession:
     def __init__(self, ws: WebSocket, services: VoiceServices, config: ServerConfig, model_name: str,
                  metrics: TimelineMetrics | None = None) -> None:  # fmt: skip
         self.ws = ws
+        self.address = ws.client.host if ws.client else ""  # the client's IP address (sessions per address are limited)
         self.services = services
         self.config = config
         self.model_name = model_name
-        self.pipeline = VoicePipeline(services, self._send, metrics)
+        self.pipeline = VoicePipeline(services, self._send, metrics, max_conversation_chars=config.max_conversation_chars)
         self._errors = 0
+        self._limited = 0  # events refused for rate since the bucket was last full
+        self._bucket = TokenBucket(config.max_events_per_s, 2 * config.max_events_per_s)
         self._gone = False
+        self._stalled = asyncio.Event()  # a send timed out: the client is not reading
 
     async def run(self) -> None:
-        """Serve the connection until the client leaves; its reply in flight is then aborted."""
+        """Serve the connection until the client leaves, is closed for abuse, or stops reading; the
+        reply in flight is then aborted and the session released, whatever state the sender is in."""
         await self.pipeline.start()
         self.pipeline.outbox.put(self._event("session.created", session=self._session_view()))
+        reader = asyncio.ensure_future(self._read())
+        stalled = asyncio.ensure_future(self._stalled.wait())
         try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                await self._handle(message)
-                if self._errors >= self.config.max_errors:
-                    self.pipeline.outbox.put(error_event(
-                        "too_many_errors", f"{self._errors} invalid events in a row; closing the session"))  # fmt: skip
-                    await self.pipeline.outbox.sync()
-                    await self.ws.close(CLOSE_POLICY, "too many invalid events")
-                    return
+            await asyncio.wait((reader, stalled), return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                log.warning("session %s: a send waited %.0f s; closing it", self.pipeline.id, self.config.send_timeout_s)
+                await self._close(CLOSE_POLICY, "send timed out: the client is not reading")
         finally:
+            for task in (reader, stalled):
+                task.cancel()
+            await asyncio.gather(reader, stalled, return_exceptions=True)
             self._gone = True
             await self.pipeline.close()
 
+    async def _read(self) -> None:
+        """Handle client events until the client leaves or is closed for abuse."""
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await self._handle(message)
+            if self._errors >= self.config.max_errors or self._limited >= self.config.max_errors:
+                why = "invalid events in a row" if self._errors >= self.config.max_errors else "events over the rate limit"
+                count = max(self._errors, self._limited)
+                self.pipeline.outbox.put(error_event("too_many_errors", f"{count} {why}; closing the session"))
+                try:  # the error goes out first, unless the client does not read it
+                    async with asyncio.timeout(self.config.send_timeout_s):
+                        await self.pipeline.outbox.sync()
+                except TimeoutError:
+                    pass
+                await self._close(CLOSE_POLICY, f"too many {why}")
+                return
+
+    async def _close(self, code: int, reason: str) -> None:
+        self._gone = True
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await self.ws.close(code, reason)
+        except (TimeoutError, WebSocketDisconnect, RuntimeError, OSError):
+            pass
+
     async def _handle(self, message: dict[str, Any]) -> None:
         event_id = None
+        if not self._bucket.take():
+            self._limited += 1
+            self.pipeline.outbox.put(error_event(
+                "rate_limited", f"more than {self.config.max_events_per_s:g} events per second; this one was dropped"))  # fmt: skip
+            return
+        if self._bucket.full:
+            self._limited = 0
         try:
             if message.get("text") is None:
                 raise ClientError("binary_not_supported", "send events as JSON text frames, not binary frames")
@@ -269,7 +138,7 @@ class RealtimeSession:
         self._errors += 1
         self.pipeline.outbox.put(error_event(code, message, event_id, param))
 
-    async def _dispatch(self, event: _Event) -> None:
+    async def _dispatch(self, event: ClientEvent) -> None:
         pipeline = self.pipeline
         if isinstance(event, AudioAppend):
             await pipeline.feed(_decode_audio(event.audio))
@@ -287,7 +156,11 @@ class RealtimeSession:
                                   f"(previous_item_id {pipeline.last_item_id!r})", "previous_item_id")  # fmt: skip
             previous = pipeline.last_item_id
             item = event.item
-            item_id = pipeline.add_item(item.role, "".join(part.text for part in item.content), item.id)
+            text = "".join(part.text for part in item.content)
+            if len(text) > self.config.max_item_chars:
+                raise ClientError("item_too_large", f"the item's text is {len(text)} characters; the limit is "
+                                  f"{self.config.max_item_chars}", "item.content")  # fmt: skip
+            item_id = pipeline.add_item(item.role, text, item.id)
             view = _message_item(item_id, item.role, [p.model_dump() for p in item.content])
             pipeline.outbox.put(self._event("conversation.item.added", previous_item_id=previous, item=view))
             pipeline.outbox.put(self._event("conversation.item.done", previous_item_id=previous, item=view))
@@ -376,15 +249,20 @@ class RealtimeSession:
 
     # ---- server events ---------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return {"type": kind, "event_id": _event_id(), **fields}
+        return {"type": kind, "event_id": new_event_id(), **fields}
 
     async def _send(self, event: object) -> None:
-        """Write one pipeline event (or a ready server event) as JSON text frames."""
+        """Write one pipeline event (or a ready server event) as JSON text frames; a send that
+        waits ``send_timeout_s`` marks the client as not reading (run() then closes the session)."""
         if self._gone:
             return
         try:
             for payload in [event] if isinstance(event, dict) else self._render(event):
-                await self.ws.send_text(json.dumps(payload, ensure_ascii=False))
+                async with asyncio.timeout(self.config.send_timeout_s):
+                    await self.ws.send_text(_dumps(payload))
+        except TimeoutError:
+            self._gone = True
+            self._stalled.set()
         except (WebSocketDisconnect, RuntimeError, OSError):  # the client went away; run() ends the session
             self._gone = True
 
@@ -470,6 +348,22 @@ def _message_item(item_id: str, role: str, content: list[dict[str, Any]], status
     return {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": status, "content": content}
 
 
+def _dumps(payload: dict[str, Any]) -> str:
+    """The event as JSON text. Text that cannot be written as UTF-8 (a lone surrogate: client
+    strings are checked on the way in, so this is a server bug) is never sent: the client gets a
+    ``server_error`` naming the event type instead, and the session goes on."""
+    text = json.dumps(payload, ensure_ascii=False)
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        log.error("a %s event holds text that is not valid Unicode; not sent", payload.get("type"))
+        return json.dumps(error_event("unencodable_event", f"a {payload.get('type')!s:.64} event could not be encoded "
+                                      "as UTF-8 and was dropped", kind="server_error"), ensure_ascii=True)  # fmt: skip
+    return text
+
+
 def _decode_audio(data: str) -> bytes:
     """PCM16 bytes from base64; a WAV file or an odd byte count is refused with a clear message."""
     try:
@@ -481,11 +375,12 @@ def _decode_audio(data: str) -> bytes:
     return pcm
 
 
-async def reject(ws: WebSocket, reason: str) -> None:
+async def reject(ws: WebSocket, code: str, reason: str) -> None:
     """Refuse a connection over capacity: accept, send an ``error`` event, close with 1013."""
     await ws.accept()
-    await ws.send_text(json.dumps(error_event("session_limit_reached", reason, kind="server_error")))
-    await ws.close(CLOSE_TRY_AGAIN_LATER, "server at its session limit")
+    await ws.send_text(json.dumps(error_event(code, reason, kind="server_error")))
+    await ws.close(CLOSE_TRY_AGAIN_LATER, "server at its session limit" if code == "session_limit_reached"
+                   else "this client address is at its session limit")  # fmt: skip
 
 
-__all__ = ["CLIENT_EVENTS", "ClientError", "RealtimeSession", "error_event", "parse_event", "reject"]
+__all__ = ["RealtimeSession", "reject"]

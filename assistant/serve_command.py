@@ -60,6 +60,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--max-sessions", type=int, default=16, help="open Realtime sessions at most (then close 1013)")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest HTTP request body (default 1 MiB; larger: 413)")
+    s.add_argument("--max-sessions-per-client", type=int, default=8, help="open Realtime sessions per client address (default 8; then close 1013)")
+    s.add_argument("--max-events-per-s", type=float, default=200.0, help="client events per second per session (default 200; then rate_limited)")
+    s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a send may wait on a client that does not read (default 10; then close 1008)")
+    s.add_argument("--max-item-chars", type=int, default=32_768, help="text of one conversation item (default 32768; then item_too_large)")
+    s.add_argument("--max-conversation-chars", type=int, default=131_072, help="text a session's conversation keeps (default 131072)")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY (default ${API_KEY_ENV}); "
@@ -77,7 +82,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                         tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
-                          assistant=assistant, voice=voice)  # fmt: skip
+                          max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,
+                          send_timeout_s=a.send_timeout, max_item_chars=a.max_item_chars,
+                          max_conversation_chars=a.max_conversation_chars, assistant=assistant, voice=voice)  # fmt: skip
     return config, a.log_level, a.warm_up
 
 

@@ -86,10 +86,17 @@ class AssistantServer:
         return ChatPrompt(ids, (builder.docs.version,), max_tokens=self.config.assistant.max_tokens, footer=footer)
 
     async def realtime(self, ws: WebSocket) -> None:
-        """One Realtime session, or a refusal (close 1013) when ``max_sessions`` are open."""
+        """One Realtime session, or a refusal (close 1013) when ``max_sessions`` are open, or
+        ``max_sessions_per_client`` from the client's address."""
         if len(self.sessions) >= self.config.max_sessions:
             self._rejected.inc()
-            await reject(ws, f"the server is at its limit of {self.config.max_sessions} sessions; try again later")
+            await reject(ws, "session_limit_reached", f"the server is at its limit of {self.config.max_sessions} sessions; try again later")
+            return
+        address = ws.client.host if ws.client else ""
+        if sum(s.address == address for s in self.sessions) >= self.config.max_sessions_per_client:
+            self._rejected.inc()
+            await reject(ws, "client_session_limit_reached", f"this client address has {self.config.max_sessions_per_client} "
+                         "sessions open, the most one address may hold; close one first")  # fmt: skip
             return
         await ws.accept()
         session = RealtimeSession(ws, self.services, self.config, self.model_name, self.timelines)

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nand every option of python -m assistant serve:\n")
         parse_config(["serve", "--help"])  # exits
     config, log_level, warm_up = parse_config(["serve", *rest])
+    config.max_sessions_per_client = config.max_sessions  # every page's session comes from this process's own address
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 

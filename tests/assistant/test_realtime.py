@@ -73,7 +73,7 @@ def server(tmp_path_factory, whisper_tiny_path):
     for name in DOCS:
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     config = ServerConfig(
-        max_sessions=MAX_SESSIONS, max_message_bytes=MAX_MESSAGE, max_errors=MAX_ERRORS,
+        max_sessions=MAX_SESSIONS, max_sessions_per_client=MAX_SESSIONS, max_message_bytes=MAX_MESSAGE, max_errors=MAX_ERRORS,
         assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48),
         voice=VoiceConfig(asr_model=whisper_tiny_path),
     )  # fmt: skip
