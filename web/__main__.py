@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import dataclasses
 import os
 import socket
 import sys
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nand every option of python -m assistant serve:\n")
         parse_config(["serve", "--help"])  # exits
     config, log_level, warm_up = parse_config(["serve", *rest])
-    config.max_sessions_per_client = config.max_sessions  # every page's session comes from this process's own address
+    # Every page's Realtime session is opened by this process, from its own address.
+    config = dataclasses.replace(config, max_sessions_per_client=config.max_sessions)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
