@@ -16,8 +16,8 @@ folder the server started with can be chosen.
 from __future__ import annotations
 
 import argparse
-import logging
 import dataclasses
+import logging
 import os
 import socket
 import sys
