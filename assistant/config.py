@@ -105,4 +105,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
+        if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
+            raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")
         self.assistant.validate()
