@@ -376,12 +376,12 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     const size_t layer_elems = (size_t)2 * blocks * m->page * kvsz;
     const size_t K = max_k(m);
 
+    int *task_start = malloc(sizeof(int) * (B + 1)); /* first attention task of each request, then the total */
+    if (!task_start) return -3;
     float *resid = malloc(sizeof(float) * B * H), *x = malloc(sizeof(float) * B * K);
     float *qkv = malloc(sizeof(float) * B * qkv_n), *attn = malloc(sizeof(float) * B * qsz);
     float *gu = malloc(sizeof(float) * B * 2 * I), *out = malloc(sizeof(float) * B * H);
     /* attention tasks: (request, chunk of ATTN_CHUNK context tokens) */
-    int *task_start = malloc(sizeof(int) * (B + 1));
-    if (!task_start) return -3;
     task_start[0] = 0;
     for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
     const int tasks = task_start[B];
