@@ -61,6 +61,7 @@ class VoiceConfig:
 
     asr_model: a CTranslate2 Whisper directory (None: the embedded Whisper base).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
+    max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
     output_lead_ms: answer audio is sent at real-time pace, at most this far ahead of playback,
     so a barge-in has little audio on the wire to take back.
@@ -74,6 +75,7 @@ class VoiceConfig:
     partial_interval_s: float | None = 0.5
     start_ms: int = 60
     hangover_ms: int = 500
+    max_utterance_s: float | None = 30.0
     tts_backend: str = "hibari"
     tts_model: Path | None = None
     tts_voice: str | None = None
@@ -113,4 +115,6 @@ class ServerConfig:
             raise ValueError(f"max_events_per_s and send_timeout_s must be > 0, got {self.max_events_per_s}, {self.send_timeout_s}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
+        if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
+            raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")
         self.assistant.validate()

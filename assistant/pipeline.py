@@ -232,7 +232,8 @@ class VoicePipeline:
         if self._asr is not None:
             self._asr.close()
         td = self.settings.turn_detection or TurnDetection(silence_duration_ms=self.config.hangover_ms)
-        vad = VADConfig(start_ms=self.config.start_ms, hangover_ms=td.silence_duration_ms, silero_threshold=td.threshold)
+        vad = VADConfig(start_ms=self.config.start_ms, hangover_ms=td.silence_duration_ms, silero_threshold=td.threshold,
+                        max_utterance_s=self.config.max_utterance_s)
         asr = replace(self.services.asr_config, language=self.settings.language, pre_roll_s=td.prefix_padding_ms / 1000)
         self._asr = AsyncASRSession(self.services.asr, asr, vad, input_rate=self.config.sample_rate)
         self._asr_offset_s = self.clock.position_s

@@ -51,6 +51,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
+    s.add_argument("--max-utterance-s", type=float, default=30.0,
+                   help="longer continuous speech is cut there and answered as a turn (default 30; 0: no limit)")
     s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
     s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
@@ -76,7 +78,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
         s.error(str(e))
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
                                 engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
-    voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms,
+    voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice)  # fmt: skip

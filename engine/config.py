@@ -180,8 +180,8 @@ class EngineConfig:
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
     engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
     native_decode_step: Literal["auto", "on", "off"] = "auto"
-    """With ``quantization="int4"`` on the CPU, decode-only steps of up to 8 requests run as one
-    native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
+    """With ``quantization="int4"`` on the CPU, every decode-only step (any batch size) runs as
+    one native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,

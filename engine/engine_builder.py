@@ -102,7 +102,7 @@ def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, 
 
 
 def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache, memory: MemoryLedger) -> NativeDecodeStep | None:
-    """Small decode-only steps as one native call (engine/native_decode.py); None where it
+    """Decode-only steps as one native call (engine/native_decode.py); None where it
     cannot be built and the config allows PyTorch instead."""
     try:
         lib = build_library(config.cache_dir or default_cache_dir())
@@ -113,7 +113,7 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
         log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
         return None
     memory.record("weights (native decode layout)", step.weight_bytes_per_step)
-    log.info("native CPU decode step: %s, %d threads, batches up to %d", step.simd, step.threads, step.max_batch)
+    log.info("native CPU decode step: %s, %d threads, every decode-only step", step.simd, step.threads)
     return step
 
 

@@ -11,5 +11,5 @@ class ExecutionPath(StrEnum):
     GRAPH = "graph"  # a decode-only step replayed from its batch bucket's CUDA graph
     MIXED = "mixed"  # decodes plus one prefill chunk replayed as one CUDA graph, attention included
     PIECEWISE = "piecewise"  # CUDA graphs between attentions, attention eager
-    NATIVE = "native"  # a small decode-only step as one native CPU call (engine/native_decode.py)
+    NATIVE = "native"  # a decode-only step as one native CPU call (engine/native_decode.py)
     EAGER = "eager"  # the model's forward launched op by op

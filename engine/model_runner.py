@@ -69,7 +69,7 @@ class ModelRunner:
         gemv: GemvPolicy, native: NativeDecodeStep | None = None,
     ) -> None:
         """``gemv``: which steps of few tokens run the batch-1 GEMVs (every forward and graph of
-        this runner); ``native``: the CPU's native step for small decode-only steps, if built."""
+        this runner); ``native``: the CPU's native step for decode-only steps, if built."""
         self.model = model
         self.gemv = gemv
         self.kv_cache = kv_cache
@@ -94,9 +94,7 @@ class ModelRunner:
     def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
         """The decode graph bucket of a decode-only step (its path is then GRAPH); None when it
         runs another way (``_choose_path``: the native CPU step first, where the runner has one)."""
-        if self.graphs is None or any(c.num_tokens != 1 for c in chunks):
-            return None
-        if self.native is not None and len(chunks) <= self.native.max_batch:
+        if self.graphs is None or self.native is not None or any(c.num_tokens != 1 for c in chunks):
             return None
         return self.graphs.bucket(len(chunks))
 
@@ -207,11 +205,11 @@ class ModelRunner:
 
     def _choose_path(self, meta: AttentionMetadata, num_tokens: int) -> tuple[ExecutionPath, int | None, tuple[int, int] | None]:
         """The path of a step that is not a decode graph's (``_graph_bucket`` took those), with
-        its piecewise token bucket or mixed-step key: the native CPU step for a small decode-only
-        step, else a mixed-step graph whose shape is ready (this counts the shape's sighting),
+        its piecewise token bucket or mixed-step key: the native CPU step for a decode-only step,
+        else a mixed-step graph whose shape is ready (this counts the shape's sighting),
         else piecewise graphs where a token bucket holds the step, else eager."""
         decode_only = meta.num_decodes == meta.num_requests
-        if self.native is not None and decode_only and meta.num_requests <= self.native.max_batch:
+        if self.native is not None and decode_only:
             return ExecutionPath.NATIVE, None, None
         mixed = self.mixed.key(meta, num_tokens) if self.mixed and not decode_only else None
         if mixed is not None and self.mixed.ready(mixed):

@@ -32,6 +32,10 @@ class VADConfig:
     hangover_ms: unvoiced audio after the last voiced frame before the endpoint is declared.
     use_silero: a frame counts as voiced only if Silero (the ONNX model shipped in faster-whisper)
     also hears speech; webrtcvad alone takes steady noise for speech.
+    max_utterance_s: an utterance that reaches this length ends there as if the speaker had
+    paused (``SpeechEnded.cut``), so it is transcribed as a turn and one caller's endless speech
+    cannot hold the shared ASR worker with ever longer decodes; speech going on starts the next
+    utterance. None: no limit.
     """
 
     sample_rate: int = 16000
@@ -42,6 +46,7 @@ class VADConfig:
     use_silero: bool = True
     silero_threshold: float = 0.5
     silero_model: Path | None = None  # None: faster_whisper/assets/silero_vad_v6.onnx
+    max_utterance_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         _check(
@@ -61,6 +66,10 @@ class VADConfig:
         _check(
             0.0 < self.silero_threshold < 1.0,
             f"VADConfig.silero_threshold={self.silero_threshold}: must be in (0, 1)",
+        )
+        _check(
+            self.max_utterance_s is None or self.max_utterance_s * 1000 > self.start_ms,
+            f"VADConfig.max_utterance_s={self.max_utterance_s}: must be longer than start_ms, or None",
         )
 
     @property

@@ -26,6 +26,7 @@ class SpeechEnded:
 
     speech_end_s: end of the last voiced frame (when the user actually stopped).
     endpoint_s: when the decision was taken (hangover elapsed, or the caller committed).
+    cut: the utterance reached ``VADConfig.max_utterance_s`` while still voiced and was ended there.
     """
 
     utterance: int
@@ -33,6 +34,7 @@ class SpeechEnded:
     speech_end_s: float
     endpoint_s: float
     committed: bool = False
+    cut: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 The ASR worker (finals before partials) and the TTS worker (a reply's first piece before later
 pieces) are both this shape: a daemon thread, a condition, a closed flag and a priority queue.
-The ordering rule is a key: the job with the smallest ``key(job)`` goes next, ties in arrival
-order. After ``close()`` new jobs are refused; the jobs already queued are still processed, then
+The ordering rule is a key: the job with the smallest ``key(job)`` (an int or a tuple, taken
+when the job is queued, with the lock held) goes next, ties in arrival order. After ``close()`` new jobs are refused; the jobs already queued are still processed, then
 the thread ends.
 """
 
@@ -15,14 +15,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Job = TypeVar("Job")
 
 
 @dataclass(order=True)
 class _Entry(Generic[Job]):
-    key: int
+    key: Any  # an int or a tuple of ints: whatever the worker's key returns
     seq: int
     job: Job = field(compare=False)
 
@@ -37,7 +37,7 @@ class PriorityWorker(ABC, Generic[Job]):
 
     join_timeout_s: float | None = None  # how long close() waits for the thread (None: until it ends)
 
-    def __init__(self, name: str, key: Callable[[Job], int]) -> None:
+    def __init__(self, name: str, key: Callable[[Job], Any]) -> None:
         self.name = name
         self._key = key
         self._cond = threading.Condition()

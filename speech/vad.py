@@ -4,7 +4,8 @@ webrtcvad classifies each 10/20/30 ms frame; optionally the Silero model that sh
 faster-whisper must agree (webrtcvad alone takes steady noise for speech). A run of ``start_ms``
 voiced audio starts an utterance; ``hangover_ms`` of unvoiced audio after the last voiced frame
 ends it. Two instants are reported apart: ``speech_end_s`` (end of the last voiced frame, when the
-user stopped) and ``endpoint_s`` (when the hangover elapsed, i.e. when we decided).
+user stopped) and ``endpoint_s`` (when the hangover elapsed, i.e. when we decided). An utterance
+still voiced at ``max_utterance_s`` is ended there (``cut``); its speech end is the cut.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class VoiceActivityDetector:
         self._frame = self.config.frame_samples
         self._start_frames = -(-self.config.start_ms // self.config.frame_ms)
         self._hangover = self.config.hangover_ms * self.config.sample_rate // 1000
+        max_s = self.config.max_utterance_s
+        self._max_utterance = None if max_s is None else round(max_s * self.config.sample_rate)
         self.reset()
 
     def reset(self) -> None:
@@ -182,16 +185,19 @@ class VoiceActivityDetector:
             return None
         if end - self._last_voiced_end >= self._hangover:
             return self._end(endpoint=end, committed=False)
+        if self._max_utterance is not None and end - self._start >= self._max_utterance:
+            return self._end(endpoint=end, committed=False, cut=True)
         return None
 
-    def _end(self, endpoint: int, committed: bool) -> SpeechEnded:
+    def _end(self, endpoint: int, committed: bool, cut: bool = False) -> SpeechEnded:
         rate = self.config.sample_rate
         event = SpeechEnded(
             utterance=self._utterance,
             start_s=self._start / rate,
-            speech_end_s=self._last_voiced_end / rate,
+            speech_end_s=(endpoint if cut else self._last_voiced_end) / rate,
             endpoint_s=endpoint / rate,
             committed=committed,
+            cut=cut,
         )
         self._in_speech = False
         self._run_frames = 0

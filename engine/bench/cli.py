@@ -1,4 +1,4 @@
-"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked] --model PATH``.
+"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked|decode-scaling] --model PATH``.
 
 Every figure is printed next to a ceiling or a baseline measured in the same run:
 device copy bandwidth (bytes read + written) and a large matmul give the ceilings; HF
@@ -24,6 +24,7 @@ import torch
 from engine.bench.ceilings import copy_bandwidth, matmul_flops
 from engine.bench.chunked import bench_chunked
 from engine.bench.correctness import check_against_hf
+from engine.bench.decode_scaling import bench_decode_scaling
 from engine.bench.latency import bench_latency
 from engine.bench.prefill import bench_prefill
 from engine.bench.prefix import bench_prefix
@@ -38,7 +39,7 @@ from engine.loaded_model import LoadedModel
 from engine.metrics import StepTimes
 
 
-SUITES = ("latency", "prefill", "throughput", "prefix", "chunked")  # plus "serve": engine/bench/serve.py
+SUITES = ("latency", "prefill", "throughput", "prefix", "chunked", "decode-scaling")  # plus "serve": engine/bench/serve.py
 
 
 def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float, flops: float,
@@ -57,6 +58,8 @@ def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: 
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":
             rows += bench_chunked(core, sizes, rng, results)
+        elif suite == "decode-scaling":
+            rows += bench_decode_scaling(core, sizes, rng, results)
         st = core.step_times
         breakdown[suite] = st.per_step_ms() | {"steps": st.steps, "graph_steps": st.graph_steps, "mixed_steps": st.mixed_steps, "piecewise_steps": st.piecewise_steps,
                                                "native_steps": st.native_steps, "decode_only_steps": st.decode_only_steps,
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int4"),
                    help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU)")
     p.add_argument("--native-decode-step", default="auto", choices=("auto", "on", "off"),
-                   help="with int4 on the CPU: small decode-only steps as one native call (engine/native_decode.py)")
+                   help="with int4 on the CPU: decode-only steps as one native call (engine/native_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="launch step N+1 before step N's samples reach the host (auto: on with CUDA)")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
           f"{core.dtype}, {'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
     if core.runner.native is not None:
-        print(f"# native CPU decode step ({core.runner.native.simd}) for decode-only steps of <= {core.runner.native.max_batch} requests", flush=True)
+        print(f"# native CPU decode step ({core.runner.native.simd}) for every decode-only step", flush=True)
     bw = copy_bandwidth(device)
     flops = matmul_flops(device, core.dtype)
     rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]

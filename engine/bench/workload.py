@@ -36,6 +36,11 @@ class Sizes:
     throughput_max_num_seqs: int
     throughput_max_num_batched_tokens: int
     throughput_gpu_memory_utilization: float
+    # The decode-scaling suite: prompt tokens of each stream, its output tokens (room for the
+    # first streams' tokens during the others' prefills) and the steps timed with all decoding.
+    scaling_prompt: int = 256
+    scaling_out: int = 64
+    scaling_steps: int = 16
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Sizes":

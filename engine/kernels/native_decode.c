@@ -1,4 +1,4 @@
-/* One batch-1..8 decode step of a Llama model on the CPU, weights in a GGUF's own 4/8-bit blocks.
+/* One decode step (any batch size) of a Llama model on the CPU, weights in a GGUF's own 4/8-bit blocks.
 
    Why native: at batch 1 the 135M model's step is ~120 matrix-vector products plus ~800 small
    tensor ops; eager PyTorch pays microseconds of dispatch for each, more than the arithmetic.
@@ -26,7 +26,6 @@
 #include <omp.h>
 
 #define QK 32 /* weights per quantization block */
-#define MAX_BATCH 8
 
 enum { Q4_1 = 0, Q8_0 = 1 };
 
@@ -360,12 +359,12 @@ static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t
 
 static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m->inter : m->hidden); }
 
-/* One decode step for B <= 8 requests. tokens/positions [B]; block_tables [B, table_width] int64;
+/* One decode step for B >= 1 requests. tokens/positions [B]; block_tables [B, table_width] int64;
    kv: the whole bf16 cache [layers, 2, blocks, page, kv_heads, head_dim] with ``blocks`` blocks;
    logits [B, vocab] float32 (out). Returns 0, or a negative code for inputs it cannot run. */
 int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *block_tables,
                 int table_width, uint16_t *kv, int64_t blocks, float *logits, int threads) {
-    if (B < 1 || B > MAX_BATCH || m->heads > MAX_HEADS) return -1;
+    if (B < 1 || m->heads > MAX_HEADS) return -1;
     for (int b = 0; b < B; b++) { /* bad ids would read or write outside the tables and the cache */
         if (positions[b] < 0 || positions[b] >= m->rope_len || tokens[b] < 0 || tokens[b] >= m->vocab) return -2;
         if (positions[b] / m->page >= table_width) return -2;
@@ -377,11 +376,13 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     const size_t layer_elems = (size_t)2 * blocks * m->page * kvsz;
     const size_t K = max_k(m);
 
+    int *task_start = malloc(sizeof(int) * (B + 1)); /* first attention task of each request, then the total */
+    if (!task_start) return -3;
     float *resid = malloc(sizeof(float) * B * H), *x = malloc(sizeof(float) * B * K);
     float *qkv = malloc(sizeof(float) * B * qkv_n), *attn = malloc(sizeof(float) * B * qsz);
     float *gu = malloc(sizeof(float) * B * 2 * I), *out = malloc(sizeof(float) * B * H);
     /* attention tasks: (request, chunk of ATTN_CHUNK context tokens) */
-    int task_start[MAX_BATCH + 1] = {0};
+    task_start[0] = 0;
     for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
     const int tasks = task_start[B];
     partial_t *parts = malloc(sizeof(partial_t) * (size_t)tasks * nh);
@@ -389,7 +390,7 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     qact_t act = {malloc(B * K), malloc(sizeof(float) * B * K / QK), malloc(sizeof(float) * B * K / QK), 0};
     if (!resid || !x || !qkv || !attn || !gu || !out || !parts || !part_out || !act.q || !act.d || !act.s) {
         free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
-        free(act.q); free(act.d); free(act.s);
+        free(act.q); free(act.d); free(act.s); free(task_start);
         return -3;
     }
     for (int b = 0; b < B; b++)
@@ -471,7 +472,7 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
         matvec(&m->head, &act, B, logits);
     }
     free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
-    free(act.q); free(act.d); free(act.s);
+    free(act.q); free(act.d); free(act.s); free(task_start);
     return 0;
 }
 

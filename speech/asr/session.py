@@ -94,6 +94,7 @@ class ASRSession:
         """Stop delivering events (results still in the worker are discarded)."""
         with self._lock:
             self._closed = True
+        self._worker.end_session(self.id)
 
     def _emit(self, event: ASREvent) -> None:
         if not self._closed:

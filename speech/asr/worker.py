@@ -1,9 +1,12 @@
 """The shared ASR worker: one thread, one loaded model, every session's decode requests.
 
-The queue rules: finals go before partials and are never dropped; a session's queued partial is
-replaced by its newer one (which keeps its place) or removed when its final is queued; a partial
-that finds ``queue_size`` partials queued is dropped; on close, queued partials are dropped and
-queued finals still decoded. ``stats`` counts all of it.
+The queue rules: finals go before partials and are never dropped; among finals, and among
+partials, the session served least recently goes first (round robin: a session speaking on and
+on, whose partials are re-decoded again and again, waits its turn behind the other sessions'
+work; a session's own jobs keep their order); a session's queued partial is replaced by its newer
+one (which keeps its place) or removed when its final is queued; a partial that finds
+``queue_size`` partials queued is dropped; on close, queued partials are dropped and queued finals
+still decoded. ``stats`` counts all of it.
 """
 
 from __future__ import annotations
@@ -55,11 +58,6 @@ class WorkerStats:
     failed: int
 
 
-def finals_first(job: ASRJob) -> int:
-    """The ASR queue's ordering key: finals (0) before partials (1)."""
-    return 0 if job.is_final else 1
-
-
 class ASRWorker(PriorityWorker[ASRJob]):
     """One thread, one model, many sessions (see the module docstring for the queue rules).
 
@@ -78,7 +76,9 @@ class ASRWorker(PriorityWorker[ASRJob]):
             0,
         )  # fmt: skip
         self._session_ids = itertools.count()
-        super().__init__("asr-worker", key=finals_first)
+        self._turns = itertools.count()
+        self._last_turn: dict[int, int] = {}  # open session -> the turn it was last served in (-1: never)
+        super().__init__("asr-worker", key=self._finals_first_then_round_robin)
 
     @classmethod
     def from_config(cls, config: ASRConfig) -> ASRWorker:
@@ -92,7 +92,22 @@ class ASRWorker(PriorityWorker[ASRJob]):
         self.close()
 
     def new_session_id(self) -> int:
-        return next(self._session_ids)
+        """A new session's id; its jobs take round-robin turns until :meth:`end_session`."""
+        with self._cond:
+            session = next(self._session_ids)
+            self._last_turn[session] = -1
+            return session
+
+    def end_session(self, session: int) -> None:
+        """Forget a closed session's turn (its jobs still queued are decoded as before)."""
+        with self._cond:
+            self._last_turn.pop(session, None)
+
+    def _finals_first_then_round_robin(self, job: ASRJob) -> tuple[int, int]:
+        """The queue's ordering key (lock held): finals (0) before partials (1), then the turn the
+        job's session was last served in, so the least recently served session goes first; ties
+        in arrival order. A session's later job never has an earlier turn than its queued ones."""
+        return (0 if job.is_final else 1, self._last_turn.get(job.session, -1))
 
     @property
     def stats(self) -> WorkerStats:
@@ -134,6 +149,9 @@ class ASRWorker(PriorityWorker[ASRJob]):
         return ASRError("the ASR worker is closed")
 
     def _process(self, job: ASRJob) -> None:
+        with self._cond:
+            if job.session in self._last_turn:
+                self._last_turn[job.session] = next(self._turns)
         started = time.perf_counter()
         try:
             result: Decoded | Exception = self.backend.transcribe(job.audio, job.prefix, job.language)
@@ -151,4 +169,4 @@ class ASRWorker(PriorityWorker[ASRJob]):
             log.exception("ASR result callback failed")
 
 
-__all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats", "finals_first"]
+__all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats"]

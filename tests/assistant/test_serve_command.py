@@ -19,6 +19,18 @@ def test_tts_options_reach_the_voice_config_and_that_backend_speaks():
     assert audio.size > 0.5 * tts.sample_rate and np.abs(audio.astype(np.float64)).max() > 0
 
 
+def test_max_utterance_length_reaches_the_voice_config():
+    """30 s by default; 0 turns the cut off; a length shorter than the speech start is refused."""
+    assert parse_config(["serve"])[0].voice.max_utterance_s == 30.0
+    assert parse_config(["serve", "--max-utterance-s", "12.5"])[0].voice.max_utterance_s == 12.5
+    config = parse_config(["serve", "--max-utterance-s", "0"])[0]
+    assert config.voice.max_utterance_s is None
+    config.validate()
+    config.voice.max_utterance_s = 0.01
+    with pytest.raises(ValueError, match="max_utterance_s must be longer than start_ms"):
+        config.validate()
+
+
 def test_unknown_tts_backend_is_refused_by_the_command_line(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(["serve", "--tts-backend", "festival"])

@@ -47,10 +47,11 @@ def test_every_suite_runs_and_the_record_holds_the_documented_fields(tmp_path):
     assert {"device", "date", "command", "results", "versions", "memory", "step_breakdown_ms"} <= set(record)
     results = record["results"]
     for key in ("decode_bs1_tok_s", "decode_bs1_roofline_frac", "hf_decode_bs1_tok_s", "prefill_tok_s", "hf_prefill_tok_s",
-                "throughput_output_tok_s", "prefix_ttft_p50_ms", "uncached_ttft_p50_ms", "chunked_itl_p99_ratio"):
+                "throughput_output_tok_s", "prefix_ttft_p50_ms", "uncached_ttft_p50_ms", "chunked_itl_p99_ratio",
+                "decode_scaling_1_tok_s", "decode_scaling_9_tok_s", "decode_scaling_32_tok_s"):
         assert results[key] > 0, key
     assert results["check_max_abs_logprob_diff"] <= max(2 * results["check_hf_same_dtype_diff"], 1e-3)
-    assert set(record["step_breakdown_ms"]) == {"latency", "prefill", "throughput", "prefix", "chunked"}
+    assert set(record["step_breakdown_ms"]) == {"latency", "prefill", "throughput", "prefix", "chunked", "decode-scaling"}
     # The HF baseline's float32 weights are an owner in the engine's memory table (on a GPU
     # they would otherwise read as "other"), counted exactly.
     from engine.bench.correctness import HF_BASELINE_MEMORY

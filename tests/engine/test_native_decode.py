@@ -12,10 +12,9 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.native_decode import MAX_BATCH, NativeDecodeStep, NativeDecodeError, build_library
+from engine.native_decode import NativeDecodeStep, NativeDecodeError, build_library
 from engine.execution_path import ExecutionPath
 from engine.sampling import SamplingParams
-from tests.engine.helpers import record_paths
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,7 @@ def test_portable_builds(native_llm, int4_model, hf_fp32, tmp_path):
 
 def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
     """Through the engine: small decode-only batches run natively and every greedy token is one
-    float32 HF also ranks (near) first; a batch above MAX_BATCH goes through PyTorch."""
+    float32 HF also ranks (near) first."""
     params = SamplingParams(temperature=0, max_tokens=10)
     prompts = [prompt_ids(native_llm, q) for q in ("What is the capital of France? Answer in one word.", "Name a primary colour.")]
     core = native_llm.core
@@ -144,12 +143,42 @@ def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
     for prompt, out in zip(prompts, ours):
         assert_float32_ranks_first(hf_fp32, prompt, out.token_ids)
 
-    for i in range(MAX_BATCH + 2):
-        core.add_request(prompts[i % 2], SamplingParams(temperature=0, max_tokens=3))
-    paths = record_paths(core.runner)
-    while core.has_unfinished_requests():
-        core.step()
-    assert paths and set(paths) == {ExecutionPath.EAGER}  # every step of this run had more than MAX_BATCH requests
+
+def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_llm, hf_fp32):
+    """Ten decodes at once (past the 8 the native step once stopped at, above which the PyTorch
+    path ran) are native steps of ten rows: the same greedy tokens as each request decoded alone,
+    each one float32 HF also ranks (near) first. (Against the PyTorch path itself a near tie may
+    flip: int8 against bf16 activations.)"""
+    core = native_llm.core
+    questions = ("What is the capital of France?", "Name a primary colour.", "How many legs does a spider have?",
+                 "What is two plus two?", "Which planet is closest to the sun?", "What colour is the sky?",
+                 "How many days are in a week?", "What do bees make?", "What is frozen water called?",
+                 "Which animal says moo?")
+    prompts = [prompt_ids(native_llm, q) for q in questions]
+    steps: list[tuple[ExecutionPath, int]] = []
+    prepare = core.runner.prepare
+
+    def spy(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        steps.append((inputs.path, len(inputs.chunks)))
+        return inputs
+
+    def answers(batch: list[list[int]]) -> list[list[int]]:
+        core.block_manager.reset_prefix_cache()
+        reqs = [core.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in batch]
+        while core.has_unfinished_requests():
+            core.step()
+        return [r.output_token_ids for r in reqs]
+
+    core.runner.prepare = spy
+    try:
+        together = answers(prompts)
+    finally:
+        core.runner.prepare = prepare
+    assert sum(1 for path, n in steps if path is ExecutionPath.NATIVE and n == 10) >= 5
+    assert together == [answers([p])[0] for p in prompts]
+    for prompt, tokens in zip(prompts, together):
+        assert_float32_ranks_first(hf_fp32, prompt, tokens)
     assert native_llm.stats().kv_blocks_free == native_llm.stats().kv_blocks_total
 
 
@@ -166,9 +195,8 @@ def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
 
 def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
     kernel = native_llm.core.runner.native
-    table = torch.tensor([[1, 2]] * (MAX_BATCH + 1))
-    with pytest.raises(NativeDecodeError, match="1..8 requests"):
-        kernel.run(torch.tensor([1] * (MAX_BATCH + 1)), torch.tensor([0] * (MAX_BATCH + 1)), table)
+    with pytest.raises(NativeDecodeError, match="at least one request"):
+        kernel.run(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))
     for ids, pos, blocks in (([kernel.vocab], [0], [[1, 2]]), ([1], [40], [[1, 2]]), ([1], [20], [[1, 10**6]])):
         with pytest.raises(NativeDecodeError, match="out of range"):  # token id; position past the table; block id
             kernel.run(torch.tensor(ids), torch.tensor(pos), torch.tensor(blocks))

@@ -15,10 +15,12 @@ import torch
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
 from engine.quantization import (
+    INT4_MAX_ROWS,
     Int4Linear,
     concat_rows,
     gguf_int4_parts,
     int4_parts_q4_1,
+    int4_max_rows,
     int4_parts_q8_0,
     pack,
     q4_1_blocks,
@@ -106,6 +108,16 @@ def test_int4_linear_uses_dense_weights_for_many_rows():
     small, big = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
     assert layer(small).abs().sum() > 0  # int4 kernel
     assert layer(big).abs().sum() == 0  # dense path
+
+
+def test_the_dense_path_is_kept_for_cpus_with_hardware_bf16_matmuls():
+    """Dense bf16 wins past a few rows only where the CPU multiplies bf16 itself; elsewhere torch
+    emulates it and the int4 kernel is faster at every row count."""
+    assert int4_max_rows(frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})) == INT4_MAX_ROWS
+    assert int4_max_rows(frozenset({"avx2", "avx512f", "avx512_bf16"})) == INT4_MAX_ROWS
+    assert int4_max_rows(None) == INT4_MAX_ROWS  # flags unknown: as before
+    no_bf16 = int4_max_rows(frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    assert no_bf16 > 1 << 20
 
 
 @pytest.fixture(scope="module")
