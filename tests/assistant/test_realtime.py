@@ -1,5 +1,10 @@
 """The Realtime WebSocket API end to end: a real server on 127.0.0.1, the official openai SDK's
-realtime client, questions spoken by the bundled hibari voice, answers heard back by Whisper."""
+realtime client, questions spoken by the bundled hibari voice, answers heard back by Whisper.
+
+This file stays whole (over 500 lines): every test here shares one module-scoped server with the
+real models, which takes about a minute to start on a 2-core machine; a second file would start a
+second one. New Realtime tests with their own server settings go in their own file, as
+test_realtime_hardening.py and test_http_chat.py do."""
 
 from __future__ import annotations
 
