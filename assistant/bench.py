@@ -41,6 +41,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from assistant.config import ServerConfig
 from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
 from speech.word_errors import word_error_rate
 
@@ -334,6 +335,9 @@ class LocalServer:
             self.port = s.getsockname()[1]
         self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="assistant-serve-", suffix=".log", delete=False)
+        if "--max-sessions-per-client" not in args:  # every caller of this server comes from 127.0.0.1
+            sessions = args[args.index("--max-sessions") + 1] if "--max-sessions" in args else str(ServerConfig.max_sessions)
+            args = (*args, "--max-sessions-per-client", sessions)
         cmd = [sys.executable, "-m", "assistant", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning", *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -423,8 +427,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )  # fmt: skip
 
 
-SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "hangover_ms", "output_lead_ms", "device",
-                  "quantization")  # fmt: skip
+SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
+                  "output_lead_ms", "device", "quantization")  # fmt: skip
 
 
 def add_server_options(p: argparse.ArgumentParser, who: str) -> None:
