@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,7 +130,10 @@ def test_realtime_needs_the_key_as_the_openai_sdk_sends_it(secured) -> None:
         async with connect(f"{ws}/v1/realtime", subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as conn:
             assert '"session.created"' in await conn.recv()
 
-    asyncio.run(scenario())
+    # Its own thread: Playwright's sync API (tests/web/test_app.py) leaves an event loop running
+    # in this one for the rest of the session.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, scenario()).result()
 
 
 def test_the_gradio_api_needs_the_key(secured) -> None:
