@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,20 +75,26 @@ def web_server(tmp_path_factory) -> Iterator[WebServer]:
     cmd = [sys.executable, "-m", "web", "--port", "0", "--docs", str(docs), "--documents-dir", str(own),
            "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning",
            "--allow-document-changes"]  # fmt: skip
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    log = (tmp_path_factory.mktemp("web-log") / "server.log").open("w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        url = _wait_for_url(proc, log)
+    with running_web(cmd, {}, tmp_path_factory.mktemp("web-log")) as url:
         yield WebServer(url, own)
-    finally:
-        proc.send_signal(signal.SIGINT)
+
+
+@contextmanager
+def running_web(cmd: list[str], env: dict[str, str], log_dir: Path) -> Iterator[str]:
+    """Run ``cmd`` (a ``python -m web`` command line, ``env`` added to this environment) until the
+    block ends, then stop it with Ctrl-C; yields the URL it prints once its page answers."""
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", **env}
+    with (log_dir / "server.log").open("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            yield _wait_for_url(proc, log)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _wait_for_url(proc: subprocess.Popen, log) -> str:

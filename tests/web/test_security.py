@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from websockets.exceptions import InvalidStatus
 
 from assistant.config import HANDBOOK_DIR, ServerConfig
 from tests.conftest import REPO
-from tests.web.conftest import _wait_for_url
+from tests.web.conftest import running_web
 from web.app import WebApp
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,19 +59,8 @@ def secured(tmp_path_factory) -> Iterator[Secured]:
     cmd = [sys.executable, "-m", "web", "--port", "0", "--docs", str(docs), "--documents-dir", str(own),
            "--documents-root", str(root), "--allow-document-changes", "--no-warm-up",
            "--asr", "tiny", "--lang", "en", "--max-tokens", "8", "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "ASSISTANT_API_KEY": KEY}
-    log = (base / "server.log").open("w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        yield Secured(_wait_for_url(proc, log).rstrip("/"), root, outside, own)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with running_web(cmd, {"ASSISTANT_API_KEY": KEY}, base) as url:
+        yield Secured(url.rstrip("/"), root, outside, own)
 
 
 @pytest.fixture(scope="module")
