@@ -9,6 +9,10 @@ token after the first (TPOT) and end-to-end latency (E2E) are measured at the cl
 The reference figure, measured first in the same run, is the latency of requests sent one at a
 time (concurrency 1) on the same workload: the loaded figures are shown as multiples of it.
 Goodput is the rate of requests that met every SLO given with ``--slo ttft=200ms,tpot=30ms,e2e=2s``.
+
+``--request-rate 1,2,4,8,inf`` sweeps: the same number of fresh prompts at each rate in turn, one
+table row per rate (latency percentiles, throughput, goodput) and, with ``--plot``, latency and
+goodput against the offered rate, which is where a server's capacity at an SLO shows.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class BenchConfig:
     endpoint: str = "/v1/completions"
     model: str | None = None
     num_prompts: int = 40
-    request_rate: float = math.inf
+    request_rates: tuple[float, ...] = (math.inf,)  # one load per rate, in turn
     burstiness: float = 1.0
     max_concurrency: int | None = None
     input_len: tuple[int, int] = (64, 64)
@@ -130,6 +134,16 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad request rate {text!r}: expected R or R1,R2,... (req/s, or inf)") from None
+    if not rates:
+        raise argparse.ArgumentTypeError("--request-rate needs at least one rate")
+    return rates
+
+
 def _length_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     lo_i, hi_i = int(lo), int(hi or lo)
@@ -144,7 +158,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--num-prompts", type=int, default=40)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--request-rate", type=_rates, default=(math.inf,),
+                   help="requests/s (Poisson); inf: all at once; a comma list (1,2,4,inf) sweeps the rates in turn")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 burstier")
     p.add_argument("--max-concurrency", type=int, help="at most N requests in flight")
     p.add_argument("--input-len", type=_length_range, default=(64, 64), help="words per random prompt: N or MIN:MAX")
@@ -161,11 +176,11 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--plot", type=Path, help="write a PNG of the latency distributions here")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    if a.num_prompts < 1 or (a.max_concurrency is not None and a.max_concurrency < 1) or a.request_rate <= 0 or a.burstiness <= 0:
+    if a.num_prompts < 1 or (a.max_concurrency is not None and a.max_concurrency < 1) or min(a.request_rate) <= 0 or a.burstiness <= 0:
         p.error("--num-prompts and --max-concurrency must be >= 1, --request-rate and --burstiness > 0")
     return BenchConfig(
         base_url=a.base_url.rstrip("/"), endpoint=a.endpoint, model=a.model, num_prompts=a.num_prompts,
-        request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency,
+        request_rates=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency,
         input_len=a.input_len, output_len=a.output_len, dataset=a.dataset, ignore_eos=a.ignore_eos,
         temperature=a.temperature, slo=a.slo, baseline_requests=a.baseline_requests, seed=a.seed,
         api_key=a.api_key, timeout_s=a.timeout, json_path=a.json, plot_path=a.plot, progress=not a.no_progress,
@@ -327,11 +342,19 @@ async def _bench(cfg: BenchConfig) -> dict[str, Any]:
         if baseline_prompts:
             results, seconds = await run_load(client, _serial(cfg), model, baseline_prompts, [0.0] * len(baseline_prompts), None)
             baseline = summarize(results, seconds, cfg.slo)
-        prompts = make_prompts(cfg, cfg.num_prompts, rng)
-        gaps = arrival_gaps(cfg.num_prompts, cfg.request_rate, cfg.burstiness, rng)
-        with tqdm(total=len(prompts), desc="requests", unit="req", disable=not cfg.progress, file=sys.stderr) as bar:
-            results, seconds = await run_load(client, cfg, model, prompts, gaps, bar)
-    return {"model": model, "baseline": baseline, "load": summarize(results, seconds, cfg.slo), "results": results}
+        sweep = []
+        for rate in cfg.request_rates:  # fresh prompts at each rate: no prefix-cache hits from the last one
+            prompts = make_prompts(cfg, cfg.num_prompts, rng)
+            gaps = arrival_gaps(cfg.num_prompts, rate, cfg.burstiness, rng)
+            desc = f"rate {_rate(rate)}"
+            with tqdm(total=len(prompts), desc=desc, unit="req", disable=not cfg.progress, file=sys.stderr) as bar:
+                results, seconds = await run_load(client, cfg, model, prompts, gaps, bar)
+            sweep.append({"request_rate": rate, "load": summarize(results, seconds, cfg.slo), "results": results})
+    return {"model": model, "baseline": baseline, "sweep": sweep}
+
+
+def _rate(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g} req/s"
 
 
 def _serial(cfg: BenchConfig) -> BenchConfig:
@@ -340,11 +363,35 @@ def _serial(cfg: BenchConfig) -> BenchConfig:
 
 # ---- report --------------------------------------------------------------------------------------
 def format_report(cfg: BenchConfig, run: dict[str, Any]) -> str:
-    """A markdown table of the loaded latencies next to the concurrency-1 reference, then throughputs."""
-    load, base = run["load"], run["baseline"]
-    rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g} req/s"
+    """One rate: its latency table; a sweep: each rate's table, then one row per rate."""
+    tables = [format_load(cfg, run["model"], step["request_rate"], step["load"], run["baseline"]) for step in run["sweep"]]
+    if len(run["sweep"]) > 1:
+        tables.append(format_sweep(cfg, run))
+    return "\n\n".join(tables)
+
+
+def format_sweep(cfg: BenchConfig, run: dict[str, Any]) -> str:
+    """Latency percentiles, throughput and goodput against the offered request rate."""
     lines = [
-        f"model `{run['model']}` at {cfg.base_url}{cfg.endpoint}: {cfg.num_prompts} requests, rate {rate}, "
+        "| offered rate | completed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p99 | output tok/s | goodput (req/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for step in run["sweep"]:
+        load = step["load"]
+        goodput = "" if load["goodput"] is None else f"{load['goodput']:.3f} ({load['good_requests']}/{load['completed'] + load['failed']})"
+        lines.append(
+            f"| {_rate(step['request_rate'])} | {load['completed']} | {_f(load['ttft_ms']['p50'])} | {_f(load['ttft_ms']['p99'])} | "
+            f"{_f(load['tpot_ms']['p50'])} | {_f(load['tpot_ms']['p99'])} | {_f(load['itl_ms']['p99'])} | "
+            f"{load['output_throughput']:.1f} | {goodput} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_load(cfg: BenchConfig, model: str, request_rate: float, load: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """A markdown table of the loaded latencies next to the concurrency-1 reference, then throughputs."""
+    rate = _rate(request_rate)
+    lines = [
+        f"model `{model}` at {cfg.base_url}{cfg.endpoint}: {cfg.num_prompts} requests, rate {rate}, "
         f"burstiness {cfg.burstiness:g}, max concurrency {cfg.max_concurrency or 'unlimited'}",
         "",
         "| latency (ms) | mean | p50 | p90 | p99 | concurrency-1 mean | loaded / conc-1 |",
@@ -373,13 +420,51 @@ def _f(x: float | None) -> str:
 
 
 def write_plot(path: Path, cfg: BenchConfig, run: dict[str, Any]) -> None:
-    """CDFs of TTFT, TPOT, ITL and E2E, with the SLOs and the concurrency-1 means marked."""
+    """One rate: CDFs of its latencies; a sweep: latencies and goodput against the offered rate."""
     import matplotlib
 
     matplotlib.use("Agg")
+    if len(run["sweep"]) > 1:
+        _plot_sweep(path, cfg, run)
+    else:
+        _plot_cdfs(path, cfg, run, run["sweep"][0])
+
+
+def _plot_sweep(path: Path, cfg: BenchConfig, run: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
-    ok = [r for r in run["results"] if r.success]
+    steps = run["sweep"]
+    x = np.arange(len(steps))  # evenly spaced: an infinite rate has no place on a numeric axis
+    labels = [_rate(s["request_rate"]).removesuffix(" req/s") for s in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, name in zip(axes.flat[:3], ("ttft", "tpot", "itl")):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(x, [s["load"][f"{name}_ms"][q] or np.nan for s in steps], style, label=q)
+        if name in cfg.slo:
+            ax.axhline(cfg.slo[name] * 1e3, color="red", linestyle=":", label="SLO")
+        ax.set_title(f"{name.upper()} (ms)")
+    ax = axes.flat[3]
+    ax.plot(x, [s["load"]["request_throughput"] for s in steps], "o-", label="completed req/s")
+    if cfg.slo:
+        ax.plot(x, [s["load"]["goodput"] for s in steps], "s-", label="goodput (met every SLO)")
+    ax.set_title("throughput (req/s)")
+    for ax in axes.flat:
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    slo = ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in cfg.slo.items()) or "no SLO"
+    fig.suptitle(f"{run['model']}: {cfg.num_prompts} requests per rate, {slo}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_cdfs(path: Path, cfg: BenchConfig, run: dict[str, Any], step: dict[str, Any]) -> None:
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in step["results"] if r.success]
     series = {
         "ttft": [r.ttft for r in ok if r.ttft is not None], "tpot": [r.tpot for r in ok if r.tpot is not None],
         "itl": [g for r in ok for g in r.itl], "e2e": [r.e2e for r in ok],
@@ -399,8 +484,7 @@ def write_plot(path: Path, cfg: BenchConfig, run: dict[str, Any]) -> None:
         ax.set_ylabel("fraction of requests" if name != "itl" else "fraction of token gaps")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g} req/s"
-    fig.suptitle(f"{run['model']}: {cfg.num_prompts} requests, rate {rate}, max concurrency {cfg.max_concurrency or 'unlimited'}")
+    fig.suptitle(f"{run['model']}: {cfg.num_prompts} requests, rate {_rate(step['request_rate'])}, max concurrency {cfg.max_concurrency or 'unlimited'}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -422,14 +506,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": "python -m engine.bench serve " + " ".join(argv),
             "versions": {"python": platform.python_version(), "httpx": httpx.__version__},
             "config": {k: _jsonable(v) for k, v in asdict(cfg).items() if k != "api_key"},
-            "model": run["model"], "baseline_concurrency_1": run["baseline"], "load": run["load"],
-            "requests": [asdict(r) | {"tpot": r.tpot} for r in run["results"]],
+            "model": run["model"], "baseline_concurrency_1": run["baseline"],
+            "sweep": [{"request_rate": _jsonable(step["request_rate"]), "load": step["load"],
+                       "requests": [asdict(r) | {"tpot": r.tpot} for r in step["results"]]} for step in run["sweep"]],
         }
         cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
         cfg.json_path.write_text(json.dumps(record, indent=2) + "\n")
     if cfg.plot_path:
         write_plot(cfg.plot_path, cfg, run)
-    return 0 if run["load"]["failed"] == 0 else 1
+    return 0 if all(step["load"]["failed"] == 0 for step in run["sweep"]) else 1
 
 
 def _jsonable(x: Any) -> Any:

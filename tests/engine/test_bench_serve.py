@@ -60,12 +60,13 @@ def test_a_short_run_writes_json_and_a_png(served_url, tmp_path, capsys):
         assert row in table
 
     record = json.loads(out_json.read_text())
-    load, base = record["load"], record["baseline_concurrency_1"]
+    assert [step["request_rate"] for step in record["sweep"]] == [8]
+    load, base = record["sweep"][0]["load"], record["baseline_concurrency_1"]
     assert record["command"].startswith("python -m engine.bench serve --base-url")
     assert record["model"] == "SmolLM2-135M-Instruct.Q4_1"  # from GET /v1/models
     assert (load["completed"], load["failed"], base["completed"]) == (6, 0, 2)
-    assert load["output_tokens"] == 6 * 6 and len(record["requests"]) == 6
-    assert all(r["output_tokens"] == 6 and len(r["itl"]) == 5 and r["prompt_tokens"] >= 8 for r in record["requests"])
+    assert load["output_tokens"] == 6 * 6 and len(record["sweep"][0]["requests"]) == 6
+    assert all(r["output_tokens"] == 6 and len(r["itl"]) == 5 and r["prompt_tokens"] >= 8 for r in record["sweep"][0]["requests"])
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = load[name]
         assert 0 < s["p50"] <= s["p90"] <= s["p99"]
@@ -76,6 +77,27 @@ def test_a_short_run_writes_json_and_a_png(served_url, tmp_path, capsys):
     metrics = httpx.get(served_url + "/metrics").text
     finished = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:request_success_total"))
     assert finished == 1 + 2 + 6
+
+
+def test_a_rate_sweep_runs_each_rate_and_plots_against_the_offered_rate(served_url, tmp_path, capsys):
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["serve", "--base-url", served_url, "--num-prompts", "3", "--request-rate", "4,inf", "--input-len", "8",
+            "--output-len", "4", "--ignore-eos", "--baseline-requests", "0", "--slo", "ttft=5s",
+            "--json", str(out_json), "--plot", str(out_png), "--no-progress"]
+    before = _finished(served_url)
+    assert bench_main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| offered rate |" in table and "| 4 req/s | 3 |" in table and "| inf | 3 |" in table
+    sweep = json.loads(out_json.read_text())["sweep"]
+    assert [s["request_rate"] for s in sweep] == [4, "inf"]
+    assert all(s["load"]["completed"] == 3 and s["load"]["good_requests"] <= 3 for s in sweep)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _finished(served_url) - before == 1 + 3 + 3  # warm-up, then 3 requests at each rate
+
+
+def _finished(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:request_success_total"))
 
 
 def test_an_unreachable_server_is_an_error_not_a_crash(capsys):
