@@ -8,8 +8,10 @@ streams left mid-answer (see :mod:`assistant.soak_callers`). Unless ``--url`` is
 starts its own server (``python -m assistant serve``, its output in a log file) on a free port of
 127.0.0.1.
 
-After a warm-up round (one clean turn per client) it notes the server's RSS; every minute it prints
-a progress line; at the end, once every client has gone, it waits for the server to settle and
+A warm-up comes first: one clean turn per client, then ``--warm-up-minutes`` (default 5) of the full
+load, faults included, so that the allocators, the ONNX Runtime and CTranslate2 arenas and the
+prefix cache reach the sizes the load needs; the server's RSS is noted after it. Every minute it
+prints a progress line (and keeps the RSS for the report's trace); at the end, once every client has gone, it waits for the server to settle and
 prints: turns attempted / completed / cancelled by the soak / lost, faults injected, errors seen,
 KV cache usage and requests running or waiting (from ``/metrics``), Realtime sessions left open,
 the server's RSS at start and end, and any traceback in the server's log. The exit code is 1 when
@@ -50,6 +52,7 @@ class SoakConfig:
     server_log: Path | None = None  # that server's log, searched for tracebacks
     sessions: int = 16
     minutes: float = 30.0
+    warm_up_minutes: float = 5.0  # full load before the RSS baseline
     questions: tuple[str, ...] = DEFAULT_QUESTIONS
     max_output_tokens: int = 32
     chunk_ms: int = 40
@@ -108,7 +111,9 @@ def progress_line(start: float, tally: Tally, m: dict[str, float], rss: int | No
             f"RSS {_mib(rss)}")  # fmt: skip
 
 
-async def report_progress(http_url: str, pid: int | None, tally: Tally, start: float, every_s: float) -> None:
+async def report_progress(http_url: str, pid: int | None, tally: Tally, start: float, every_s: float,
+                          trace: list[tuple[float, int | None]]) -> None:
+    """A progress line every ``every_s``; each one's (minutes, RSS) is appended to ``trace``."""
     while True:
         await asyncio.sleep(every_s)
         try:
@@ -116,7 +121,9 @@ async def report_progress(http_url: str, pid: int | None, tally: Tally, start: f
         except httpx.HTTPError as exc:
             print(f"[progress] /metrics failed: {exc}", flush=True)
             continue
-        print(progress_line(start, tally, m, rss_bytes(pid, m)), flush=True)
+        rss = rss_bytes(pid, m)
+        trace.append((round((time.monotonic() - start) / 60, 2), rss))
+        print(progress_line(start, tally, m, rss), flush=True)
 
 
 async def settle(http_url: str, timeout_s: float) -> dict[str, float]:
@@ -140,11 +147,16 @@ async def soak(cfg: SoakConfig, ws_url: str, pid: int | None, tally: Tally) -> d
         callers = [Caller(i, plan, tally, http) for i in range(cfg.sessions)]
         print(f"Warm-up: one clean turn for each of {cfg.sessions} clients...", file=sys.stderr, flush=True)
         await asyncio.gather(*(c.warm_up() for c in callers))
+        if cfg.warm_up_minutes > 0:
+            print(f"Warm-up: {cfg.warm_up_minutes:g} min of the full load...", file=sys.stderr, flush=True)
+            until = time.monotonic() + cfg.warm_up_minutes * 60
+            await asyncio.gather(*(c.run(until) for c in callers))
         warm = await settle(http_url, cfg.settle_s)
         rss_start = rss_bytes(pid, warm)
         start = time.monotonic()
+        trace: list[tuple[float, int | None]] = [(0.0, rss_start)]
         print(progress_line(start, tally, warm, rss_start) + " (after warm-up)", flush=True)
-        ticker = asyncio.create_task(report_progress(http_url, pid, tally, start, cfg.progress_s))
+        ticker = asyncio.create_task(report_progress(http_url, pid, tally, start, cfg.progress_s, trace))
         try:
             await asyncio.gather(*(c.run(start + cfg.minutes * 60) for c in callers))
         finally:
@@ -152,9 +164,10 @@ async def soak(cfg: SoakConfig, ws_url: str, pid: int | None, tally: Tally) -> d
         ran_s = time.monotonic() - start
     end = await settle(http_url, cfg.settle_s)
     rss_end = rss_bytes(pid, end)
+    trace.append((round((time.monotonic() - start) / 60, 2), rss_end))
     print(progress_line(start, tally, end, rss_end) + " (all clients gone)", flush=True)
     return {"ran_minutes": round(ran_s / 60, 2), "after_clients_left": busy(end), "rss_start_bytes": rss_start,
-            "rss_end_bytes": rss_end}  # fmt: skip
+            "rss_end_bytes": rss_end, "rss_trace_mib": [(t, None if r is None else round(r / 2**20)) for t, r in trace]}  # fmt: skip
 
 
 async def run(cfg: SoakConfig) -> dict[str, Any]:
@@ -196,7 +209,7 @@ def report(cfg: SoakConfig, tally: Tally, measured: dict[str, Any], found: list[
     return {
         "meta": {**machine(), "command": " ".join(["python -m assistant.soak", *sys.argv[1:]]), "url": cfg.url or "own server",
                  "server_args": list(cfg.server_args), "server_log": str(log) if log else None, "sessions": cfg.sessions,
-                 "minutes": cfg.minutes, "max_output_tokens": cfg.max_output_tokens, "episodes": [list(e) for e in EPISODES]},
+                 "minutes": cfg.minutes, "warm_up_minutes": cfg.warm_up_minutes, "max_output_tokens": cfg.max_output_tokens, "episodes": [list(e) for e in EPISODES]},
         "turns": {"attempted": tally.attempted, **{k: tally.outcomes[k] for k in ("completed", "cancelled", "unheard", "lost")}},
         "lost": tally.lost, "faults": dict(tally.faults), "faults_injected": sum(tally.faults.values()),
         "garbage": {"sent": tally.garbage_sent, "answered_with_error": tally.garbage_answered},
@@ -242,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> SoakConfig:
     p.add_argument("--server-log", type=Path, help="with --url: the server's log, searched for tracebacks")
     p.add_argument("--sessions", type=int, default=16, help="concurrent clients (default 16)")
     p.add_argument("--minutes", type=float, default=30.0, help="how long the clients keep starting turns (default 30)")
+    p.add_argument("--warm-up-minutes", type=float, default=5.0,
+                   help="minutes of the full load before the RSS baseline is taken (default 5; 0: one clean turn per client only)")
     p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
     p.add_argument("--max-output-tokens", type=int, default=32, help="each answer's limit (default 32)")
     p.add_argument("--chunk-ms", type=int, default=40, help="audio packet length, sent at real-time pace (default 40)")
@@ -251,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> SoakConfig:
     p.add_argument("--json", type=Path, help="write the whole report here")
     add_server_options(p, "the soak")
     a = p.parse_args(argv)
+    if a.warm_up_minutes < 0:
+        p.error("--warm-up-minutes must be >= 0")
     if a.sessions < 1 or a.minutes <= 0 or a.chunk_ms < 10 or a.max_output_tokens < 1 or a.progress <= 0:
         p.error("--sessions and --max-output-tokens must be >= 1, --minutes and --progress > 0, --chunk-ms >= 10")
     server_args = chosen_server_args(a)
@@ -259,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> SoakConfig:
     if not a.url and (a.pid or a.server_log):
         p.error("--pid and --server-log go with --url (the soak knows its own server)")
     return SoakConfig(
-        url=a.url, pid=a.pid, server_log=a.server_log, sessions=a.sessions, minutes=a.minutes,
+        url=a.url, pid=a.pid, server_log=a.server_log, sessions=a.sessions, minutes=a.minutes, warm_up_minutes=a.warm_up_minutes,
         questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS, max_output_tokens=a.max_output_tokens,
         chunk_ms=a.chunk_ms, turn_timeout_s=a.turn_timeout, settle_s=a.settle, progress_s=a.progress, json_path=a.json,
         server_args=server_args,
