@@ -76,7 +76,8 @@ def scrape(http_url: str) -> dict[str, float]:
 
 def busy(m: dict[str, float]) -> dict[str, float]:
     """What must be back at 0 once every client has gone."""
-    return {"kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0), "requests_running": m.get("vllm:num_requests_running", 0.0),
+    return {"kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0), "kv_blocks_in_use": m.get("vllm:kv_cache_blocks_in_use", 0.0),
+            "requests_running": m.get("vllm:num_requests_running", 0.0),
             "requests_waiting": m.get("vllm:num_requests_waiting", 0.0), "sessions_open": m.get("assistant_realtime_sessions", 0.0)}  # fmt: skip
 
 
@@ -198,7 +199,8 @@ def report(cfg: SoakConfig, tally: Tally, measured: dict[str, Any], found: list[
     broken = tally.errors["connection_closed"] + tally.errors["client_exception"]
     failures = [msg for bad, msg in (
         (tally.outcomes["lost"] > 0, f"{tally.outcomes['lost']} lost turn(s)"),
-        (left["kv_cache_usage"] > 0, f"KV cache still {100 * left['kv_cache_usage']:.2f}% used after the clients left"),
+        (left["kv_cache_usage"] > 0 or left["kv_blocks_in_use"] > 0,
+         f"KV cache still {100 * left['kv_cache_usage']:.2f}% used ({left['kv_blocks_in_use']:.0f} blocks) after the clients left"),
         (left["requests_running"] + left["requests_waiting"] > 0, "engine requests still running or waiting"),
         (left["sessions_open"] > 0, f"{left['sessions_open']:.0f} Realtime session(s) left open"),
         (growth is not None and growth >= RSS_GROWTH_LIMIT, f"RSS grew {100 * (growth or 0):.1f}% (limit {100 * RSS_GROWTH_LIMIT:.0f}%)"),
@@ -233,7 +235,7 @@ def text_report(r: dict[str, Any]) -> str:
         "errors seen: " + (", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"),
         f"unexpected errors: {len(r['unexpected_errors'])}" + "".join(f"\n  {e}" for e in r["unexpected_errors"][:10]),
         f"after the clients left: KV cache usage {100 * left['kv_cache_usage']:.2f}% "
-        f"(leaked KV blocks: {'none' if left['kv_cache_usage'] == 0 else 'yes'}), requests running "
+        f"(leaked KV blocks: {left['kv_blocks_in_use']:.0f}), requests running "
         f"{left['requests_running']:.0f}, waiting {left['requests_waiting']:.0f}, Realtime sessions left open {left['sessions_open']:.0f}",
         f"server RSS after warm-up {_mib(r['rss_start_bytes'])}, at the end {_mib(r['rss_end_bytes'])} ({growth})",
         f"tracebacks in the server's log: {len(r['tracebacks'])}" + (f" ({r['meta']['server_log']})" if r["meta"]["server_log"] else ""),

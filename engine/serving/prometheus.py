@@ -134,6 +134,9 @@ class _EngineStatsCollector(Collector):
             ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
             ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
+            ("kv_cache_blocks_in_use", "KV-cache blocks held by requests (0 when idle: a leak shows here).",
+             s.kv_blocks_total - s.kv_blocks_free),
+            ("kv_cache_blocks_total", "KV-cache blocks the requests can use.", s.kv_blocks_total),
         )
         counters = (
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries),

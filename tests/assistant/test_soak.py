@@ -38,7 +38,7 @@ def test_a_short_soak_mixes_turns_and_faults_and_leaves_the_server_clean(tmp_pat
     assert turns["completed"] > 0 and turns["lost"] == 0 and turns["attempted"] == sum(turns[k] for k in ("completed", "cancelled", "unheard", "lost"))
     assert rep["faults_injected"] > 0 and rep["faults_injected"] == sum(rep["faults"].values())
     assert rep["garbage"]["answered_with_error"] == rep["garbage"]["sent"]
-    assert rep["after_clients_left"] == {"kv_cache_usage": 0.0, "requests_running": 0.0, "requests_waiting": 0.0, "sessions_open": 0.0}
+    assert rep["after_clients_left"] == {"kv_cache_usage": 0.0, "kv_blocks_in_use": 0.0, "requests_running": 0.0, "requests_waiting": 0.0, "sessions_open": 0.0}
     assert rep["rss_start_bytes"] > 100 * 2**20 and rep["rss_end_bytes"] > 100 * 2**20
     assert rep["meta"]["warm_up_minutes"] == 0.2 and rep["rss_trace_mib"][0] == [0.0, round(rep["rss_start_bytes"] / 2**20)]
     assert len(rep["rss_trace_mib"]) >= 3 and rep["rss_trace_mib"][-1][1] == round(rep["rss_end_bytes"] / 2**20)
@@ -55,11 +55,11 @@ def test_the_verdict_fails_on_each_kind_of_leak(tmp_path) -> None:
     tally.garbage_answered = 3
     tally.error("connection_closed", "the server closed the session", expected=False)
     measured = {"ran_minutes": 1.0, "rss_start_bytes": 1000, "rss_end_bytes": 1100,
-                "after_clients_left": {"kv_cache_usage": 0.01, "requests_running": 1.0, "requests_waiting": 0.0, "sessions_open": 2.0}}  # fmt: skip
+                "after_clients_left": {"kv_cache_usage": 0.01, "kv_blocks_in_use": 3.0, "requests_running": 1.0, "requests_waiting": 0.0, "sessions_open": 2.0}}  # fmt: skip
     rep = report(SoakConfig(sessions=1, minutes=1.0), tally, measured, tracebacks(log), log)
     assert len(rep["failures"]) == 8, rep["failures"]
     assert rep["tracebacks"][0].endswith("ValueError: boom")
-    assert text_report(rep).splitlines()[-1].startswith("FAIL: 1 lost turn(s); KV cache still 1.00% used")
+    assert text_report(rep).splitlines()[-1].startswith("FAIL: 1 lost turn(s); KV cache still 1.00% used (3 blocks)")
 
     clean = {**measured, "rss_end_bytes": 1099, "after_clients_left": dict.fromkeys(measured["after_clients_left"], 0.0)}
     tally.lost.clear()

@@ -107,7 +107,10 @@ async def test_gauges_show_a_running_request_and_its_kv(server, engine, aclient)
     after = scrape(server)
     assert during["vllm:num_requests_running"] == 1 and during["vllm:num_requests_waiting"] == 0
     assert 0 < during["vllm:kv_cache_usage_perc"] < 1
+    total = during["vllm:kv_cache_blocks_total"]
+    assert during["vllm:kv_cache_blocks_in_use"] == round(during["vllm:kv_cache_usage_perc"] * total) >= 50 / 16  # 50 prompt tokens
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0.0
+    assert after["vllm:kv_cache_blocks_in_use"] == 0 and after["vllm:kv_cache_blocks_total"] == total
 
 
 async def test_priority_preempts_and_aborts_are_counted(server, engine, aclient):
