@@ -24,7 +24,7 @@ from engine.loaded_model import LoadedModel
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
-from engine.profiling import kv_budget_after_profile
+from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,17 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, gem
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
     spec = KVCacheSpec.for_model(mc, config.block_size, loaded.dtype)
-    num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(_kv_budget(config, loaded, memory, spec, max_model_len))
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    else:
+        budget = _kv_budget(config, loaded, memory, spec, max_model_len)
+        num_blocks = spec.num_blocks_for_budget(budget.nbytes)
+        if num_blocks * config.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache does not fit one {max_model_len}-token sequence: its budget is "
+                f"{budget.nbytes / 2**30:.3f} GiB ({budget.explanation}), {num_blocks} blocks of {config.block_size} tokens "
+                f"at {spec.bytes_per_block / 2**20:.2f} MiB each = {num_blocks * config.block_size} tokens. Raise "
+                f"gpu_memory_utilization (or kv_cache_memory_bytes), lower max_model_len, or free device memory")
     if num_blocks < 2:
         raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
     kv_cache = KVCache(spec, num_blocks, device)
@@ -91,13 +101,13 @@ def gemv_policy(config: EngineConfig, device: torch.device) -> GemvPolicy:
     return GemvPolicy(max_rows=DECODE_MAX_ROWS, pdl=pdl)
 
 
-def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, spec: KVCacheSpec, max_model_len: int) -> int:
+def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, spec: KVCacheSpec, max_model_len: int) -> KVBudget:
     """Bytes for the KV cache: as configured, a fixed default on the CPU, or what a profiled
     prefill leaves of ``gpu_memory_utilization`` on CUDA."""
     if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
+        return KVBudget(config.kv_cache_memory_bytes, "kv_cache_memory_bytes as configured")
     if loaded.device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
+        return KVBudget(CPU_DEFAULT_KV_BYTES, "the CPU default")
     return kv_budget_after_profile(loaded.model, config, loaded.device, memory, spec, max_model_len)
 
 

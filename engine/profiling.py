@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionMetadata, select_backend
@@ -43,13 +45,26 @@ def profile_peak_activations(model: LlamaForCausalLM, config: EngineConfig, devi
     return peak
 
 
+@dataclass(frozen=True)
+class KVBudget:
+    """The bytes left for the KV cache and how they were worked out (for a start-up error that
+    names the numbers when they are too few)."""
+
+    nbytes: int
+    explanation: str
+
+
 def kv_budget_after_profile(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, memory: MemoryLedger,
-                            spec: KVCacheSpec, max_model_len: int) -> int:
-    """``gpu_memory_utilization`` x total memory, minus what is in use and the activation peak
-    (recorded in ``memory``)."""
+                            spec: KVCacheSpec, max_model_len: int) -> KVBudget:
+    """``gpu_memory_utilization`` x total memory, minus what is in use (these weights, other
+    models in the process, other processes) and the activation peak (recorded in ``memory``)."""
     activations = profile_peak_activations(model, config, device, spec, max_model_len)
     memory.record("activations (profiled peak)", activations)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = int(config.gpu_memory_utilization * total) - used - activations
-    return max(budget, 0)
+    gib = 2**30
+    return KVBudget(max(budget, 0), (
+        f"gpu_memory_utilization {config.gpu_memory_utilization:g} x {total / gib:.2f} GiB = "
+        f"{config.gpu_memory_utilization * total / gib:.2f} GiB, minus {used / gib:.2f} GiB in use (weights, other "
+        f"models, other processes) and a {activations / gib:.2f} GiB activation peak"))
