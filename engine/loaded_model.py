@@ -63,6 +63,10 @@ class LoadedModel:
         tokenizer = None
         if config.tokenizer or has_tokenizer(config):
             tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
+            if config.load_format == "dummy" and tokenizer.vocab_size < model_config.vocab_size:
+                # Random weights sample every id of the model's vocabulary: give the ones the
+                # borrowed tokenizer lacks a text, so each streamed token is seen by clients.
+                tokenizer.pad_vocab(model_config.vocab_size)
         return cls(model, model_config, tokenizer, device, dtype, native)
 
     def ensure_native_weights(self, config: EngineConfig) -> NativeWeights:

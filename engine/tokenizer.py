@@ -39,6 +39,11 @@ class Tokenizer:
             path = cached
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
+    def pad_vocab(self, size: int) -> None:
+        """Add placeholder tokens ``" <ID>"`` up to ``size`` ids (for random weights whose vocabulary
+        is larger than the tokenizer lent to them); encoding of ordinary text is unchanged."""
+        self.hf.add_tokens([f" <{i}>" for i in range(len(self.hf), size)])
+
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
