@@ -65,6 +65,8 @@ class VoiceConfig:
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
     output_lead_ms: answer audio is sent at real-time pace, at most this far ahead of playback,
     so a barge-in has little audio on the wire to take back.
+    tts_workers: voice instances synthesizing side by side, a thread each (None: the speech
+    package's default, half the cores up to 8).
     early_prefill: on each partial transcript, prefill the prompt so far (a max_tokens=1 request)
     so the final's prompt finds it in the prefix cache.
     """
@@ -79,6 +81,7 @@ class VoiceConfig:
     tts_backend: str = "hibari"
     tts_model: Path | None = None
     tts_voice: str | None = None
+    tts_workers: int | None = None
     sample_rate: int = 24000
     output_chunk_ms: int = 100
     output_lead_ms: int = 500

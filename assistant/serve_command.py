@@ -56,6 +56,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
     s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
+    s.add_argument("--tts-workers", type=int, help="voice instances synthesizing side by side, a thread each "
+                                                  "(default: half the cores, 1 to 8)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
@@ -81,7 +83,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
-                        tts_voice=a.tts_voice)  # fmt: skip
+                        tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
                           max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,
