@@ -28,8 +28,8 @@ and every turn; ``--plot`` draws a waterfall PNG (one row per turn, the stages s
 
 Configurations (``--config``; server options given as well are passed after them, so they win):
 - ``8b``: the Llama-3.1-8B shape with random weights (engine/configs/llama-3.1-8b.json) and the
-  bundled handbook as its cached prefix, a Whisper large-v3-turbo shape with random weights, the
-  hibari voice, all on CUDA;
+  bundled handbook as its cached prefix, answers capped at 64 tokens, a Whisper large-v3-turbo
+  shape with random weights, the hibari voice (ONNX, on the CPU); the LLM and Whisper on CUDA;
 - ``real``: the embedded models (Whisper base, SmolLM2, hibari) with the engine on CUDA.
 Any other ``python -m assistant serve`` option reaches the server with ``--server-arg=--flag=value``.
 """
@@ -73,10 +73,13 @@ DEFAULT_QUESTIONS = (
 VERSIONED = ("torch", "faster-whisper", "ctranslate2", "onnxruntime", "webrtcvad-wheels", "hibari-tts", "websockets",
              "fastapi", "uvicorn", "numpy")  # fmt: skip
 LLAMA_8B = Path(__file__).resolve().parent.parent / "engine" / "configs" / "llama-3.1-8b.json"
-CONFIGS: dict[str, tuple[str, ...]] = {  # --config NAME: the server options it stands for
-    "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda",
-           "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
-    "real": ("--device", "cuda"),
+# --config NAME: the server options it stands for. The engine plans in 80% of the GPU, leaving the rest
+# to Whisper (weights, KV cache, graphs); random 8B answers are capped at 64 tokens, about a real
+# answer's two or three sentences (a random model never stops by itself).
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda", "--gpu-memory-utilization", "0.8",
+           "--max-tokens", "64", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
+    "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8"),
 }  # fmt: skip
 COSCHEDULER_OFF = ("--coscheduler", "off")  # the A/B's second server
 

@@ -90,3 +90,12 @@ def test_workers_default_and_checks() -> None:
         TTSConfig(workers=0)
     with pytest.raises(ConfigError, match="each of several workers runs on one thread"):
         TTSConfig(workers=2, threads=2)
+
+
+def test_pool_timing_program_reports_first_audio_and_throughput(tmp_path, capsys) -> None:
+    from speech.tts.bench import main
+
+    rows = main(["--workers", "2", "--answers", "2", "--json", str(tmp_path / "tts.json")])
+    assert [(r["workers"], r["answers"]) for r in rows] == [(2, 2)]
+    assert 0 < rows[0]["first_audio_ms"]["p50"] <= rows[0]["first_audio_ms"]["p99"] and rows[0]["audio_s_per_s"] > 0
+    assert "first audio p50/p95/p99 ms" in capsys.readouterr().out and (tmp_path / "tts.json").is_file()
