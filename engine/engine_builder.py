@@ -45,9 +45,10 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, gem
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
     spec = KVCacheSpec.for_model(mc, config.block_size, loaded.dtype)
-    num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(_kv_budget(config, loaded, memory, spec, max_model_len))
+    budget = None if config.num_kv_blocks else _kv_budget(config, loaded, memory, spec, max_model_len)
+    num_blocks = config.num_kv_blocks or spec.num_blocks_for_budget(budget or 0)
     if num_blocks < 2:
-        raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
+        raise _kv_too_small(config, spec, budget, memory, device)
     kv_cache = KVCache(spec, num_blocks, device)
     memory.record("kv_cache", kv_cache.nbytes)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -99,6 +100,25 @@ def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, 
     if loaded.device.type != "cuda":
         return CPU_DEFAULT_KV_BYTES
     return kv_budget_after_profile(loaded.model, config, loaded.device, memory, spec, max_model_len)
+
+
+def _kv_too_small(config: EngineConfig, spec: KVCacheSpec, budget: int | None, memory: MemoryLedger, device: torch.device) -> ConfigError:
+    """The start-up error when the KV cache would hold fewer than 2 blocks, naming the numbers."""
+    gib = float(1 << 30)
+    need = f"the KV cache needs at least 2 blocks of {config.block_size} tokens ({2 * spec.bytes_per_block / 2**20:,.1f} MiB)"
+    if budget is None:
+        return ConfigError(f"{need}; num_kv_blocks is {config.num_kv_blocks}")
+    message = f"{need}, but its budget is {budget / 2**20:,.1f} MiB"
+    if device.type == "cuda" and config.kv_cache_memory_bytes is None:
+        free, total = torch.cuda.mem_get_info(device)
+        share = config.gpu_memory_utilization
+        message += (f": gpu_memory_utilization {share} of the GPU's {total / gib:,.1f} GiB is {share * total / gib:,.1f} GiB, "
+                    f"of which {(total - free) / gib:,.1f} GiB is in use (the weights {memory.entries['weights'] / gib:,.1f} GiB, "
+                    f"and whatever else this process or others hold) and {memory.entries.get('activations (profiled peak)', 0) / gib:,.1f} "
+                    "GiB goes to the profiled activations; raise gpu_memory_utilization, lower max_num_batched_tokens, or free the GPU")  # fmt: skip
+    else:
+        message += ": raise kv_cache_memory_bytes"
+    return ConfigError(message)
 
 
 def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache, memory: MemoryLedger) -> NativeDecodeStep | None:
