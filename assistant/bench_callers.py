@@ -111,6 +111,7 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
                connected: list[int], bar: tqdm) -> list[TurnResult]:  # fmt: skip
     """One caller's session: connect, wait for ``go`` (every caller connected), then its turns."""
     from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
 
     rng = random.Random(f"{pattern.seed}-{callers}-{caller}")
     results = []
@@ -132,17 +133,19 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
         for turn in range(1 if pattern.burst else pattern.turns):
             if turn and pattern.duration_s is not None and time.perf_counter() - start >= pattern.duration_s:
                 break
-            if turn:
-                await _silence(ws, rng.uniform(*pattern.pause_s), pattern.chunk_ms)
             question = questions[(caller + turn * callers) % len(questions)]
             result = TurnResult(caller, turn, question.text)
             try:
+                if turn:
+                    await _silence(ws, rng.uniform(*pattern.pause_s), pattern.chunk_ms)
                 async with asyncio.timeout(pattern.timeout_s):
                     await _turn(ws, question, hangover, result, pattern.chunk_ms)
-            except (TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError, ConnectionClosed) as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             results.append(result)
             bar.update(1)
+            if isinstance(ws.close_code, int):  # the server closed the session: this caller is done
+                break
     return results
 
 
