@@ -74,12 +74,13 @@ VERSIONED = ("torch", "faster-whisper", "ctranslate2", "onnxruntime", "webrtcvad
              "fastapi", "uvicorn", "numpy")  # fmt: skip
 LLAMA_8B = Path(__file__).resolve().parent.parent / "engine" / "configs" / "llama-3.1-8b.json"
 # --config NAME: the server options it stands for. The engine plans in 80% of the GPU, leaving the rest
-# to Whisper (weights, KV cache, graphs); random 8B answers are capped at 64 tokens, about a real
-# answer's two or three sentences (a random model never stops by itself).
+# to Whisper (weights, KV cache, graphs), and decodes up to 128 answers at once (one per caller at the
+# most); random 8B answers are capped at 64 tokens, about a real answer's two or three sentences (a
+# random model never stops by itself).
 CONFIGS: dict[str, tuple[str, ...]] = {
     "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda", "--gpu-memory-utilization", "0.8",
-           "--max-tokens", "64", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
-    "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8"),
+           "--max-num-seqs", "128", "--max-tokens", "64", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
+    "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "128"),
 }  # fmt: skip
 COSCHEDULER_OFF = ("--coscheduler", "off")  # the A/B's second server
 
@@ -289,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 
 SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
-                  "output_lead_ms", "device", "quantization", "load_format", "tokenizer", "gpu_memory_utilization", "tts_workers",
+                  "output_lead_ms", "device", "quantization", "load_format", "tokenizer", "gpu_memory_utilization", "max_num_seqs", "tts_workers",
                   "asr_device", "asr_backend", "asr_load_format", "coscheduler")  # fmt: skip
 
 

@@ -51,6 +51,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tokenizer", type=Path, help="tokenizer of another model (default: the model's; dummy weights: the embedded SmolLM2's)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU the engine plans its weights, KV cache and graphs in (default 0.9)")
+    s.add_argument("--max-num-seqs", type=int, default=EngineOptions.max_num_seqs,
+                   help=f"answers the engine decodes at once; more wait (default {EngineOptions.max_num_seqs})")
     s.add_argument("--served-model-name", help="the model name clients see (default: the model file's stem)")
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
@@ -89,7 +91,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
         s.error(str(e))
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
-                                                     quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization))  # fmt: skip
+                                                     quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
+                                                     max_num_seqs=a.max_num_seqs))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,

@@ -67,8 +67,9 @@ def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, wh
              "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(shape))
     config, _, _ = parse_config(["serve", "--load-format", "dummy", "--model", str(tmp_path / "config.json"), "--device", "cpu",
-                                 "--asr", str(whisper_tiny_path), "--lang", "en", "--max-tokens", "8", "--tts-workers", "1"])  # fmt: skip
-    assert (config.assistant.engine.load_format, config.voice.tts_workers) == ("dummy", 1)
+                                 "--asr", str(whisper_tiny_path), "--lang", "en", "--max-tokens", "8", "--tts-workers", "1",
+                                 "--max-num-seqs", "4"])  # fmt: skip
+    assert (config.assistant.engine.load_format, config.voice.tts_workers, config.assistant.engine.max_num_seqs) == ("dummy", 1, 4)
     server = AssistantServer(config)
     try:
         assert server.answerer.modes["en"] == "whole-context"  # the whole handbook is the prefix
