@@ -68,7 +68,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
     s.add_argument("--tts-workers", type=int, help="voice instances synthesizing side by side, a thread each "
-                                                  "(default: half the cores, 1 to 8)")
+                                                  "(default: half the cores, 1 to 8; coqui: 1)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")

@@ -48,7 +48,7 @@ class VoiceServices:
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
-                               **({"workers": config.tts_workers} if config.tts_workers else {}))  # fmt: skip
+                               workers=config.tts_workers)  # fmt: skip
         return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker.from_config(tts_config), config)
 
     def warm_up(self) -> None:

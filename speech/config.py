@@ -7,7 +7,7 @@ Everything the package needs from outside (model paths, devices, languages) arri
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 VAD_SAMPLE_RATES = (8000, 16000, 32000, 48000)  # the rates webrtcvad accepts
@@ -144,7 +144,8 @@ class TTSConfig:
     speaker / speaker_wav: coqui multi-speaker name, or reference audio for XTTS voice cloning.
     workers: voice instances, each on a thread of its own, serving every session's replies side by
     side (one ONNX session cannot keep up with many concurrent answers); ``threads`` is each
-    instance's intra-op threads, so it must be 1 when there are several workers.
+    instance's intra-op threads, so it must be 1 when there are several workers. None:
+    :func:`default_tts_workers` for hibari and espeak, 1 for coqui (a large model, maybe on a GPU).
     """
 
     backend: str = "hibari"
@@ -156,7 +157,7 @@ class TTSConfig:
     speaker_wav: Path | None = None
     device: str = "cpu"
     threads: int = 1
-    workers: int = field(default_factory=default_tts_workers)
+    workers: int | None = None  # set in __post_init__ when None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -166,6 +167,8 @@ class TTSConfig:
         )
         _check(0.25 <= self.speed <= 4.0, f"TTSConfig.speed={self.speed}: use 0.25 to 4.0")
         _check(self.threads >= 1, f"TTSConfig.threads={self.threads}: must be >= 1")
+        if self.workers is None:
+            object.__setattr__(self, "workers", 1 if self.backend == "coqui" else default_tts_workers())
         _check(self.workers >= 1, f"TTSConfig.workers={self.workers}: must be >= 1")
         _check(
             self.workers == 1 or self.threads == 1,

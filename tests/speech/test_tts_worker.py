@@ -86,6 +86,7 @@ def test_close_joins_every_worker_thread() -> None:
 
 def test_workers_default_and_checks() -> None:
     assert 1 <= default_tts_workers() <= 8 and TTSConfig().workers == default_tts_workers()
+    assert TTSConfig(backend="coqui").workers == 1 and TTSConfig(backend="coqui", workers=2).workers == 2
     with pytest.raises(ConfigError, match="workers=0"):
         TTSConfig(workers=0)
     with pytest.raises(ConfigError, match="each of several workers runs on one thread"):
