@@ -176,8 +176,8 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
     plan = [("", cfg.server_args, cfg.callers)]
     if cfg.ab:
         plan.append(("coscheduler off", (*cfg.server_args, *COSCHEDULER_OFF), cfg.ab))
-    for server_name, args, counts in plan:
-        await run_server(cfg, server_name, args, counts, questions, phases)
+    for server_name, args, caller_counts in plan:
+        await run_server(cfg, server_name, args, caller_counts, questions, phases)
     pattern = {"name": "conversation", **{k: v for k, v in asdict(cfg.pattern).items() if k != "burst"}}
     return {"gpu": gpu_name(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]),
@@ -185,9 +185,10 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
             "meta": {**machine(), "url": cfg.url or "own server", "server_args": list(cfg.server_args)}, "phases": phases}  # fmt: skip
 
 
-async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], counts: tuple[int, ...], questions: list[Question],
+async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_counts: tuple[int, ...], questions: list[Question],
                      phases: list[dict[str, Any]]) -> None:  # fmt: skip
-    """Every phase of ``counts`` against one server (ours, started with ``args``, unless ``cfg.url``)."""
+    """Every phase of ``caller_counts`` against one server (ours, started with ``args``, unless
+    ``cfg.url``), appended to ``phases``; ``name`` is "" or what sets the server apart ("coscheduler off")."""
     server = None
     url = cfg.url
     if url is None:
@@ -200,7 +201,7 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], counts:
             await asyncio.to_thread(server.wait_ready)
         patterns = [cfg.pattern] + ([Pattern(**{**asdict(cfg.pattern), "burst": True})] if cfg.burst and not name else [])
         for pattern in patterns:
-            for n in counts:
+            for n in caller_counts:
                 turns = await run_phase(url, n, questions, pattern, cfg.progress)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
