@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from assistant.config import HANDBOOK_DIR
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 
@@ -56,6 +58,25 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
     conversation = report["phases"][0]["turns"]
     assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_off(tmp_path, whisper_tiny_path) -> None:
+    from assistant.serve_command import parse_config
+
+    try:
+        parse_config(["serve", "--coscheduler", "off"])
+    except SystemExit:
+        pytest.skip("this server has no --coscheduler option")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
+    out = tmp_path / "bench.json"
+    r = bench("--callers", "1", "--ab", "1", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
+              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results["callers"]) == set(results["coscheduler_off"]) == {"1"}
+    assert results["coscheduler_off"]["1"]["lost_turns"] == 0 and results["coscheduler_off"]["1"]["endpoint_to_first_audio_ms"]["p50"] > 0
 
 
 def test_bench_options_become_server_arguments() -> None:
