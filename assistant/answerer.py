@@ -67,6 +67,9 @@ class Answerer:
         self.engine = engine
         if engine.tokenizer is None:
             raise ValueError("the model has no tokenizer; the assistant needs text")
+        if engine.tokenizer.vocab_size > engine.core.model_config.vocab_size:
+            raise ValueError(f"the tokenizer's {engine.tokenizer.vocab_size} tokens do not fit the model's vocabulary of "
+                             f"{engine.core.model_config.vocab_size}")  # fmt: skip
         self.budget = ContextBudget(engine.core.max_model_len, config.max_tokens, config.conversation_tokens)
         self.library = library
         self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
@@ -77,9 +80,13 @@ class Answerer:
         library = load_library(config.docs_dir)
         opts = config.engine
         model = str(opts.model) if opts.model else default_model_path()
+        tokenizer = opts.tokenizer or (default_model_path() if opts.load_format == "dummy" else None)
         engine_config = EngineConfig(
             model=model,
+            load_format=opts.load_format,  # type: ignore[arg-type]
+            tokenizer=str(tokenizer) if tokenizer else None,
             device=opts.device,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
             dtype=opts.dtype,  # type: ignore[arg-type]
             quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
             max_num_seqs=opts.max_num_seqs,

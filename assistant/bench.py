@@ -1,10 +1,16 @@
-"""Voice load generator: ``python -m assistant.bench [--callers 1 4] [--turns 2] [--json F] [--plot F.png]``.
+"""Voice load generator: ``python -m assistant.bench [--callers 1,8,32] [--turns 2] [--config 8b|real] [--json F]``.
 
-N simulated callers talk to the assistant at once over the Realtime WebSocket API. Each streams a
-real spoken handbook question (synthesized once by the bundled hibari voice) at real-time pace in
-``--chunk-ms`` packets, keeps streaming silence like an open microphone, and waits for the spoken
-answer to finish before asking its next question. Unless ``--url`` is given, the bench starts its
-own server (``python -m assistant serve``) on a free port of 127.0.0.1 and stops it at the end.
+N simulated callers talk to the assistant at once over the Realtime WebSocket API, as
+conversations (:mod:`assistant.bench_callers`): each streams a real spoken handbook question
+(synthesized once by the bundled hibari voice) at real-time pace in ``--chunk-ms`` packets, keeps
+streaming silence like an open microphone, waits for the spoken answer to finish, pauses 1-3 s
+(``--pause-s``, seeded by ``--seed``) and asks its next question; callers start at random offsets
+too, so their questions spread over time. A phase ends after ``--turns`` questions per caller or
+``--duration-s``. ``--burst`` adds, per caller count, a phase where every caller asks one
+question at the same instant (reported apart). Unless ``--url`` is given, the bench starts its
+own server (``python -m assistant serve``) on a free port of 127.0.0.1 and stops it at the end;
+``--ab 32,64`` then runs those caller counts again against a second server started with
+``--coscheduler off``.
 
 Measured per turn:
 - the server's timeline (``response.timeline``): each stage's share, speech_end -> first audio
@@ -13,37 +19,46 @@ Measured per turn:
   speech, -40 dB envelope) to the first answer audio received, and the same minus the configured
   hangover (the anchors' "voice-to-voice minus VAD stop");
 - the transcript against the question (word error rate).
+After each phase, the server's memory by owner (``assistant_memory_bytes`` on ``/metrics``).
 
-Reported per caller count: p50/p90/p99 of each, a table on stdout, everything in ``--json``, and
-a waterfall PNG (``--plot``: one row per turn, the stages stacked from speech_end).
+Reported per phase: p50/p95/p99 of each, a table on stdout, and with ``--json`` a file with
+``gpu``, ``date``, ``command``, ``results`` (:func:`assistant.bench_report.results`: per caller
+count the p50/p95/p99 of endpoint and speech_end to first audio, every stage, lost turns, memory)
+and every turn; ``--plot`` draws a waterfall PNG (one row per turn, the stages stacked from speech_end).
+
+Configurations (``--config``; server options given as well are passed after them, so they win):
+- ``8b``: the Llama-3.1-8B shape with random weights (engine/configs/llama-3.1-8b.json) and the
+  bundled handbook as its cached prefix, answers capped at 64 tokens, a Whisper large-v3-turbo
+  shape with random weights, the hibari voice (ONNX, on the CPU); the LLM and Whisper on CUDA;
+- ``real``: the embedded models (Whisper base, SmolLM2, hibari) with the engine on CUDA.
+Any other ``python -m assistant serve`` option reaches the server with ``--server-arg=--flag=value``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import datetime as dt
 import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
-from tqdm import tqdm
+from prometheus_client.parser import text_string_to_metric_families
 
+from assistant.bench_callers import Pattern, Question, run_phase, speak_questions
+from assistant.bench_report import caller_count_results, plot, results, summarize, table
 from assistant.config import ServerConfig
-from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
-from speech.word_errors import word_error_rate
 
 DEFAULT_QUESTIONS = (
     "How do I apply for annual leave?",
@@ -55,36 +70,19 @@ DEFAULT_QUESTIONS = (
     "How long is the probation period?",
     "How much is the home office allowance?",
 )
-RATE = 24000
-LEAD_SILENCE_S = 0.3
 VERSIONED = ("torch", "faster-whisper", "ctranslate2", "onnxruntime", "webrtcvad-wheels", "hibari-tts", "websockets",
              "fastapi", "uvicorn", "numpy")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Question:
-    """A spoken question: PCM16 at 24 kHz with lead silence, and where its speech ends."""
-
-    text: str
-    pcm: bytes
-    speech_end_s: float
-
-
-@dataclass
-class TurnResult:
-    """One caller's turn, as the client saw it and as the server reported it."""
-
-    caller: int
-    turn: int
-    question: str
-    transcript: str = ""
-    answer: str = ""
-    status: str = ""
-    wer: float | None = None
-    client_s2a_ms: float | None = None  # true end of speech (client) -> first answer audio received
-    client_s2a_minus_hangover_ms: float | None = None
-    timeline: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
+LLAMA_8B = Path(__file__).resolve().parent.parent / "engine" / "configs" / "llama-3.1-8b.json"
+# --config NAME: the server options it stands for. The engine plans in 80% of the GPU, leaving the rest
+# to Whisper (weights, KV cache, graphs), and decodes up to 128 answers at once (one per caller at the
+# most); random 8B answers are capped at 64 tokens, about a real answer's two or three sentences (a
+# random model never stops by itself).
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda", "--gpu-memory-utilization", "0.8",
+           "--max-num-seqs", "128", "--max-tokens", "64", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
+    "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "128"),
+}  # fmt: skip
+COSCHEDULER_OFF = ("--coscheduler", "off")  # the A/B's second server
 
 
 @dataclass
@@ -93,222 +91,19 @@ class BenchConfig:
 
     url: str | None = None
     callers: tuple[int, ...] = (1, 4)
-    turns: int = 2
+    pattern: Pattern = Pattern()
+    burst: bool = False
+    ab: tuple[int, ...] = ()  # caller counts run again against a server with the co-scheduler off
+    config_name: str = "custom"
     questions: tuple[str, ...] = DEFAULT_QUESTIONS
-    max_output_tokens: int | None = None
-    chunk_ms: int = 20
-    timeout_s: float = 180.0
     json_path: Path | None = None
     plot_path: Path | None = None
     progress: bool = True
     server_args: tuple[str, ...] = ()
 
 
-# ---- spoken questions ------------------------------------------------------------------------------
-def speak_questions(texts: tuple[str, ...]) -> list[Question]:
-    """Each question spoken by the bundled voice at 24 kHz, after ``LEAD_SILENCE_S`` of silence."""
-    from speech.audio import Resampler, to_pcm16
-    from speech.config import TTSConfig
-    from speech.tts import load_tts
-
-    tts = load_tts(TTSConfig(backend="hibari", seed=0))
-    questions = []
-    for text in texts:
-        speech = tts.synthesize(text).pcm
-        if tts.sample_rate != RATE:
-            resampler = Resampler(tts.sample_rate, RATE)
-            speech = np.concatenate([resampler.process(speech), resampler.flush()])
-        audio = np.concatenate([np.zeros(round(LEAD_SILENCE_S * RATE), np.float32), speech])
-        questions.append(Question(text, to_pcm16(audio).astype("<i2").tobytes(), speech_end(audio, RATE)))
-    return questions
-
-
-def speech_end(audio: np.ndarray, rate: int) -> float:
-    """The last instant the 10 ms RMS envelope is within 40 dB of its peak."""
-    window = rate // 100
-    envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
-    loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
-    return float((loud[-1] + 1) / rate)
-
-
-# ---- one caller ----------------------------------------------------------------------------------------
-async def call(url: str, caller: int, callers: int, questions: list[Question], cfg: BenchConfig, bar: tqdm) -> list[TurnResult]:
-    """One caller's session: ask ``cfg.turns`` questions in turn, each after the previous answer."""
-    from websockets.asyncio.client import connect
-
-    results = []
-    async with connect(url, max_size=None, open_timeout=60) as ws:
-        session = json.loads(await ws.recv())
-        hangover = session["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"]
-        if cfg.max_output_tokens:
-            await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": cfg.max_output_tokens}}))
-        for turn in range(cfg.turns):
-            question = questions[(caller + turn * callers) % len(questions)]
-            result = TurnResult(caller, turn, question.text)
-            try:
-                async with asyncio.timeout(cfg.timeout_s):
-                    await _turn(ws, question, hangover, result, cfg.chunk_ms)
-            except (TimeoutError, OSError) as exc:
-                result.error = f"{type(exc).__name__}: {exc}"
-            results.append(result)
-            bar.update(1)
-    return results
-
-
-async def microphone(ws: Any, pcm: bytes, chunk_ms: int, stop: asyncio.Event, start: float | None = None) -> None:
-    """Stream ``pcm`` (PCM16 at ``RATE``), then silence, in ``chunk_ms`` packets at real-time pace
-    from ``start`` (a ``time.perf_counter()`` instant; default now) until ``stop`` is set."""
-    chunk = RATE * chunk_ms // 1000 * 2
-    silence = bytes(chunk)
-    start = time.perf_counter() if start is None else start
-    k = 0
-    while not stop.is_set():
-        piece = pcm[k * chunk : (k + 1) * chunk] or silence
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece).decode()}))
-        k += 1
-        await asyncio.sleep(max(0.0, start + k * chunk_ms / 1000 - time.perf_counter()))
-
-
-async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
-    start = time.perf_counter()
-    stop_sending = asyncio.Event()
-    sender = asyncio.create_task(microphone(ws, question.pcm, chunk_ms, stop_sending, start))
-    first_audio: float | None = None
-    try:
-        async for message in ws:
-            event = json.loads(message)
-            kind = event["type"]
-            if kind == "response.output_audio.delta" and first_audio is None:
-                first_audio = time.perf_counter()
-            elif kind == "conversation.item.input_audio_transcription.completed":
-                result.transcript = event["transcript"]
-                if not result.transcript.strip():
-                    result.error = "the question was transcribed as nothing"
-                    break
-            elif kind == "response.output_audio_transcript.done":
-                result.answer = event["transcript"]
-            elif kind == "response.done":
-                result.status = event["response"]["status"]
-            elif kind == "response.timeline":
-                result.timeline = event["timeline"]
-                break
-            elif kind == "error":
-                result.error = event["error"]["message"]
-    finally:
-        stop_sending.set()
-        await sender
-    result.wer = word_error_rate(question.text, result.transcript)
-    if first_audio is not None:
-        spoken_end = start + question.speech_end_s
-        result.client_s2a_ms = round((first_audio - spoken_end) * 1000, 1)
-        result.client_s2a_minus_hangover_ms = round(result.client_s2a_ms - hangover_ms, 1)
-
-
-async def run_phase(url: str, callers: int, questions: list[Question], cfg: BenchConfig) -> list[TurnResult]:
-    """``callers`` sessions at once, ``cfg.turns`` turns each."""
-    with tqdm(total=callers * cfg.turns, desc=f"{callers} caller(s)", unit="turn", disable=not cfg.progress, file=sys.stderr) as bar:
-        per_caller = await asyncio.gather(*(call(url, i, callers, questions, cfg, bar) for i in range(callers)))
-    return [r for results in per_caller for r in results]
-
-
-# ---- summary -------------------------------------------------------------------------------------------
-def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
-    """p50/p90/p99 (ms) of every stage share and total, over the turns that got a timeline."""
-    series: dict[str, list[float]] = {}
-    for r in results:
-        t = r.timeline
-        if not t:
-            continue
-        for stage, ms in t["stages_ms"].items():
-            series.setdefault(stage, []).append(ms)
-        for key in ("speech_end_to_first_audio_ms", "endpoint_to_first_audio_ms"):
-            if t.get(key) is not None:
-                series.setdefault(key.removesuffix("_ms"), []).append(t[key])
-        series.setdefault("uncached_prompt_tokens", []).append(t["prompt_tokens"] - t["cached_tokens"])
-        for key in ("partials", "prefills"):
-            series.setdefault(key, []).append(t[key])
-        for key, value in (("client_s2a", r.client_s2a_ms), ("client_s2a_minus_hangover", r.client_s2a_minus_hangover_ms)):
-            if value is not None:
-                series.setdefault(key, []).append(value)
-        if r.wer is not None:
-            series.setdefault("transcript_wer_percent", []).append(100 * r.wer)
-    return {k: {f"p{round(q * 100)}": round(quantile(v, q), 1) for q in (0.5, 0.9, 0.99)} | {"n": len(v)}
-            for k, v in series.items()}  # fmt: skip
-
-
-ROWS = (
-    ("endpoint", "VAD hangover (speech_end -> endpoint)"),
-    ("asr_final", "ASR final after endpoint"),
-    ("response_requested", "client's response.create after ASR final"),
-    ("llm_first_token", "LLM first token after ASR final (or response.create)"),
-    ("first_chunk", "first speakable chunk after first token"),
-    ("tts_first_audio", "TTS first audio after chunk"),
-    ("first_audio_sent", "first audio sent after TTS"),
-    ("speech_end_to_first_audio", "server: speech_end -> first audio sent"),
-    ("endpoint_to_first_audio", "server: endpoint -> first audio sent (no hangover)"),
-    ("client_s2a", "client: end of speech -> first audio received"),
-    ("client_s2a_minus_hangover", "client: the same minus the configured hangover"),
-    ("transcript_wer_percent", "transcript word error rate (%)"),
-    ("uncached_prompt_tokens", "prompt tokens not in the prefix cache (count)"),
-    ("partials", "partial transcripts before the final (count)"),
-    ("prefills", "early prefills done before the final (count)"),
-)
-
-
-def table(phases: list[dict[str, Any]]) -> str:
-    """A markdown table: one row per stage, p50/p90/p99 per caller count (an optional stage that no
-    turn recorded, such as ``response_requested`` with hands-free callers, has no row)."""
-    head = "| stage (ms) | " + " | ".join(f"{p['callers']} caller(s) p50 / p90 / p99" for p in phases) + " |"
-    lines = [head, "|---|" + "---|" * len(phases)]
-    for key, label in ROWS:
-        if key in OPTIONAL_STAGES and not any(key in p["summary"] for p in phases):
-            continue
-        cells = []
-        for p in phases:
-            s = p["summary"].get(key)
-            cells.append(f"{s['p50']:.0f} / {s['p90']:.0f} / {s['p99']:.0f}" if s else "n/a")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
-    lines.append(f"| turns with a timeline | {turns} |")
-    return "\n".join(lines)
-
-
-def plot(phases: list[dict[str, Any]], path: Path) -> None:
-    """Waterfall: per caller count, one row per turn with its stage shares stacked from speech_end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = dict(ROWS)
-    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
-    rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
-    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
-                             gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip
-    for ax, phase in zip(axes[:, 0], phases):
-        turns = [t for t in phase["turns"] if t["timeline"]]
-        medians = {s: phase["summary"][s]["p50"] for s in colors if s in phase["summary"]}
-        bars = [("median of each stage", medians)] + [(f"caller {t['caller']} turn {t['turn']}", t["timeline"]["stages_ms"]) for t in turns]
-        for y, (_, shares) in enumerate(bars):
-            left = 0.0
-            for stage, ms in shares.items():
-                ax.barh(y, ms / 1000, left=left / 1000, color=colors[stage], edgecolor="white", linewidth=0.5)
-                left += ms
-        ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(f"{phase['callers']} concurrent caller(s): from the end of speech to the first answer audio sent", fontsize=9)
-        ax.set_xlabel("seconds after the end of speech")
-        ax.grid(axis="x", alpha=0.3)
-    shown = [s for s in colors if s not in OPTIONAL_STAGES or any(s in p["summary"] for p in phases)]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in shown]
-    fig.legend(handles, [labels[s] for s in shown], loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def machine() -> dict[str, Any]:
-    """Date, CPU, GPU (if torch sees one) and package versions, for the results file."""
+    """Date, CPU, GPU (nvidia-smi) and package versions, for the results file."""
     cpu = platform.processor()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -321,11 +116,11 @@ def machine() -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu, "cores": os.cpu_count(),
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu, "gpu": gpu_name(), "cores": os.cpu_count(),
             "load_average": os.getloadavg(), "platform": platform.platform(), "versions": versions}  # fmt: skip
 
 
-# ---- the server ------------------------------------------------------------------------------------------
+# ---- the servers --------------------------------------------------------------------------------------
 class LocalServer:
     """``python -m assistant serve`` on a free port of 127.0.0.1, its output in a log file."""
 
@@ -374,38 +169,94 @@ class LocalServer:
 
 
 async def run(cfg: BenchConfig) -> dict[str, Any]:
-    """Every phase against ``cfg.url`` (or a server of our own); returns the report."""
+    """Every phase against ``cfg.url`` (or servers of our own); returns the report."""
     print(f"Speaking {len(cfg.questions)} questions with the bundled voice...", file=sys.stderr, flush=True)
     questions = speak_questions(cfg.questions)
+    phases: list[dict[str, Any]] = []
+    plan = [("", cfg.server_args, cfg.callers)]
+    if cfg.ab:
+        plan.append(("coscheduler off", (*cfg.server_args, *COSCHEDULER_OFF), cfg.ab))
+    for server_name, args, caller_counts in plan:
+        await run_server(cfg, server_name, args, caller_counts, questions, phases)
+    pattern = {"name": "conversation", **{k: v for k, v in asdict(cfg.pattern).items() if k != "burst"}}
+    return {"gpu": gpu_name(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]),
+            "results": results(cfg.config_name, pattern, phases),
+            "meta": {**machine(), "url": cfg.url or "own server", "server_args": list(cfg.server_args)}, "phases": phases}  # fmt: skip
+
+
+async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_counts: tuple[int, ...], questions: list[Question],
+                     phases: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Every phase of ``caller_counts`` against one server (ours, started with ``args``, unless
+    ``cfg.url``), appended to ``phases``; ``name`` is "" or what sets the server apart ("coscheduler off")."""
     server = None
     url = cfg.url
     if url is None:
-        print("Starting the server (python -m assistant serve)...", file=sys.stderr, flush=True)
-        server = LocalServer(cfg.server_args)
+        print(f"Starting the server (python -m assistant serve {' '.join(args)})...", file=sys.stderr, flush=True)
+        server = LocalServer(args)
         url = server.url
     ok = False
     try:
         if server is not None:
             await asyncio.to_thread(server.wait_ready)
-        phases = []
-        for n in cfg.callers:
-            results = await run_phase(url, n, questions, cfg)
-            phases.append({"callers": n, "summary": summarize(results), "turns": [asdict(r) for r in results]})
-        ok = all(not r["error"] and r["timeline"] for p in phases for r in p["turns"])
+        patterns = [cfg.pattern] + ([Pattern(**{**asdict(cfg.pattern), "burst": True})] if cfg.burst and not name else [])
+        for pattern in patterns:
+            for n in caller_counts:
+                turns = await run_phase(url, n, questions, pattern, cfg.progress)
+                memory = await asyncio.to_thread(scrape_memory, http_base(url))
+                phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
+                               "results": caller_count_results(turns, memory), "turns": [asdict(r) for r in turns]})  # fmt: skip
+        ok = all(not p["results"]["lost_turns"] for p in phases)
     finally:
         if server is not None:
             server.stop(keep_log=not ok)
-    return {"meta": {**machine(), "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]), "url": cfg.url or "own server",
-                     "server_args": list(cfg.server_args), "chunk_ms": cfg.chunk_ms, "turns_per_caller": cfg.turns},
-            "phases": phases}  # fmt: skip
+
+
+def http_base(ws_url: str) -> str:
+    """http://HOST:PORT of a ws://HOST:PORT/v1/realtime address."""
+    return ws_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).split("/v1/", 1)[0]
+
+
+def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
+    """device -> owner -> bytes, from the server's ``assistant_memory_bytes`` ({} if it has none)."""
+    text = httpx.get(http_url + "/metrics", timeout=30).text
+    memory: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "assistant_memory_bytes":
+                memory.setdefault(sample.labels["device"], {})[sample.labels["owner"]] = sample.value
+    return memory
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name (nvidia-smi), or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def counts(value: str) -> list[int]:
+    """"1,8,32" (or one number) -> [1, 8, 32]."""
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected caller counts like 1,8,32, got {value!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(prog="python -m assistant.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--url", help="ws://HOST:PORT/v1/realtime of a running server (default: start one)")
-    p.add_argument("--callers", type=int, nargs="+", default=[1, 4], help="concurrent callers per phase (default: 1 4)")
-    p.add_argument("--turns", type=int, default=2, help="questions per caller (default 2)")
+    p.add_argument("--callers", type=counts, nargs="+", default=[[1, 4]], help="concurrent callers per phase: 1,8,32 or 1 8 32 (default 1,4)")
+    p.add_argument("--turns", "--turns-per-caller", dest="turns", type=int, default=2, help="questions per caller (default 2)")
+    p.add_argument("--duration-s", type=float, help="no caller starts a question after this long into its phase")
+    p.add_argument("--pause-s", type=float, nargs=2, default=(1.0, 3.0), metavar=("MIN", "MAX"),
+                   help="a caller's pause between an answer and its next question, uniform (default 1 3)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the callers' pauses and start offsets (default 0)")
+    p.add_argument("--burst", action="store_true", help="also, per caller count, every caller asks one question at the same instant")
+    p.add_argument("--ab", type=counts, default=[], help="caller counts run again against a second server with --coscheduler off (e.g. 32,64)")
+    p.add_argument("--config", choices=sorted(CONFIGS), help="server preset: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in CONFIGS.items()))
     p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
     p.add_argument("--max-output-tokens", type=int, help="cap each answer (session.update)")
     p.add_argument("--chunk-ms", type=int, default=20, help="audio packet length, sent at real-time pace (default 20)")
@@ -414,21 +265,34 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     add_server_options(p, "the bench")
+    p.add_argument("--server-arg", action="append", default=[], metavar="=--FLAG[=VALUE]",
+                   help="any other python -m assistant serve argument, passed on as given (repeatable; write --server-arg=--flag=value)")
     a = p.parse_args(argv)
-    if a.turns < 1 or min(a.callers) < 1 or a.chunk_ms < 10:
+    callers = tuple(n for group in a.callers for n in group)
+    pause = tuple(a.pause_s)
+    if a.turns < 1 or not callers or min(callers) < 1 or min(a.ab, default=1) < 1 or a.chunk_ms < 10:
         p.error("--turns and --callers must be >= 1, --chunk-ms >= 10")
-    server_args = chosen_server_args(a)
+    if not 0 <= pause[0] <= pause[1] or (a.duration_s is not None and a.duration_s <= 0):
+        p.error("--pause-s needs 0 <= MIN <= MAX, --duration-s > 0")
+    server_args = (*CONFIGS.get(a.config, ()), *chosen_server_args(a), *a.server_arg)
     if a.url and server_args:
         p.error("server options only apply when the bench starts its own server (no --url)")
+    if a.url and a.ab:
+        p.error("--ab starts a second server of its own: it needs the bench to start its servers (no --url)")
+    if not a.url and "--max-sessions" not in server_args:  # the default limit (16) would turn callers away
+        server_args = (*server_args, "--max-sessions", str(max(ServerConfig.max_sessions, *callers, *a.ab)))
+    pattern = Pattern(turns=a.turns, duration_s=a.duration_s, pause_s=pause, seed=a.seed, chunk_ms=a.chunk_ms,  # type: ignore[arg-type]
+                      timeout_s=a.timeout, max_output_tokens=a.max_output_tokens)  # fmt: skip
     return BenchConfig(
-        url=a.url, callers=tuple(a.callers), turns=a.turns, questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS,
-        max_output_tokens=a.max_output_tokens, chunk_ms=a.chunk_ms, timeout_s=a.timeout, json_path=a.json,
-        plot_path=a.plot, progress=a.progress, server_args=server_args,
+        url=a.url, callers=callers, pattern=pattern, burst=a.burst, ab=tuple(a.ab), config_name=a.config or "custom",
+        questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS, json_path=a.json, plot_path=a.plot,
+        progress=a.progress, server_args=server_args,
     )  # fmt: skip
 
 
 SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
-                  "output_lead_ms", "device", "quantization")  # fmt: skip
+                  "output_lead_ms", "device", "quantization", "load_format", "tokenizer", "gpu_memory_utilization", "max_num_seqs", "tts_workers",
+                  "asr_device", "asr_backend", "asr_load_format", "coscheduler")  # fmt: skip
 
 
 def add_server_options(p: argparse.ArgumentParser, who: str) -> None:
@@ -471,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg.json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False))
     if cfg.plot_path:
         plot(report["phases"], cfg.plot_path)
-    failed = [t for p in report["phases"] for t in p["turns"] if t["error"] or not t["timeline"]]
+    failed = [t for p in report["phases"] for t in p["turns"] if t["error"] or not t["timeline"] or t["client_s2a_ms"] is None]
     if failed:
-        print(f"{len(failed)} turn(s) failed, e.g.: {failed[0]['error']}", file=sys.stderr)
+        print(f"{len(failed)} turn(s) lost, e.g.: {failed[0]['error'] or 'no answer audio or no timeline'}", file=sys.stderr)
     return 0 if not failed else 1
 
 

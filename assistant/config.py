@@ -23,7 +23,14 @@ class EngineOptions:
     """The subset of engine settings the assistant exposes (see engine.EngineConfig)."""
 
     model: Path | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    load_format: str = "auto"
+    """dummy: random weights of the shape in ``model`` (a config.json), for timing at a size whose
+    weights are not here (e.g. engine/configs/llama-3.1-8b.json); the answers are noise."""
+    tokenizer: Path | None = None
+    """A tokenizer other than the model's (HF directory or .gguf); None: the model's own, or with
+    dummy weights the embedded SmolLM2's (its ids must fit the model's vocabulary)."""
     device: str = "auto"
+    gpu_memory_utilization: float = 0.90  # share of the GPU the engine plans with (weights, KV cache, graphs)
     dtype: str = "auto"
     quantization: str = "auto"
     """auto: int4 (the GGUF's own 4-bit blocks, bf16 activations) for a GGUF on the CPU, where it
@@ -53,6 +60,12 @@ class AssistantConfig:
             raise FileNotFoundError(f"documents folder not found: {self.docs_dir}")
         if self.engine.model is not None and not self.engine.model.exists():
             raise FileNotFoundError(f"model not found: {self.engine.model}")
+        if self.engine.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.engine.load_format!r}")
+        if self.engine.load_format == "dummy" and self.engine.model is None:
+            raise ValueError("load_format dummy needs a model config.json (e.g. engine/configs/llama-3.1-8b.json)")
+        if self.engine.tokenizer is not None and not self.engine.tokenizer.exists():
+            raise FileNotFoundError(f"tokenizer not found: {self.engine.tokenizer}")
 
 
 @dataclass
@@ -65,6 +78,8 @@ class VoiceConfig:
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
     output_lead_ms: answer audio is sent at real-time pace, at most this far ahead of playback,
     so a barge-in has little audio on the wire to take back.
+    tts_workers: voice instances synthesizing side by side, a thread each (None: the speech
+    package's default, half the cores up to 8).
     early_prefill: on each partial transcript, prefill the prompt so far (a max_tokens=1 request)
     so the final's prompt finds it in the prefix cache.
     """
@@ -79,6 +94,7 @@ class VoiceConfig:
     tts_backend: str = "hibari"
     tts_model: Path | None = None
     tts_voice: str | None = None
+    tts_workers: int | None = None
     sample_rate: int = 24000
     output_chunk_ms: int = 100
     output_lead_ms: int = 500

@@ -1,7 +1,11 @@
 """``python -m assistant serve``: the assistant's server (Realtime WebSocket, OpenAI HTTP, metrics).
 
     python -m assistant serve [--host 127.0.0.1] [--port 8000] [--docs DIR] [--model PATH] [--asr base|tiny|DIR]
-                              [--early-prefill] [--max-sessions 16] ...
+                              [--early-prefill] [--max-sessions 16] [--device cuda] [--tts-workers N] ...
+
+With ``--load-format dummy --model engine/configs/llama-3.1-8b.json`` the engine holds random weights of
+the Llama-3.1-8B shape (tokenized by the embedded SmolLM2's tokenizer), so the whole voice server can be
+timed at that size: the documents prefix and every prompt are real, the answers are noise.
 
 The default host is 127.0.0.1. Listening beyond loopback (e.g. ``--host 0.0.0.0``) needs an API key,
 ``--api-key KEY`` or ``$ASSISTANT_API_KEY``: clients then send ``Authorization: Bearer KEY`` on HTTP
@@ -42,6 +46,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
     s.add_argument("--model", type=Path, help="HF model directory or llama .gguf (default: embedded SmolLM2-135M)")
+    s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the shape in --model (a config.json, e.g. engine/configs/llama-3.1-8b.json), for timing")
+    s.add_argument("--tokenizer", type=Path, help="tokenizer of another model (default: the model's; dummy weights: the embedded SmolLM2's)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU the engine plans its weights, KV cache and graphs in (default 0.9)")
+    s.add_argument("--max-num-seqs", type=int, default=EngineOptions.max_num_seqs,
+                   help=f"answers the engine decodes at once; more wait (default {EngineOptions.max_num_seqs})")
     s.add_argument("--served-model-name", help="the model name clients see (default: the model file's stem)")
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
@@ -56,6 +67,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
     s.add_argument("--tts-voice", help="the backend's voice (espeak: e.g. en-us, cmn)")
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
+    s.add_argument("--tts-workers", type=int, help="voice instances synthesizing side by side, a thread each "
+                                                  "(default: half the cores, 1 to 8; coqui: 1)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
@@ -77,11 +90,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     except MissingAPIKey as e:
         s.error(str(e))
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens,
-                                engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
+                                engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
+                                                     quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
+                                                     max_num_seqs=a.max_num_seqs))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
-                        tts_voice=a.tts_voice)  # fmt: skip
+                        tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
                           max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,

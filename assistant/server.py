@@ -4,8 +4,8 @@ Routes: ``/v1/realtime`` (the OpenAI Realtime API over WebSocket: voice and text
 OpenAI-compatible HTTP routes of :func:`engine.serving.server.create_app` with chats grounded in the
 documents (``/v1/chat/completions`` answers from the handbook, like a voice turn: at most
 ``--max-tokens`` tokens, then a ``Source:`` line as the CLI prints it), ``/v1/models``,
-``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings and
-the session counters; the warm-up's requests are not counted).
+``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings, the
+session counters and the memory of all three models by owner; the warm-up's requests are not counted).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
+from assistant.device_memory import MemoryCollector, ServerModels
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
@@ -45,6 +46,8 @@ class AssistantServer:
         self._rejected = Counter("assistant_realtime_sessions_rejected", "Connections refused at the session limit (1013).",
                                  registry=registry)  # fmt: skip
         engine = self.answerer.engine
+        self.models = ServerModels(engine.core, self.services.asr.backend, self.services.tts.backends[0])
+        registry.register(MemoryCollector(self.models))
         self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
             engine, self.model_name, chat_prompt=self.grounded_prompt, collectors=[self.timelines.registry, registry],

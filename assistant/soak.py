@@ -35,9 +35,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from assistant.bench import (
-    DEFAULT_QUESTIONS, LocalServer, add_server_options, chosen_server_args, load_questions, machine, speak_questions,
-)  # fmt: skip
+from assistant.bench import DEFAULT_QUESTIONS, LocalServer, add_server_options, chosen_server_args, load_questions, machine
+from assistant.bench_callers import speak_questions
 from assistant.soak_callers import EPISODES, Caller, Plan, Tally
 
 RSS_GROWTH_LIMIT = 0.10

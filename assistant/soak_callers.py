@@ -28,7 +28,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from assistant.bench import Question, microphone
+from assistant.bench_callers import Question, microphone
 
 # One Realtime session per tuple (the last action may end it), or HTTP chats ("http*" only).
 EPISODES: tuple[tuple[str, ...], ...] = (

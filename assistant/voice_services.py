@@ -26,7 +26,6 @@ from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import Resampler
 from speech.cancel import CancelToken
 from speech.config import ASRConfig, TTSConfig
-from speech.tts import load_tts
 from speech.tts.worker import TTSWorker
 
 
@@ -42,14 +41,15 @@ class VoiceServices:
 
     @classmethod
     def load(cls, answerer: Answerer, config: VoiceConfig) -> VoiceServices:
-        """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice."""
+        """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice (one instance
+        per TTS worker thread, each warmed up)."""
         asr_config = ASRConfig(
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
         )  # fmt: skip
-        tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice)
-        backend = load_tts(tts_config)
-        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker(backend), config)
+        tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
+                               workers=config.tts_workers)  # fmt: skip
+        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker.from_config(tts_config), config)
 
     def warm_up(self) -> None:
         """Run each model once (documents prefix per handbook language, Whisper, TTS), so the

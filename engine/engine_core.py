@@ -342,13 +342,17 @@ class EngineCore:
         self._generators.pop(req.request_id, None)
 
     # ---- observability ---------------------------------------------------------------------------
-    def memory_rows(self) -> list[tuple[str, int]]:
-        """Device memory by owner now: the ledger, plus what the mixed-step graphs captured while
-        serving have reserved since (it comes out of the headroom left after the KV budget)."""
+    def memory_ledger(self) -> MemoryLedger:
+        """The ledger now, with what the mixed-step graphs captured while serving have reserved
+        since (it comes out of the headroom left after the KV budget)."""
         mixed = self.runner.mixed
         if mixed is not None and mixed.pool_bytes:
             self.memory.record("cuda_graphs (mixed steps, captured while serving)", mixed.pool_bytes)
-        return self.memory.rows()
+        return self.memory
+
+    def memory_rows(self) -> list[tuple[str, int]]:
+        """Device memory by owner now (:meth:`memory_ledger`'s rows)."""
+        return self.memory_ledger().rows()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

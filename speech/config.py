@@ -6,6 +6,7 @@ Everything the package needs from outside (model paths, devices, languages) arri
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,13 @@ class ASRConfig:
         )
 
 
+def default_tts_workers() -> int:
+    """TTS threads when none are given: half the cores, at least 1 and at most 8 (1 on a 2-core
+    machine, 8 on a 16-core one). Each thread runs its own voice instance on one core; the other
+    half of the cores stays for the engine's host work, Whisper and the event loop."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 @dataclass(frozen=True)
 class TTSConfig:
     """Speech synthesis: which backend and its options.
@@ -134,6 +142,10 @@ class TTSConfig:
     the installed package); coqui: the checkpoint directory (config.json + model.pth; required).
     voice: hibari voice name (default "heart") or espeak-ng voice (default from ``language``).
     speaker / speaker_wav: coqui multi-speaker name, or reference audio for XTTS voice cloning.
+    workers: voice instances, each on a thread of its own, serving every session's replies side by
+    side (one ONNX session cannot keep up with many concurrent answers); ``threads`` is each
+    instance's intra-op threads, so it must be 1 when there are several workers. None:
+    :func:`default_tts_workers` for hibari and espeak, 1 for coqui (a large model, maybe on a GPU).
     """
 
     backend: str = "hibari"
@@ -145,6 +157,7 @@ class TTSConfig:
     speaker_wav: Path | None = None
     device: str = "cpu"
     threads: int = 1
+    workers: int | None = None  # set in __post_init__ when None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -154,6 +167,13 @@ class TTSConfig:
         )
         _check(0.25 <= self.speed <= 4.0, f"TTSConfig.speed={self.speed}: use 0.25 to 4.0")
         _check(self.threads >= 1, f"TTSConfig.threads={self.threads}: must be >= 1")
+        if self.workers is None:
+            object.__setattr__(self, "workers", 1 if self.backend == "coqui" else default_tts_workers())
+        _check(self.workers >= 1, f"TTSConfig.workers={self.workers}: must be >= 1")
+        _check(
+            self.workers == 1 or self.threads == 1,
+            f"TTSConfig.threads={self.threads} with workers={self.workers}: each of several workers runs on one thread",
+        )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""One thread that owns a model and serves queued jobs, most urgent first.
+"""Threads that own a model and serve queued jobs, most urgent first.
 
 The ASR worker (finals before partials) and the TTS worker (a reply's first piece before later
-pieces) are both this shape: a daemon thread, a condition, a closed flag and a priority queue.
+pieces) are both this shape: daemon threads (one by default; the TTS worker runs one per voice
+instance), a condition, a closed flag and one priority queue that every thread takes from.
 The ordering rule is a key: the job with the smallest ``key(job)`` (an int or a tuple, taken
 when the job is queued, with the lock held) goes next, ties in arrival order. After ``close()`` new jobs are refused; the jobs already queued are still processed, then
 the thread ends.
@@ -28,24 +29,29 @@ class _Entry(Generic[Job]):
 
 
 class PriorityWorker(ABC, Generic[Job]):
-    """A thread serving jobs by ``key(job)`` (smallest first), then arrival order.
+    """``threads`` threads serving jobs by ``key(job)`` (smallest first), then arrival order.
 
     Subclasses say how a job is done (:meth:`_process`, on the worker thread) and may refine
     admission (:meth:`_admit`) and closing (:meth:`_on_close`); both run with the lock held and
     may use :meth:`_push`, :meth:`_queued`, :meth:`_remove` and :meth:`_replace` on the queue.
     """
 
-    join_timeout_s: float | None = None  # how long close() waits for the thread (None: until it ends)
+    join_timeout_s: float | None = None  # how long close() waits for each thread (None: until it ends)
 
-    def __init__(self, name: str, key: Callable[[Job], Any]) -> None:
+    def __init__(self, name: str, key: Callable[[Job], Any], threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"a worker needs at least one thread, got {threads}")
         self.name = name
         self._key = key
         self._cond = threading.Condition()
         self._queue: list[_Entry[Job]] = []
         self._seq = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=name if threads == 1 else f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False when :meth:`_admit` turned it away. Raises once closed."""
@@ -58,19 +64,20 @@ class PriorityWorker(ABC, Generic[Job]):
             return accepted
 
     def close(self) -> None:
-        """Refuse new jobs, finish the queued ones, then end the thread (waits for it)."""
+        """Refuse new jobs, finish the queued ones, then end the threads (waits for each)."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._on_close()
-            self._cond.notify()
-        self._thread.join(timeout=self.join_timeout_s)
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=self.join_timeout_s)
 
     # ---- for subclasses (call the queue helpers with the lock held) -------------------------------
     @abstractmethod
     def _process(self, job: Job) -> None:
-        """Do one job on the worker thread."""
+        """Do one job on a worker thread (with several threads, several jobs run at once)."""
 
     def _admit(self, job: Job) -> bool:
         """Queue ``job`` (called with the lock held); False if it was turned away."""

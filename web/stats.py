@@ -1,8 +1,8 @@
 """The live server panel: sessions, requests, KV cache, prefix cache, memory, recent latencies.
 
 A :class:`ServerSnapshot` is read in-process from the :class:`~assistant.server.AssistantServer`
-the page is mounted on (the same numbers ``/metrics`` exports, plus the memory ledger, which
-``/metrics`` does not carry). The prefix hit rate is shown over the whole run and since the
+the page is mounted on (the same numbers ``/metrics`` exports, memory by owner of all three models
+included). The prefix hit rate is shown over the whole run and since the
 previous snapshot, so a panel refreshed every second or two shows what the cache does now.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from assistant.device_memory import MemoryRow
 from assistant.server import AssistantServer
 from assistant.timeline import STAGES, quantile
 
@@ -30,8 +31,8 @@ class ServerSnapshot:
     prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int  # of which found cached
     preemptions: int
-    device: str
-    memory: tuple[tuple[str, int], ...]  # (owner, bytes) from the engine's ledger
+    devices: dict[str, str]  # where each model runs: llm, asr, tts
+    memory: tuple[MemoryRow, ...]  # the LLM's ledger and the ASR's memory, by owner and device
     process_rss: int  # bytes of CPU memory held by this process (all three models and the rest)
     recent: tuple[tuple[str, float, float, int], ...]  # (span or stage, p50 s, p90 s, turns) over recent turns
 
@@ -39,7 +40,6 @@ class ServerSnapshot:
     def take(cls, server: AssistantServer) -> ServerSnapshot:
         engine = server.answerer.engine
         stats = engine.stats()
-        ledger = engine.core.memory
         by_name = {name: values for (_, name), values in server.timelines.recent().items()}
         order = [*SPANS, *STAGES]
         recent = tuple(
@@ -51,7 +51,7 @@ class ServerSnapshot:
             running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_usage,
             kv_blocks_used=stats.kv_blocks_total - stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total,
             prefix_queries=stats.prefix_cache_queries, prefix_hits=stats.prefix_cache_hits,
-            preemptions=stats.num_preemptions, device=ledger.device, memory=tuple(ledger.rows()),
+            preemptions=stats.num_preemptions, devices=server.models.devices(), memory=tuple(server.models.memory_rows()),
             process_rss=_rss_bytes(),
             recent=recent,
         )  # fmt: skip
@@ -77,9 +77,10 @@ class ServerSnapshot:
             f"| KV cache usage | {self.kv_usage:.1%} ({self.kv_blocks_used} / {self.kv_blocks_total} blocks) |",
             f"| prefix hit rate | {self.hit_rate:.1%} since start" + (f" · {now:.1%} lately" if now is not None else "") + " |",
             f"| preemptions | {self.preemptions} |",
-            "", f"**Memory** (LLM on {self.device})", "", "| owner | MiB |", "|---|---:|",
-            *(f"| {owner} | {nbytes / MIB:,.1f} |" for owner, nbytes in self.memory),
-            f"| CPU: this process (resident, all models) | {self.process_rss / MIB:,.1f} |",
+            "", "**Memory** (" + ", ".join(f"{model.upper()} on {device}" for model, device in self.devices.items()) + ")", "",
+            "| owner | device | MiB |", "|---|---|---:|",
+            *(f"| {row.owner} | {row.device} | {row.nbytes / MIB:,.1f} |" for row in self.memory),
+            f"| this process (resident, all models) | cpu | {self.process_rss / MIB:,.1f} |",
         ]  # fmt: skip
         if self.recent:
             lines += ["", "**Recent turns, all sessions** (ms)", "", "| total or stage | p50 | p90 | turns |", "|---|---:|---:|---:|"]

@@ -36,6 +36,13 @@ class ASRBackend(ABC):
 
     sample_rate = ASR_SAMPLE_RATE
     supported_languages: tuple[str, ...]
+    device: str = "cpu"  # where the model runs, resolved (cpu, cuda, cuda:1)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory this backend holds on ``device`` by owner ("asr weights"; "asr buffers": KV
+        cache, CUDA graphs, features), for the server's memory ledger. {}: it cannot say
+        (faster-whisper: CTranslate2 reports none)."""
+        return {}
 
     def check_language(self, language: str) -> None:
         """Raise ConfigError unless ``language`` is "auto" or one this model knows."""
@@ -76,6 +83,7 @@ class FasterWhisperBackend(ASRBackend):
         if not (path / "model.bin").is_file():
             raise ConfigError(f"{path} is not a CTranslate2 Whisper directory: no model.bin in it")
         self.config = config
+        self.device = config.device
         self._model = WhisperModel(
             str(path),
             device=config.device,

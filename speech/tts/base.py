@@ -26,6 +26,7 @@ class TTSBackend(ABC):
 
     name: str
     sample_rate: int
+    device: str = "cpu"  # where it synthesizes (the coqui backend may run on CUDA)
 
     def __init__(self, config: TTSConfig) -> None:
         self.config = config

@@ -42,6 +42,7 @@ class CoquiTTS(TTSBackend):
             tts_config_path=str(config_file),
             use_cuda=config.device.startswith("cuda"),
         )
+        self.device = "cuda" if config.device.startswith("cuda") else "cpu"
         self.sample_rate = int(self._synth.output_sample_rate)
         self._model = self._synth.tts_model
         self._latents = self._xtts_voice() if hasattr(self._model, "inference_stream") else None

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from assistant.config import HANDBOOK_DIR
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 
@@ -20,28 +22,77 @@ def bench(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
 
-def test_bench_measures_every_stage_for_one_and_two_callers(tmp_path, whisper_tiny_path) -> None:
+def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_path, whisper_tiny_path) -> None:
+    """Two callers, two questions each with a pause between, then both at once: every stage, the
+    results object (p50/p95/p99 per caller count, lost turns, memory by owner), JSON and PNG."""
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out, png = tmp_path / "bench.json", tmp_path / "waterfall.png"
-    r = bench("--callers", "1", "2", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
-              "--max-output-tokens", "8", "--json", str(out), "--plot", str(png))  # fmt: skip
+    r = bench("--callers", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--burst", "--docs", str(docs), "--asr", str(whisper_tiny_path),
+              "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--plot", str(png))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| server: speech_end -> first audio sent |" in r.stdout and "| client: end of speech -> first audio received |" in r.stdout
+    assert "2 caller(s), burst p50 / p95 / p99" in r.stdout
     report = json.loads(out.read_text())
-    assert report["meta"]["versions"]["faster-whisper"] and report["meta"]["cores"] >= 1 and report["meta"]["date"]
-    assert [p["callers"] for p in report["phases"]] == [1, 2]
+    assert report["date"] and "--burst" in report["command"] and "gpu" in report
+    assert report["meta"]["versions"]["faster-whisper"] and report["meta"]["cores"] >= 1
+    assert [(p["callers"], p["pattern"], len(p["turns"])) for p in report["phases"]] == [(2, "conversation", 4), (2, "burst", 2)]
     for phase in report["phases"]:
-        assert len(phase["turns"]) == phase["callers"]
         for turn in phase["turns"]:
             assert turn["error"] is None and turn["status"] in ("completed", "incomplete")
             assert list(turn["timeline"]["instants_ms"]) == HANDS_FREE
             assert turn["wer"] <= 0.25 and turn["client_s2a_ms"] > turn["client_s2a_minus_hangover_ms"] > 0
         summary = phase["summary"]
         for key in (*HANDS_FREE[1:], "speech_end_to_first_audio", "endpoint_to_first_audio", "client_s2a", "client_s2a_minus_hangover"):
-            assert summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"] and summary[key]["n"] == phase["callers"]
+            assert summary[key]["p50"] <= summary[key]["p95"] <= summary[key]["p99"] and summary[key]["n"] == len(phase["turns"])
+    results = report["results"]
+    assert results["config"] == "custom" and results["pattern"]["pause_s"] == [0.2, 0.4] and results["pattern"]["turns"] == 2
+    assert set(results["callers"]) == set(results["burst"]) == {"2"} and "coscheduler_off" not in results
+    two = results["callers"]["2"]
+    assert (two["turns"], two["lost_turns"]) == (4, 0)
+    for key in ("endpoint_to_first_audio_ms", "speech_end_to_first_audio_ms", "client_speech_end_to_first_audio_ms"):
+        assert set(two[key]) == {"p50", "p95", "p99"} and two[key]["p50"] <= two[key]["p99"]
+    assert set(two["stages"]) == set(HANDS_FREE[1:]) and all(set(v) == {"p50", "p95", "p99"} for v in two["stages"].values())
+    assert two["memory_bytes"]["cpu"]["llm weights"] > 0 and two["memory_bytes"]["cpu"]["llm kv_cache"] > 0
+    conversation = report["phases"][0]["turns"]
+    assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_off(tmp_path, whisper_tiny_path) -> None:
+    from assistant.serve_command import parse_config
+
+    try:
+        parse_config(["serve", "--coscheduler", "off"])
+    except SystemExit:
+        pytest.skip("this server has no --coscheduler option")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
+    out = tmp_path / "bench.json"
+    r = bench("--callers", "1", "--ab", "1", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
+              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results["callers"]) == set(results["coscheduler_off"]) == {"1"}
+    assert results["coscheduler_off"]["1"]["lost_turns"] == 0 and results["coscheduler_off"]["1"]["endpoint_to_first_audio_ms"]["p50"] > 0
+
+
+def test_bench_options_become_server_arguments() -> None:
+    """Presets, named pass-through options and --server-arg reach the server in that order; the A/B
+    counts and the session limit follow the callers."""
+    from assistant.bench import COSCHEDULER_OFF, parse_args
+
+    cfg = parse_args(["--config", "8b", "--callers", "1,8", "32", "--ab", "32", "--asr-device", "cuda", "--coscheduler", "on",
+                      "--server-arg=--early-prefill", "--duration-s", "60"])  # fmt: skip
+    assert cfg.callers == (1, 8, 32) and cfg.ab == (32,) and cfg.config_name == "8b" and cfg.pattern.duration_s == 60
+    args = cfg.server_args
+    assert args[:4] == ("--model", args[1], "--load-format", "dummy") and args[1].endswith("engine/configs/llama-3.1-8b.json")
+    assert args[args.index("--coscheduler") + 1] == "on" and "--early-prefill" in args
+    assert args[-2:] == ("--max-sessions", "32") and COSCHEDULER_OFF == ("--coscheduler", "off")
+    given = len(args) - 1 - args[::-1].index("--asr-device")
+    assert given > args.index("--tts-backend")  # given options come after the preset's, so they win
 
 
 def test_bench_without_a_server_fails_with_a_message() -> None:

@@ -124,3 +124,16 @@ def test_a_body_over_the_limit_gets_a_413(server) -> None:
     assert resp.status_code == 413, resp.text
     assert resp.json()["error"]["code"] == "request_too_large"
     assert httpx.get(server.url + "/health").status_code == 200  # type: ignore[attr-defined]
+
+
+def test_metrics_report_memory_by_owner_of_all_three_models(server) -> None:
+    """On the CPU: the engine's owners (prefixed "llm") with the ledger's bytes, and where each
+    model runs; faster-whisper and hibari report no bytes of their own, so they have no owner row."""
+    m = metrics(server)
+    ledger = dict(server.answerer.engine.core.memory_rows())
+    memory = {labels: value for (name, labels), value in m.items() if name == "assistant_memory_bytes"}
+    assert memory[(("device", "cpu"), ("owner", "llm weights"))] == ledger["weights"] > 0
+    assert memory[(("device", "cpu"), ("owner", "llm kv_cache"))] == ledger["kv_cache"] > 0
+    assert {dict(labels)["owner"] for labels in memory} == {f"llm {owner}" for owner in ledger}
+    placed = {dict(labels)["model"]: dict(labels)["device"] for (name, labels), _ in m.items() if name == "assistant_model_device"}
+    assert placed == {"llm": "cpu", "asr": "cpu", "tts": "cpu"}

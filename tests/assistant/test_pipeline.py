@@ -55,7 +55,9 @@ def services(tmp_path_factory, whisper_tiny_path):
     for name in ("01-annual-leave.md", "06-information-security.md"):
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     answerer = Answerer.create(AssistantConfig(docs_dir=docs, language="en", max_tokens=24))
-    shared = VoiceServices.load(answerer, VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4))
+    # one TTS worker: the first-piece test below watches one queue's order (the pool's own tests
+    # are in tests/speech/test_tts_worker.py)
+    shared = VoiceServices.load(answerer, VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4, tts_workers=1))
     shared.warm_up()
     yield shared
     shared.close()

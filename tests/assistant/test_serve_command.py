@@ -49,3 +49,52 @@ def test_bad_documents_folder_exits_2_with_one_line_for_both_entry_points(tmp_pa
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 2 and len(errors) == 1 and "not found" in errors[0], (module, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, whisper_tiny_path):
+    """``--load-format dummy --model config.json``: random weights of that shape (here 2 layers), the
+    embedded SmolLM2 tokenizer, the whole bundled handbook as the cached prefix; a chat is answered."""
+    import json
+
+    import httpx
+
+    from assistant.server import AssistantServer
+    from engine.serving.server import BackgroundServer
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    config, _, _ = parse_config(["serve", "--load-format", "dummy", "--model", str(tmp_path / "config.json"), "--device", "cpu",
+                                 "--asr", str(whisper_tiny_path), "--lang", "en", "--max-tokens", "8", "--tts-workers", "1",
+                                 "--max-num-seqs", "4"])  # fmt: skip
+    assert (config.assistant.engine.load_format, config.voice.tts_workers, config.assistant.engine.max_num_seqs) == ("dummy", 1, 4)
+    server = AssistantServer(config)
+    try:
+        assert server.answerer.modes["en"] == "whole-context"  # the whole handbook is the prefix
+        assert server.answerer.engine.core.model_config.num_hidden_layers == 2
+        server.warm_up()
+        with BackgroundServer(server.app) as http:
+            r = httpx.post(http.url + "/v1/chat/completions", timeout=300,
+                           json={"messages": [{"role": "user", "content": "How do I apply for annual leave?"}]})  # fmt: skip
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["completion_tokens"] == 8 and usage["prompt_tokens_details"]["cached_tokens"] > 1000
+            assert 'assistant_memory_bytes{device="cpu",owner="llm weights"}' in httpx.get(http.url + "/metrics").text
+    finally:
+        server.close()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    import json
+
+    from assistant.answerer import Answerer
+    from assistant.config import AssistantConfig, EngineOptions
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 16, "max_position_embeddings": 2048}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    with pytest.raises(ValueError, match="49152 tokens do not fit the model's vocabulary of 1000"):
+        Answerer.create(AssistantConfig(engine=EngineOptions(model=tmp_path / "config.json", load_format="dummy", device="cpu")))

@@ -38,7 +38,7 @@ def test_smallest_key_first_then_arrival_order() -> None:
 def test_close_wakes_the_idle_thread_and_finishes_queued_jobs() -> None:
     idle = Recorder()
     idle.close()  # the thread waits on the condition: close must wake it, or this hangs
-    assert not idle._thread.is_alive()
+    assert not any(t.is_alive() for t in idle._threads)
 
     busy = Recorder()
     busy.submit((0, "running"))
@@ -48,7 +48,7 @@ def test_close_wakes_the_idle_thread_and_finishes_queued_jobs() -> None:
     closer.start()
     busy.release.set()
     closer.join(10)
-    assert not closer.is_alive() and not busy._thread.is_alive()
+    assert not closer.is_alive() and not any(t.is_alive() for t in busy._threads)
     assert busy.done == ["running", "queued"]
 
 

@@ -1,0 +1,220 @@
+"""The voice bench's callers: spoken questions, and what one caller does over ``/v1/realtime``.
+
+Two patterns (:class:`Pattern`):
+- conversation: each caller connects, waits a random 0 to ``pause_s[1]`` seconds (so the callers'
+  questions spread over time instead of all starting at once), speaks a question at real-time
+  pace, keeps streaming silence like an open microphone until the spoken answer is done, pauses a
+  random ``pause_s`` (1-3 s by default, seeded per caller) with the microphone still streaming
+  silence, then asks the next question; it stops after ``turns`` questions or once ``duration_s``
+  has passed since the phase started (a turn under way is finished).
+- burst: every caller connects, then all speak their one question at the same instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from speech.word_errors import word_error_rate
+
+RATE = 24000
+LEAD_SILENCE_S = 0.3
+
+
+@dataclass(frozen=True)
+class Question:
+    """A spoken question: PCM16 at 24 kHz with lead silence, and where its speech ends."""
+
+    text: str
+    pcm: bytes
+    speech_end_s: float
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """How callers space their questions (see the module docstring)."""
+
+    burst: bool = False
+    turns: int = 2  # questions per caller (a burst asks one)
+    duration_s: float | None = None  # no new question after this long into the phase
+    pause_s: tuple[float, float] = (1.0, 3.0)
+    seed: int = 0
+    chunk_ms: int = 20
+    timeout_s: float = 180.0  # the longest one turn may take
+    max_output_tokens: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "burst" if self.burst else "conversation"
+
+
+@dataclass
+class TurnResult:
+    """One caller's turn, as the client saw it and as the server reported it."""
+
+    caller: int
+    turn: int
+    question: str
+    transcript: str = ""
+    answer: str = ""
+    status: str = ""
+    wer: float | None = None
+    client_s2a_ms: float | None = None  # true end of speech (client) -> first answer audio received
+    client_s2a_minus_hangover_ms: float | None = None
+    timeline: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def lost(self) -> bool:
+        """No answer audio or no timeline came back for this turn."""
+        return bool(self.error) or not self.timeline or self.client_s2a_ms is None
+
+
+# ---- spoken questions ------------------------------------------------------------------------------
+def speak_questions(texts: tuple[str, ...]) -> list[Question]:
+    """Each question spoken by the bundled voice at 24 kHz, after ``LEAD_SILENCE_S`` of silence."""
+    from speech.audio import Resampler, to_pcm16
+    from speech.config import TTSConfig
+    from speech.tts import load_tts
+
+    tts = load_tts(TTSConfig(backend="hibari", seed=0, workers=1))
+    questions = []
+    for text in texts:
+        speech = tts.synthesize(text).pcm
+        if tts.sample_rate != RATE:
+            resampler = Resampler(tts.sample_rate, RATE)
+            speech = np.concatenate([resampler.process(speech), resampler.flush()])
+        audio = np.concatenate([np.zeros(round(LEAD_SILENCE_S * RATE), np.float32), speech])
+        questions.append(Question(text, to_pcm16(audio).astype("<i2").tobytes(), speech_end(audio, RATE)))
+    return questions
+
+
+def speech_end(audio: np.ndarray, rate: int) -> float:
+    """The last instant the 10 ms RMS envelope is within 40 dB of its peak."""
+    window = rate // 100
+    envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
+    loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
+    return float((loud[-1] + 1) / rate)
+
+
+# ---- one caller ----------------------------------------------------------------------------------------
+async def call(url: str, caller: int, callers: int, questions: list[Question], pattern: Pattern, go: asyncio.Event,
+               connected: list[int], bar: tqdm) -> list[TurnResult]:  # fmt: skip
+    """One caller's session: connect, wait for ``go`` (every caller connected), then its turns."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    rng = random.Random(f"{pattern.seed}-{callers}-{caller}")
+    results = []
+    try:
+        ws = await connect(url, max_size=None, open_timeout=120)
+    finally:  # a caller that cannot connect fails the phase; it must not hold the others at ``go``
+        connected[0] += 1
+        if connected[0] == callers:
+            go.set()
+    async with ws:
+        session = json.loads(await ws.recv())
+        hangover = session["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"]
+        if pattern.max_output_tokens:
+            await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": pattern.max_output_tokens}}))
+        await go.wait()
+        start = time.perf_counter()
+        if not pattern.burst:
+            await _silence(ws, rng.uniform(0.0, pattern.pause_s[1]), pattern.chunk_ms)
+        for turn in range(1 if pattern.burst else pattern.turns):
+            if turn and pattern.duration_s is not None and time.perf_counter() - start >= pattern.duration_s:
+                break
+            question = questions[(caller + turn * callers) % len(questions)]
+            result = TurnResult(caller, turn, question.text)
+            try:
+                if turn:
+                    await _silence(ws, rng.uniform(*pattern.pause_s), pattern.chunk_ms)
+                async with asyncio.timeout(pattern.timeout_s):
+                    await _turn(ws, question, hangover, result, pattern.chunk_ms)
+            except (TimeoutError, OSError, ConnectionClosed) as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+            results.append(result)
+            bar.update(1)
+            if isinstance(ws.close_code, int):  # the server closed the session: this caller is done
+                break
+    return results
+
+
+async def microphone(ws: Any, pcm: bytes, chunk_ms: int, stop: asyncio.Event, start: float | None = None) -> None:
+    """Stream ``pcm`` (PCM16 at ``RATE``), then silence, in ``chunk_ms`` packets at real-time pace
+    from ``start`` (a ``time.perf_counter()`` instant; default now) until ``stop`` is set."""
+    chunk = RATE * chunk_ms // 1000 * 2
+    silence = bytes(chunk)
+    start = time.perf_counter() if start is None else start
+    k = 0
+    while not stop.is_set():
+        piece = pcm[k * chunk : (k + 1) * chunk] or silence
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece).decode()}))
+        k += 1
+        await asyncio.sleep(max(0.0, start + k * chunk_ms / 1000 - time.perf_counter()))
+
+
+async def _silence(ws: Any, seconds: float, chunk_ms: int) -> None:
+    """An open microphone in a pause: silence at real-time pace for ``seconds``."""
+    stop = asyncio.Event()
+    mic = asyncio.create_task(microphone(ws, b"", chunk_ms, stop))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await mic
+
+
+async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
+    start = time.perf_counter()
+    stop_sending = asyncio.Event()
+    sender = asyncio.create_task(microphone(ws, question.pcm, chunk_ms, stop_sending, start))
+    first_audio: float | None = None
+    try:
+        async for message in ws:
+            event = json.loads(message)
+            kind = event["type"]
+            if kind == "response.output_audio.delta" and first_audio is None:
+                first_audio = time.perf_counter()
+            elif kind == "conversation.item.input_audio_transcription.completed":
+                result.transcript = event["transcript"]
+                if not result.transcript.strip():
+                    result.error = "the question was transcribed as nothing"
+                    break
+            elif kind == "response.output_audio_transcript.done":
+                result.answer = event["transcript"]
+            elif kind == "response.done":
+                result.status = event["response"]["status"]
+            elif kind == "response.timeline":
+                result.timeline = event["timeline"]
+                break
+            elif kind == "error":
+                result.error = event["error"]["message"]
+    finally:
+        stop_sending.set()
+        await sender
+    result.wer = word_error_rate(question.text, result.transcript)
+    if first_audio is not None:
+        spoken_end = start + question.speech_end_s
+        result.client_s2a_ms = round((first_audio - spoken_end) * 1000, 1)
+        result.client_s2a_minus_hangover_ms = round(result.client_s2a_ms - hangover_ms, 1)
+
+
+async def run_phase(url: str, callers: int, questions: list[Question], pattern: Pattern, progress: bool) -> list[TurnResult]:
+    """``callers`` sessions at once in ``pattern``; every turn's result."""
+    go, connected = asyncio.Event(), [0]
+    total = callers * (1 if pattern.burst else pattern.turns)
+    with tqdm(total=total, desc=f"{callers} caller(s), {pattern.name}", unit="turn", disable=not progress, file=sys.stderr) as bar:
+        per_caller = await asyncio.gather(*(call(url, i, callers, questions, pattern, go, connected, bar) for i in range(callers)))
+    return [r for results in per_caller for r in results]
+
+
+__all__ = ["LEAD_SILENCE_S", "RATE", "Pattern", "Question", "TurnResult", "call", "microphone", "run_phase", "speak_questions",
+           "speech_end"]  # fmt: skip

@@ -1,0 +1,155 @@
+"""The voice bench's report: percentiles per caller count, the markdown table, the waterfall PNG,
+and the ``results`` object of the JSON file.
+
+Per caller count, ``results`` holds (milliseconds; p50/p95/p99 over the turns that got a timeline):
+``endpoint_to_first_audio_ms`` and ``speech_end_to_first_audio_ms`` (the server's timeline),
+``client_speech_end_to_first_audio_ms`` (true end of speech to first audio received, at the
+client), ``stages`` (each stage's share, see :mod:`assistant.timeline`), ``turns``, ``lost_turns``
+(no answer audio or no timeline) and ``memory_bytes`` (device -> owner -> bytes, from the
+server's ``/metrics`` after the phase).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from assistant.bench_callers import TurnResult
+from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
+
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+REPORTED = (0.5, 0.95, 0.99)  # in the results object and the table
+
+
+def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
+    """p50/p90/p95/p99 (ms) of every stage share and total, over the turns that got a timeline."""
+    series: dict[str, list[float]] = {}
+    for r in results:
+        t = r.timeline
+        if not t:
+            continue
+        for stage, ms in t["stages_ms"].items():
+            series.setdefault(stage, []).append(ms)
+        for key in ("speech_end_to_first_audio_ms", "endpoint_to_first_audio_ms"):
+            if t.get(key) is not None:
+                series.setdefault(key.removesuffix("_ms"), []).append(t[key])
+        series.setdefault("uncached_prompt_tokens", []).append(t["prompt_tokens"] - t["cached_tokens"])
+        for key in ("partials", "prefills"):
+            series.setdefault(key, []).append(t[key])
+        for key, value in (("client_s2a", r.client_s2a_ms), ("client_s2a_minus_hangover", r.client_s2a_minus_hangover_ms)):
+            if value is not None:
+                series.setdefault(key, []).append(value)
+        if r.wer is not None:
+            series.setdefault("transcript_wer_percent", []).append(100 * r.wer)
+    return {k: {f"p{round(q * 100)}": round(quantile(v, q), 1) for q in QUANTILES} | {"n": len(v)}
+            for k, v in series.items()}  # fmt: skip
+
+
+ROWS = (
+    ("endpoint", "VAD hangover (speech_end -> endpoint)"),
+    ("asr_final", "ASR final after endpoint"),
+    ("response_requested", "client's response.create after ASR final"),
+    ("llm_first_token", "LLM first token after ASR final (or response.create)"),
+    ("first_chunk", "first speakable chunk after first token"),
+    ("tts_first_audio", "TTS first audio after chunk"),
+    ("first_audio_sent", "first audio sent after TTS"),
+    ("speech_end_to_first_audio", "server: speech_end -> first audio sent"),
+    ("endpoint_to_first_audio", "server: endpoint -> first audio sent (no hangover)"),
+    ("client_s2a", "client: end of speech -> first audio received"),
+    ("client_s2a_minus_hangover", "client: the same minus the configured hangover"),
+    ("transcript_wer_percent", "transcript word error rate (%)"),
+    ("uncached_prompt_tokens", "prompt tokens not in the prefix cache (count)"),
+    ("partials", "partial transcripts before the final (count)"),
+    ("prefills", "early prefills done before the final (count)"),
+)
+
+
+def table(phases: list[dict[str, Any]]) -> str:
+    """A markdown table: one row per stage, p50/p95/p99 per phase (an optional stage that no
+    turn recorded, such as ``response_requested`` with hands-free callers, has no row)."""
+    head = "| stage (ms) | " + " | ".join(f"{title(p)} p50 / p95 / p99" for p in phases) + " |"
+    lines = [head, "|---|" + "---|" * len(phases)]
+    for key, label in ROWS:
+        if key in OPTIONAL_STAGES and not any(key in p["summary"] for p in phases):
+            continue
+        cells = []
+        for p in phases:
+            s = p["summary"].get(key)
+            cells.append(f"{s['p50']:.0f} / {s['p95']:.0f} / {s['p99']:.0f}" if s else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
+    lines.append(f"| turns with a timeline | {turns} |")
+    return "\n".join(lines)
+
+
+def title(phase: dict[str, Any]) -> str:
+    """E.g. "32 caller(s)", "8 caller(s), burst", "32 caller(s), coscheduler off"."""
+    extra = [x for x in ("burst" if phase["pattern"] == "burst" else "", phase["server"]) if x]
+    return f"{phase['callers']} caller(s)" + "".join(f", {x}" for x in extra)
+
+
+def plot(phases: list[dict[str, Any]], path: Path) -> None:
+    """Waterfall: per caller count, one row per turn with its stage shares stacked from speech_end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = dict(ROWS)
+    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
+    rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
+    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
+                             gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip
+    for ax, phase in zip(axes[:, 0], phases):
+        turns = [t for t in phase["turns"] if t["timeline"]]
+        medians = {s: phase["summary"][s]["p50"] for s in colors if s in phase["summary"]}
+        bars = [("median of each stage", medians)] + [(f"caller {t['caller']} turn {t['turn']}", t["timeline"]["stages_ms"]) for t in turns]
+        for y, (_, shares) in enumerate(bars):
+            left = 0.0
+            for stage, ms in shares.items():
+                ax.barh(y, ms / 1000, left=left / 1000, color=colors[stage], edgecolor="white", linewidth=0.5)
+                left += ms
+        ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{title(phase)}: from the end of speech to the first answer audio sent", fontsize=9)
+        ax.set_xlabel("seconds after the end of speech")
+        ax.grid(axis="x", alpha=0.3)
+    shown = [s for s in colors if s not in OPTIONAL_STAGES or any(s in p["summary"] for p in phases)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in shown]
+    fig.legend(handles, [labels[s] for s in shown], loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+
+
+def percentiles(summary: dict[str, dict[str, float]], key: str) -> dict[str, float] | None:
+    """{"p50", "p95", "p99"} of ``key`` in a :func:`summarize` result (None: no turn had it)."""
+    s = summary.get(key)
+    return {f"p{round(q * 100)}": s[f"p{round(q * 100)}"] for q in REPORTED} if s else None
+
+
+def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """One caller count's entry of ``results`` (see the module docstring)."""
+    summary = summarize(turns)
+    return {
+        "endpoint_to_first_audio_ms": percentiles(summary, "endpoint_to_first_audio"),
+        "speech_end_to_first_audio_ms": percentiles(summary, "speech_end_to_first_audio"),
+        "client_speech_end_to_first_audio_ms": percentiles(summary, "client_s2a"),
+        "stages": {stage: percentiles(summary, stage) for stage in STAGES[1:] if stage in summary},
+        "turns": len(turns),
+        "lost_turns": sum(t.lost for t in turns),
+        "memory_bytes": memory_bytes,
+    }
+
+
+def results(config: str, pattern: dict[str, Any], phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON's ``results``: ``callers`` (conversation phases on the server as configured),
+    ``burst`` and ``coscheduler_off`` (the same against a server started with it off), each keyed
+    by caller count."""
+    out: dict[str, Any] = {"config": config, "pattern": pattern, "callers": {}}
+    for phase in phases:
+        group = "coscheduler_off" if phase["server"] else "burst" if phase["pattern"] == "burst" else "callers"
+        out.setdefault(group, {})[str(phase["callers"])] = phase["results"]
+    return out
