@@ -122,7 +122,7 @@ def write_ct2_model(path: Path | str, spec: str, revision: int, variables: dict[
     parts = [struct.pack("<I", 6), string(spec), struct.pack("<I", revision),
              struct.pack("<I", len(variables))]
     for name, array in variables.items():
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # (ascontiguousarray would make a scalar 1-d)
         dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
         parts += [string(name), struct.pack("<B", array.ndim),
                   struct.pack(f"<{array.ndim}I", *array.shape),
