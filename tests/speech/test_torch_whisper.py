@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from speech.asr.backend import FasterWhisperBackend, backend_name, load_backend
+from speech.asr.backend import Decoded, FasterWhisperBackend, backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
 from speech.asr.log_mel import LogMel, mel_filters
 from speech.asr.torch_backend import TorchWhisperBackend
 from speech.asr.whisper_model import TURBO_DIMS, parameter_count
+from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import resample
 from speech.config import ASRConfig, ConfigError
 
@@ -91,14 +92,22 @@ def test_mel_features_equal_faster_whispers(question_clips) -> None:
 def test_transcripts_equal_faster_whisper_float32_in_a_batch_and_one_by_one(
     question_clips, torch_tiny, tiny_config
 ) -> None:
-    """Tiny: three questions, silence and a 31 s clip (two windows) in one batch; each transcript
-    equals faster-whisper float32's, and one decoded alone equals its batched self."""
+    """Tiny: three questions, silence and a 31 s clip (two windows) queued as finals in the shared
+    worker, which decodes them as one batch; each transcript equals faster-whisper float32's, and
+    one decoded alone equals its batched self."""
     reference = FasterWhisperBackend(replace(tiny_config, compute_type="float32", device="cpu"))
     questions = [audio16k(c) for c in question_clips[:3]]
     long = np.concatenate([questions[0], np.zeros(31 * 16000, np.float32)])[: 31 * 16000]
     long[-len(questions[1]) :] = questions[1]  # a question at each end: one in each window
     clips = questions + [np.zeros(32000, np.float32), long]
-    batch = torch_tiny.transcribe_batch([(clip, "", "en") for clip in clips])
+    decoded: dict[int, Decoded] = {}
+    with ASRWorker(torch_tiny) as worker:
+        with worker._cond:  # queue them all before the worker thread can take the first
+            for session, clip in enumerate(clips):
+                worker.submit(ASRJob(session, 0, True, clip, "", "en", 1.0,
+                                     lambda job, result, q, d: decoded.setdefault(job.session, result)))  # fmt: skip
+    assert (worker.stats.batches, worker.stats.largest_batch) == (1, len(clips))
+    batch = [decoded[i] for i in range(len(clips))]
     expected = [reference.transcribe(clip, language="en") for clip in clips]
     assert [d.text for d in batch] == [d.text for d in expected]
     assert all(d.text for d in batch[:3]) and batch[3].text == ""
