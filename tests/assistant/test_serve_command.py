@@ -49,3 +49,17 @@ def test_bad_documents_folder_exits_2_with_one_line_for_both_entry_points(tmp_pa
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 2 and len(errors) == 1 and "not found" in errors[0], (module, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def test_asr_device_backend_and_load_format_reach_the_voice_config():
+    """auto everywhere by default (the torch Whisper on a GPU, faster-whisper on the CPU)."""
+    from speech.asr.backend import backend_name
+    from speech.config import ASRConfig
+
+    voice = parse_config(["serve"])[0].voice
+    assert (voice.asr_device, voice.asr_backend, voice.asr_load_format) == ("auto", "auto", "auto")
+    voice = parse_config(["serve", "--asr-device", "cuda", "--asr-load-format", "dummy"])[0].voice
+    asr = ASRConfig(device=voice.asr_device, backend=voice.asr_backend, load_format=voice.asr_load_format)
+    assert backend_name(asr) == "torch"
+    voice = parse_config(["serve", "--asr-device", "cpu", "--asr-backend", "torch"])[0].voice
+    assert (voice.asr_device, voice.asr_backend) == ("cpu", "torch")
