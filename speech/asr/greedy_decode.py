@@ -109,6 +109,7 @@ class GreedyDecoder:
         self._rows = {b: _Rows(self.full, b, self.cache, self.positions, self.device) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.steps_run = 0  # steps the last batch ran (for timing: a step is one token of every row)
         on_cuda = self.device.type == "cuda"
         self._flags = torch.zeros(2, dtype=torch.bool, pin_memory=on_cuda)
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if on_cuda else []
@@ -235,15 +236,15 @@ class GreedyDecoder:
     def _loop(self, rows: _Rows, steps: int) -> None:
         """Run up to ``steps`` steps, stopping once no row is alive. On CUDA the check lags one step
         behind (the next step is queued before the host waits for the flag), so the GPU never idles."""
-        if self.device.type != "cuda":
-            for _ in range(steps):
-                self._run_step(rows)
-                if not bool(rows.alive.any()):
-                    return
-            return
+        self.steps_run = 0
         flags, events = self._flags, self._events
         for step in range(steps):
             self._run_step(rows)
+            self.steps_run += 1
+            if not events:
+                if not bool(rows.alive.any()):
+                    return
+                continue
             flags[step % 2].copy_(rows.alive.any(), non_blocking=True)
             events[step % 2].record()
             if step > 0:
