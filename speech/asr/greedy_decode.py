@@ -168,7 +168,8 @@ class GreedyDecoder:
                         self._step(rows)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                # thread_local: other threads of the process (the LLM engine) may use CUDA meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                     self._step(rows)
                 self._graphs[batch] = graph
         torch.cuda.synchronize(self.device)

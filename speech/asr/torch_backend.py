@@ -165,6 +165,12 @@ class TorchWhisperBackend(ASRBackend):
         return [self._clip_result([r for r, c in zip(rows, windows.clip) if c == index], languages[index])
                 for index in range(len(clips))]  # fmt: skip
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Device memory this backend holds, by owner: weights and the decoder's KV cache (CUDA
+        graphs' private pool not included: PyTorch does not report it apart)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"asr_weights": weights, "asr_kv_cache": self.decoder.cache.nbytes}
+
     # ---- helpers -------------------------------------------------------------------------------------
     def _language(self, language: str | None) -> str:
         language = self.config.language if language is None else language

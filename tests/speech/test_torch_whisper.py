@@ -134,6 +134,8 @@ def test_dummy_turbo_decodes_exactly_the_forced_token_count() -> None:
     assert backend.model.dims.n_vocab == 51866 and backend.model.dims.n_mels == 128
     out = backend.transcribe_batch([(np.zeros(16000, np.float32), "", "en")] * 5)  # over max_batch: two rounds
     assert [(d.tokens, d.dummy) for d in out] == [(7, True)] * 5
+    memory = backend.memory_bytes()
+    assert memory["asr_weights"] > 51866 * 64 * 4 and memory["asr_kv_cache"] == backend.decoder.cache.nbytes > 0
 
 
 def test_backend_choice_and_settings() -> None:
