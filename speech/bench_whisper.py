@@ -40,9 +40,13 @@ def spoken_question(path: Path | None) -> np.ndarray:
         from speech.config import TTSConfig
         from speech.tts import load_tts
 
-        tts = load_tts(TTSConfig(backend="hibari", seed=0))
+        try:
+            tts = load_tts(TTSConfig(backend="hibari", seed=0))
+        except Exception as exc:  # the voice (or PyAV for its 24 kHz) is not installed here
+            raise SystemExit(f"cannot synthesize the question ({exc}); give --clip WAV (16 kHz) and --expect TEXT")
         audio, rate = tts.synthesize(QUESTION).pcm, tts.sample_rate
-    audio = resample(audio, rate, 16000)
+    if rate != 16000:
+        audio = resample(audio, rate, 16000)
     silence = np.zeros(8000, np.float32)
     return np.concatenate([silence, audio, silence])
 

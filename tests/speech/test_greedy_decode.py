@@ -13,6 +13,7 @@ import torch
 
 from speech.asr.greedy_decode import DecodeRules, GreedyDecoder, RowPrompt
 from speech.asr.whisper_model import TURBO_DIMS, random_whisper
+from tests.speech.test_torch_whisper import one_torch_thread  # noqa: F401 (an autouse fixture)
 
 DIMS = replace(TURBO_DIMS, n_mels=80, n_audio_state=64, n_audio_head=2, n_audio_layer=1, n_vocab=51865,
                n_text_state=64, n_text_head=2, n_text_layer=2)  # fmt: skip

@@ -31,9 +31,17 @@ def audio16k(clip) -> np.ndarray:
     return resample(clip.audio, clip.sample_rate, 16000)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """PyTorch's CPU threads spin at every op; on a shared 2-core machine one thread is far faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def torch_tiny(tiny_config: ASRConfig) -> TorchWhisperBackend:
-    torch.set_num_threads(2)
     return TorchWhisperBackend(replace(tiny_config, backend="torch", device="cpu"))
 
 
@@ -44,7 +52,7 @@ def torch_base(base_config: ASRConfig) -> TorchWhisperBackend:
 
 @pytest.fixture(scope="module")
 def float32_base(base_config: ASRConfig) -> FasterWhisperBackend:
-    return FasterWhisperBackend(replace(base_config, compute_type="float32", device="cpu"))
+    return FasterWhisperBackend(replace(base_config, compute_type="float32", device="cpu", cpu_threads=1))
 
 
 def test_ct2_reader_round_trip(tmp_path: Path, whisper_tiny_path: Path) -> None:
@@ -95,7 +103,7 @@ def test_transcripts_equal_faster_whisper_float32_in_a_batch_and_one_by_one(
     """Tiny: three questions, silence and a 31 s clip (two windows) queued as finals in the shared
     worker, which decodes them as one batch; each transcript equals faster-whisper float32's, and
     one decoded alone equals its batched self."""
-    reference = FasterWhisperBackend(replace(tiny_config, compute_type="float32", device="cpu"))
+    reference = FasterWhisperBackend(replace(tiny_config, compute_type="float32", device="cpu", cpu_threads=1))
     questions = [audio16k(c) for c in question_clips[:3]]
     long = np.concatenate([questions[0], np.zeros(31 * 16000, np.float32)])[: 31 * 16000]
     long[-len(questions[1]) :] = questions[1]  # a question at each end: one in each window
