@@ -19,6 +19,7 @@ marked ``Decoded.dummy``.
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from speech.asr.log_mel import LogMel
 from speech.asr.whisper_model import TURBO_DIMS, WhisperDims, from_ct2, random_whisper
 from speech.audio import to_float32
 from speech.config import ASRConfig, ConfigError
+
+log = logging.getLogger(__name__)
 
 MAX_PREFIX_TOKENS = 223  # faster-whisper keeps a prefix under half the 448-token context
 
@@ -109,6 +112,9 @@ class TorchWhisperBackend(ASRBackend):
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file and tokenizer_file.is_file() else None
             self.special = SpecialTokens.from_layout(dims.n_vocab)
             suppress, suppress_begin = self.special.suppress_always, [self.special.eot]
+            log.warning("ASR: a %s-shaped Whisper with random weights (load_format dummy): every decode is "
+                        "%d forced tokens, its transcripts mean nothing", "large-v3-turbo" if dims == TURBO_DIMS
+                        else "test", config.dummy_tokens)  # fmt: skip
         else:
             if path is None or not (path / "model.bin").is_file():
                 raise ConfigError(f"ASRConfig.model_path={path}: not a CTranslate2 Whisper directory "

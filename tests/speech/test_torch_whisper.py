@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from speech.asr.backend import Decoded, FasterWhisperBackend, backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
 from speech.asr.log_mel import LogMel, mel_filters
-from speech.asr.torch_backend import TorchWhisperBackend
+from speech.asr.torch_backend import SpecialTokens, TorchWhisperBackend
 from speech.asr.whisper_model import TURBO_DIMS, parameter_count
 from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import resample
@@ -42,12 +43,12 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def torch_tiny(tiny_config: ASRConfig) -> TorchWhisperBackend:
-    return TorchWhisperBackend(replace(tiny_config, backend="torch", device="cpu"))
+    return TorchWhisperBackend(replace(tiny_config, backend="torch", device="cpu", max_batch=8))
 
 
 @pytest.fixture(scope="module")
 def torch_base(base_config: ASRConfig) -> TorchWhisperBackend:
-    return TorchWhisperBackend(replace(base_config, backend="torch", device="cpu"))
+    return TorchWhisperBackend(replace(base_config, backend="torch", device="cpu", max_batch=4))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,15 @@ def test_dummy_turbo_decodes_exactly_the_forced_token_count() -> None:
     assert [(d.tokens, d.dummy) for d in out] == [(7, True)] * 5
     memory = backend.memory_bytes()
     assert memory["asr_weights"] > 51866 * 64 * 4 and memory["asr_kv_cache"] == backend.decoder.cache.nbytes > 0
+
+
+def test_special_token_layout_matches_the_tokenizers(whisper_base_path: Path, whisper_tiny_path: Path) -> None:
+    """The random-weight model takes its special ids from Whisper's layout: the same as the real ones."""
+    for path, n_vocab in ((whisper_base_path, 51865), (whisper_tiny_path, 51864)):  # multilingual, English-only
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        real = SpecialTokens.from_tokenizer(tokenizer, [], n_vocab)
+        assert replace(SpecialTokens.from_layout(n_vocab), languages={}) == real
+        assert tokenizer.id_to_token(SpecialTokens.from_layout(n_vocab).languages["en"]) == "<|en|>"
 
 
 def test_backend_choice_and_settings() -> None:
