@@ -90,10 +90,11 @@ def read_ct2_model(path: Path | str) -> CT2Model:
         if dtype_id == BFLOAT16:
             array = (array.astype(np.uint32) << 16).view(np.float32)
         variables[name] = array
-    for _ in range(cursor.unpack("I")):
-        alias, target = cursor.string(), cursor.string()
+    aliases = [(cursor.string(), cursor.string()) for _ in range(cursor.unpack("I"))]
+    variables = _dequantize(variables)
+    for alias, target in aliases:
         variables[alias] = variables[target]
-    return CT2Model(spec, revision, version, _dequantize(variables))
+    return CT2Model(spec, revision, version, variables)
 
 
 def _dequantize(variables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

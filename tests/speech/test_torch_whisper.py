@@ -68,7 +68,7 @@ def test_ct2_reader_round_trip(tmp_path: Path, whisper_tiny_path: Path) -> None:
         "q/weight_scale": np.array([127.0, 10.0], np.float32),
     }
     path = tmp_path / "model.bin"
-    write_ct2_model(path, "WhisperSpec", 3, variables, {"tied/weight": "a/weight"})
+    write_ct2_model(path, "WhisperSpec", 3, variables, {"tied/weight": "a/weight", "tied_q/weight": "q/weight"})
     model = read_ct2_model(tmp_path)
     assert (model.spec, model.revision, model.binary_version) == ("WhisperSpec", 3, 6)
     for name in ("a/weight", "a/bias", "ids"):
@@ -77,6 +77,7 @@ def test_ct2_reader_round_trip(tmp_path: Path, whisper_tiny_path: Path) -> None:
     np.testing.assert_array_equal(model.variables["tied/weight"], variables["a/weight"])
     assert model.scalar("heads") == 6 and model.scalar("flag") == 1
     np.testing.assert_allclose(model.variables["q/weight"], [[1.0, -64 / 127], [1.0, 2.0]])  # int8 / scale
+    assert model.variables["tied_q/weight"] is model.variables["q/weight"]
     assert "q/weight_scale" not in model.variables
     path.write_bytes(path.read_bytes()[:-9])
     with pytest.raises(CT2FormatError, match="truncated"):
