@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=Path, help="a WAV file to transcribe (default: the question spoken by the bundled voice)")
     p.add_argument("--expect", default=QUESTION, help="the clip's expected transcript (real weights)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--eager", choices=("both", "graphs", "eager"), default="both", help="decoder step modes to time")
+    p.add_argument("--modes", choices=("both", "graphs", "eager"), default="both", help="decoder step modes to time (default both)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args(argv)
     if a.load_format == "auto" and a.model is None:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs_decoder = backend.decoder
     rows = []
     for mode in ("graphs", "eager"):
-        if a.eager not in ("both", mode):
+        if a.modes not in ("both", mode):
             continue
         if mode == "eager":
             backend.decoder = GreedyDecoder(backend.model, graphs_decoder.rules, graphs_decoder.max_batch,

@@ -39,7 +39,7 @@ class DecodeRules:
     suppress_begin: list[int]
     prompt_length: int  # forced positions before the first text token (prefix excluded)
     max_new: int = 224  # positions after the prompt, prefix included (CTranslate2: half of 448)
-    allow_eot: bool = True  # False: decode exactly max_new positions (random-weight timing runs)
+    allow_eot: bool = True  # False: exactly max_new tokens after the prefix (random-weight timing runs)
 
 
 @dataclass(frozen=True)
