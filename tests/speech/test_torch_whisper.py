@@ -1,12 +1,14 @@
 """The PyTorch Whisper backend: it reads the CTranslate2 weights and transcribes like faster-whisper.
 
 Run on the CPU in float32, against faster-whisper in float32 (greedy, no timestamps): the
-transcripts are equal word for word, in a batch as one by one. The CUDA graph path cannot run
+transcripts are equal word for word, in a batch as one by one, and streaming sessions share it
+through the worker's batches. The CUDA graph path cannot run
 here; it replays the same step function that runs eagerly in these tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,11 +20,14 @@ from tokenizers import Tokenizer
 from speech.asr.backend import Decoded, FasterWhisperBackend, backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
 from speech.asr.log_mel import LogMel, mel_filters
+from speech.asr.session import AsyncASRSession
 from speech.asr.torch_backend import SpecialTokens, TorchWhisperBackend
 from speech.asr.whisper_model import TURBO_DIMS, parameter_count
 from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import resample
 from speech.config import ASRConfig, ConfigError
+from speech.messages import Transcript
+from tests.speech.test_asr_streaming import assert_stable_prefixes, chunks
 
 TINY_DUMMY = replace(TURBO_DIMS, n_audio_state=64, n_audio_head=2, n_audio_layer=2, n_text_state=64,
                      n_text_head=2, n_text_layer=2)  # fmt: skip
@@ -171,3 +176,38 @@ def test_backend_choice_and_settings() -> None:
     with pytest.raises(ConfigError, match="not a CTranslate2 Whisper directory"):
         TorchWhisperBackend(ASRConfig(backend="torch", device="cpu"))
 
+
+
+async def test_four_sessions_stream_through_the_batched_backend(long_clips, torch_tiny, tiny_config, wer) -> None:
+    """Four users speak at once (real time) through the shared worker on the torch backend: their
+    partials and finals are decoded in batches, partials stay stable prefixes, finals are right."""
+    config = replace(tiny_config, backend="torch", device="cpu")
+
+    async def user(worker: ASRWorker, clip, delay: float) -> tuple[str, list[str]]:
+        await asyncio.sleep(delay)
+        session = AsyncASRSession(worker, config, input_rate=clip.sample_rate)
+        partials: list[str] = []
+
+        async def listen() -> None:
+            async for event in session:
+                if isinstance(event, Transcript) and not event.is_final:
+                    partials.append(event.text)
+
+        listener = asyncio.create_task(listen())
+        for chunk in chunks(clip.audio, clip.sample_rate, ms=100):
+            session.feed(chunk)
+            await asyncio.sleep(0.1)
+        final = await asyncio.wait_for(session.final(), 60)
+        session.close()
+        await listener
+        return final.text, partials
+
+    clips = long_clips[:4]
+    with ASRWorker(torch_tiny, queue_size=config.queue_size) as worker:
+        results = await asyncio.gather(*(user(worker, c, 0.05 * i) for i, c in enumerate(clips)))
+        stats = worker.stats
+    assert wer([(c.text, text) for c, (text, _) in zip(clips, results)]) <= 0.25, results
+    for text, partials in results:
+        assert_stable_prefixes(partials + [text])
+    assert stats.processed_finals == 4 and stats.processed_partials > 0
+    assert 1 < stats.largest_batch <= torch_tiny.max_batch
