@@ -73,6 +73,9 @@ class VoiceConfig:
     """The voice pipeline: hearing (VAD + Whisper), speaking (TTS), turn-taking and audio out.
 
     asr_model: a CTranslate2 Whisper directory (None: the embedded Whisper base).
+    asr_device / asr_backend / asr_load_format: ``speech.config.ASRConfig``'s device, backend and
+    load_format ("auto": the torch Whisper on a GPU, faster-whisper on the CPU; "dummy": the
+    large-v3-turbo shape with random weights, for timing).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
     max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
@@ -87,6 +90,9 @@ class VoiceConfig:
     asr_model: Path | None = None
     asr_language: str = "en"
     asr_threads: int = 2
+    asr_device: str = "auto"
+    asr_backend: str = "auto"
+    asr_load_format: str = "auto"
     partial_interval_s: float | None = 0.5
     start_ms: int = 60
     hangover_ms: int = 500

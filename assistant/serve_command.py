@@ -61,6 +61,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                    help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
+    s.add_argument("--asr-device", choices=("auto", "cpu", "cuda"), default="auto", help="Whisper's device (auto: cuda when there is a GPU)")
+    s.add_argument("--asr-backend", choices=("auto", "faster-whisper", "torch"), default="auto",
+                   help="auto (default): the PyTorch Whisper on cuda, faster-whisper on the CPU")
+    s.add_argument("--asr-load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: a large-v3-turbo-shaped Whisper with random weights, for timing")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
     s.add_argument("--max-utterance-s", type=float, default=30.0,
                    help="longer continuous speech is cut there and answered as a turn (default 30; 0: no limit)")
@@ -93,7 +98,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
                                                      quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs))  # fmt: skip
-    voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
+    voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
+                        asr_load_format=a.asr_load_format, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip

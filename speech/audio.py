@@ -2,7 +2,8 @@
 
 Every entry point checks its input and raises ``AudioFormatError`` saying what was wrong and what
 is accepted, so a server can answer bad client audio with an error and keep the session.
-Resampling uses FFmpeg's libswresample through PyAV, which faster-whisper already depends on.
+Resampling uses FFmpeg's libswresample through PyAV, which faster-whisper already depends on;
+PyAV is imported only when a rate actually changes, so 16 kHz audio needs none.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import io
 import wave
 from pathlib import Path
 
-import av
 import numpy as np
 
 SUPPORTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # 22050: espeak-ng, VITS
@@ -85,18 +85,19 @@ class Resampler:
     def __init__(self, src_rate: int, dst_rate: int) -> None:
         self.src_rate = check_rate(src_rate)
         self.dst_rate = check_rate(dst_rate)
-        self._swr = (
-            None
-            if self.src_rate == self.dst_rate
-            else av.AudioResampler(format="flt", layout="mono", rate=self.dst_rate)
-        )
+        self._swr = None
+        if self.src_rate != self.dst_rate:
+            import av
+
+            self._frame = av.AudioFrame
+            self._swr = av.AudioResampler(format="flt", layout="mono", rate=self.dst_rate)
 
     def process(self, samples: np.ndarray) -> np.ndarray:
         """Resample the next piece of the stream (float32 mono)."""
         floats = to_float32(samples)
         if self._swr is None:
             return floats
-        frame = av.AudioFrame.from_ndarray(
+        frame = self._frame.from_ndarray(
             np.ascontiguousarray(floats).reshape(1, -1), format="flt", layout="mono"
         )
         frame.sample_rate = self.src_rate
@@ -109,7 +110,7 @@ class Resampler:
         return self._collect(self._swr.resample(None))
 
     @staticmethod
-    def _collect(frames: list[av.AudioFrame]) -> np.ndarray:
+    def _collect(frames: list) -> np.ndarray:  # of av.AudioFrame
         if not frames:
             return np.zeros(0, np.float32)
         return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32)

@@ -13,7 +13,10 @@ from pathlib import Path
 VAD_SAMPLE_RATES = (8000, 16000, 32000, 48000)  # the rates webrtcvad accepts
 VAD_FRAME_MS = (10, 20, 30)  # the frame lengths webrtcvad accepts
 TTS_BACKENDS = ("hibari", "coqui", "espeak")
-ASR_BACKENDS = ("faster-whisper",)
+ASR_BACKENDS = ("auto", "faster-whisper", "torch")
+ASR_DEVICES = ("auto", "cpu", "cuda")
+ASR_LOAD_FORMATS = ("auto", "dummy")
+CUDA_STREAM_PRIORITIES = ("high", "default")
 
 
 class ConfigError(ValueError):
@@ -87,12 +90,26 @@ class ASRConfig:
     queue_size: at most this many partial jobs wait in the shared worker; finals are never dropped.
     pre_roll_s / post_roll_s: audio kept before the detected start and after ``speech_end``.
     The three thresholds reject text Whisper makes up on silence or noise (per segment).
+    backend: "faster-whisper" (CTranslate2), "torch" (PyTorch, batched, CUDA graphs on a GPU) or
+    "auto": torch when the device is cuda or the weights are dummy, else faster-whisper.
+    device: "cpu", "cuda" or "auto" (cuda when PyTorch sees a GPU).
+    compute_type: faster-whisper's (the torch backend runs float16 on cuda, float32 on the CPU).
+    load_format: "auto" reads ``model_path``; "dummy" builds the large-v3-turbo shape with random
+    weights (torch backend) whose every decode runs exactly ``dummy_tokens`` tokens: for timing.
+    max_batch: clips the torch backend decodes together (the worker takes that many jobs a turn).
+    cuda_stream_priority: "high" runs ASR kernels on a high-priority CUDA stream, "default" on the
+    default stream. cuda_graphs: replay the decoder step from CUDA graphs (False: eager, for A/B).
     """
 
     model_path: Path | None = None
-    backend: str = "faster-whisper"
-    device: str = "cpu"
+    backend: str = "auto"
+    device: str = "auto"
     compute_type: str = "int8"
+    load_format: str = "auto"
+    dummy_tokens: int = 24
+    max_batch: int = 64
+    cuda_stream_priority: str = "high"
+    cuda_graphs: bool = True
     cpu_threads: int = 2
     language: str = "auto"
     beam_size: int = 1
@@ -110,6 +127,17 @@ class ASRConfig:
             self.backend in ASR_BACKENDS,
             f"ASRConfig.backend={self.backend!r}: available backends are {ASR_BACKENDS}",
         )
+        _check(self.device in ASR_DEVICES, f"ASRConfig.device={self.device!r}: use one of {ASR_DEVICES}")
+        _check(
+            self.load_format in ASR_LOAD_FORMATS,
+            f"ASRConfig.load_format={self.load_format!r}: use one of {ASR_LOAD_FORMATS}",
+        )
+        _check(
+            self.cuda_stream_priority in CUDA_STREAM_PRIORITIES,
+            f"ASRConfig.cuda_stream_priority={self.cuda_stream_priority!r}: use one of {CUDA_STREAM_PRIORITIES}",
+        )
+        _check(self.dummy_tokens >= 1, f"ASRConfig.dummy_tokens={self.dummy_tokens}: must be >= 1")
+        _check(1 <= self.max_batch <= 64, f"ASRConfig.max_batch={self.max_batch}: use 1 to 64")
         _check(self.beam_size >= 1, f"ASRConfig.beam_size={self.beam_size}: must be >= 1")
         _check(self.cpu_threads >= 0, f"ASRConfig.cpu_threads={self.cpu_threads}: must be >= 0")
         _check(self.queue_size >= 1, f"ASRConfig.queue_size={self.queue_size}: must be >= 1")

@@ -4,8 +4,9 @@ The ASR worker (finals before partials) and the TTS worker (a reply's first piec
 pieces) are both this shape: daemon threads (one by default; the TTS worker runs one per voice
 instance), a condition, a closed flag and one priority queue that every thread takes from.
 The ordering rule is a key: the job with the smallest ``key(job)`` (an int or a tuple, taken
-when the job is queued, with the lock held) goes next, ties in arrival order. After ``close()`` new jobs are refused; the jobs already queued are still processed, then
-the thread ends.
+when the job is queued, with the lock held) goes next, ties in arrival order; a worker whose
+``batch_limit`` is above 1 takes up to that many jobs a turn, in that order. After ``close()``
+new jobs are refused; the jobs already queued are still processed, then the thread ends.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PriorityWorker(ABC, Generic[Job]):
     """
 
     join_timeout_s: float | None = None  # how long close() waits for each thread (None: until it ends)
+    batch_limit: int = 1  # jobs taken per turn of a thread (see _process_batch)
 
     def __init__(self, name: str, key: Callable[[Job], Any], threads: int = 1) -> None:
         if threads < 1:
@@ -79,6 +81,11 @@ class PriorityWorker(ABC, Generic[Job]):
     def _process(self, job: Job) -> None:
         """Do one job on a worker thread (with several threads, several jobs run at once)."""
 
+    def _process_batch(self, jobs: list[Job]) -> None:
+        """Do the jobs taken in one turn, most urgent first (default: one after another)."""
+        for job in jobs:
+            self._process(job)
+
     def _admit(self, job: Job) -> bool:
         """Queue ``job`` (called with the lock held); False if it was turned away."""
         self._push(job)
@@ -116,15 +123,17 @@ class PriorityWorker(ABC, Generic[Job]):
         return False
 
     # ---- the thread ----------------------------------------------------------------------------------
-    def _next(self) -> Job | None:
+    def _next(self) -> list[Job]:
+        """Up to ``batch_limit`` jobs, most urgent first; empty once closed and drained."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
-            return heapq.heappop(self._queue).job if self._queue else None
+            count = min(self.batch_limit, len(self._queue))
+            return [heapq.heappop(self._queue).job for _ in range(count)]
 
     def _run(self) -> None:
-        while (job := self._next()) is not None:
-            self._process(job)
+        while jobs := self._next():
+            self._process_batch(jobs)
 
 
 __all__ = ["PriorityWorker"]

@@ -1,7 +1,9 @@
 """The ASR backend: a speech recognizer over whole 16 kHz clips, one instance for every session.
 
-``FasterWhisperBackend`` is the one backend now; a torch Whisper for GPU co-scheduling can sit
-behind the same interface later. ``load_backend`` picks it by ``ASRConfig.backend``.
+``FasterWhisperBackend`` (CTranslate2, one clip at a time) serves the CPU;
+:class:`~speech.asr.torch_backend.TorchWhisperBackend` (PyTorch, many clips per batch) the GPU.
+``load_backend`` picks one by ``ASRConfig.backend`` and ``ASRConfig.device`` (see
+:func:`backend_name`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Decoded:
     text: str
     language: str
     rejected_segments: int = 0
+    tokens: int = 0  # text tokens decoded (prefix included)
+    dummy: bool = False  # from random weights (load_format "dummy"): the text means nothing
 
 
 class ASRBackend(ABC):
@@ -37,6 +41,7 @@ class ASRBackend(ABC):
     sample_rate = ASR_SAMPLE_RATE
     supported_languages: tuple[str, ...]
     device: str = "cpu"  # where the model runs, resolved (cpu, cuda, cuda:1)
+    max_batch: int = 1  # how many clips one transcribe_batch call takes
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory this backend holds on ``device`` by owner ("asr weights"; "asr buffers": KV
@@ -59,6 +64,10 @@ class ASRBackend(ABC):
     ) -> Decoded:
         """Transcribe ``audio`` (text starting with ``prefix`` if given) in ``language``
         ("auto" detects; None: the backend's configured language)."""
+
+    def transcribe_batch(self, clips: list[tuple[np.ndarray, str, str | None]]) -> list[Decoded]:
+        """Transcribe each ``(audio, prefix, language)``; backends that batch override this."""
+        return [self.transcribe(audio, prefix, language) for audio, prefix, language in clips]
 
 
 class FasterWhisperBackend(ASRBackend):
@@ -83,10 +92,10 @@ class FasterWhisperBackend(ASRBackend):
         if not (path / "model.bin").is_file():
             raise ConfigError(f"{path} is not a CTranslate2 Whisper directory: no model.bin in it")
         self.config = config
-        self.device = config.device
+        self.device = resolve_device(config.device)
         self._model = WhisperModel(
             str(path),
-            device=config.device,
+            device=resolve_device(config.device),
             compute_type=config.compute_type,
             cpu_threads=config.cpu_threads,
         )
@@ -113,8 +122,9 @@ class FasterWhisperBackend(ASRBackend):
             log_prob_threshold=config.log_prob_threshold,
             compression_ratio_threshold=config.compression_ratio_threshold,
         )
-        kept, rejected = [], 0
+        kept, rejected, tokens = [], 0, 0
         for segment in segments:
+            tokens += len(segment.tokens)
             if (
                 segment.avg_logprob < config.log_prob_threshold
                 or segment.compression_ratio > config.compression_ratio_threshold
@@ -122,15 +132,40 @@ class FasterWhisperBackend(ASRBackend):
                 rejected += 1
             else:
                 kept.append(segment.text)
-        return Decoded("".join(kept).strip(), info.language, rejected)
+        return Decoded("".join(kept).strip(), info.language, rejected, tokens)
 
 
-BACKENDS: dict[str, type[ASRBackend]] = {"faster-whisper": FasterWhisperBackend}
+def resolve_device(device: str) -> str:
+    """``ASRConfig.device`` made concrete: "auto" is "cuda" when PyTorch sees a GPU, else "cpu"."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_name(config: ASRConfig) -> str:
+    """The backend ``config`` asks for: "auto" is "torch" on a GPU or for random weights, else
+    "faster-whisper" (CTranslate2 is the faster one on the CPU)."""
+    if config.backend != "auto":
+        return config.backend
+    on_gpu = resolve_device(config.device) == "cuda"
+    return "torch" if on_gpu or config.load_format == "dummy" else "faster-whisper"
 
 
 def load_backend(config: ASRConfig) -> ASRBackend:
-    """The ASR backend named by ``config.backend`` (one of ``ASR_BACKENDS``), model loaded."""
-    return BACKENDS[config.backend](config)
+    """The ASR backend :func:`backend_name` picks, model loaded."""
+    name = backend_name(config)
+    if name == "faster-whisper":
+        if config.load_format == "dummy":
+            raise ConfigError("ASRConfig.load_format='dummy' needs the torch backend (random weights)")
+        return FasterWhisperBackend(config)
+    from speech.asr.torch_backend import TorchWhisperBackend  # imports torch: only when asked for
+
+    return TorchWhisperBackend(config)
 
 
-__all__ = ["ASR_SAMPLE_RATE", "ASRBackend", "ASRError", "Decoded", "FasterWhisperBackend", "load_backend"]
+__all__ = ["ASR_SAMPLE_RATE", "ASRBackend", "ASRError", "Decoded", "FasterWhisperBackend", "backend_name",
+           "load_backend", "resolve_device"]  # fmt: skip

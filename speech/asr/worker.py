@@ -7,6 +7,10 @@ work; a session's own jobs keep their order); a session's queued partial is repl
 one (which keeps its place) or removed when its final is queued; a partial that finds
 ``queue_size`` partials queued is dropped; on close, queued partials are dropped and queued finals
 still decoded. ``stats`` counts all of it.
+
+A backend that batches (``max_batch`` above 1, e.g. the torch Whisper on a GPU) gets up to
+``max_batch`` queued jobs a turn, taken in that same order (finals first, then partials, sessions
+round robin), and decodes them as one batch; every job's ``decode_s`` is then the batch's time.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class WorkerStats:
     processed_finals: int
     processed_partials: int
     failed: int
+    batches: int  # turns of the worker (a batch of one job counts)
+    largest_batch: int
 
 
 class ASRWorker(PriorityWorker[ASRJob]):
@@ -72,12 +78,13 @@ class ASRWorker(PriorityWorker[ASRJob]):
         self.queue_size = queue_size
         self._counts = dict.fromkeys(
             ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials",
-             "processed_finals", "processed_partials", "failed"),
+             "processed_finals", "processed_partials", "failed", "batches", "largest_batch"),
             0,
         )  # fmt: skip
         self._session_ids = itertools.count()
         self._turns = itertools.count()
         self._last_turn: dict[int, int] = {}  # open session -> the turn it was last served in (-1: never)
+        self.batch_limit = max(1, backend.max_batch)
         super().__init__("asr-worker", key=self._finals_first_then_round_robin)
 
     @classmethod
@@ -149,24 +156,33 @@ class ASRWorker(PriorityWorker[ASRJob]):
         return ASRError("the ASR worker is closed")
 
     def _process(self, job: ASRJob) -> None:
+        self._process_batch([job])
+
+    def _process_batch(self, jobs: list[ASRJob]) -> None:
         with self._cond:
-            if job.session in self._last_turn:
-                self._last_turn[job.session] = next(self._turns)
+            for job in jobs:
+                if job.session in self._last_turn:
+                    self._last_turn[job.session] = next(self._turns)
         started = time.perf_counter()
         try:
-            result: Decoded | Exception = self.backend.transcribe(job.audio, job.prefix, job.language)
-        except Exception as exc:  # delivered to the session; the worker keeps serving
+            results: list[Decoded | Exception] = list(
+                self.backend.transcribe_batch([(job.audio, job.prefix, job.language) for job in jobs])
+            )
+        except Exception as exc:  # delivered to the sessions; the worker keeps serving
             log.exception("ASR backend failed")
-            result = exc
+            results = [exc] * len(jobs)
         decode_s = time.perf_counter() - started
         with self._cond:
-            kind = "processed_finals" if job.is_final else "processed_partials"
-            self._counts[kind] += 1
-            self._counts["failed"] += isinstance(result, Exception)
-        try:
-            job.on_done(job, result, started - job.submitted, decode_s)
-        except Exception:
-            log.exception("ASR result callback failed")
+            self._counts["batches"] += 1
+            self._counts["largest_batch"] = max(self._counts["largest_batch"], len(jobs))
+            for job, result in zip(jobs, results):
+                self._counts["processed_finals" if job.is_final else "processed_partials"] += 1
+                self._counts["failed"] += isinstance(result, Exception)
+        for job, result in zip(jobs, results):
+            try:
+                job.on_done(job, result, started - job.submitted, decode_s)
+            except Exception:
+                log.exception("ASR result callback failed")
 
 
 __all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats"]

@@ -98,3 +98,17 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(shape))
     with pytest.raises(ValueError, match="49152 tokens do not fit the model's vocabulary of 1000"):
         Answerer.create(AssistantConfig(engine=EngineOptions(model=tmp_path / "config.json", load_format="dummy", device="cpu")))
+
+
+def test_asr_device_backend_and_load_format_reach_the_voice_config():
+    """auto everywhere by default (the torch Whisper on a GPU, faster-whisper on the CPU)."""
+    from speech.asr.backend import backend_name
+    from speech.config import ASRConfig
+
+    voice = parse_config(["serve"])[0].voice
+    assert (voice.asr_device, voice.asr_backend, voice.asr_load_format) == ("auto", "auto", "auto")
+    voice = parse_config(["serve", "--asr-device", "cuda", "--asr-load-format", "dummy"])[0].voice
+    asr = ASRConfig(device=voice.asr_device, backend=voice.asr_backend, load_format=voice.asr_load_format)
+    assert backend_name(asr) == "torch"
+    voice = parse_config(["serve", "--asr-device", "cpu", "--asr-backend", "torch"])[0].voice
+    assert (voice.asr_device, voice.asr_backend) == ("cpu", "torch")
