@@ -99,7 +99,7 @@ def read_question_audio(path: Path) -> np.ndarray:
 def transcribe(samples: np.ndarray, language: str) -> str:
     """The question spoken in ``samples`` (16 kHz), by the embedded Whisper base model."""
     from assistant.models import resolve
-    from speech.asr.backend import load_backend
+    from speech.asr.factory import load_backend
     from speech.config import ASRConfig
 
     backend = load_backend(ASRConfig(model_path=resolve("asr"), language=language))

@@ -1,14 +1,15 @@
 """Streaming speech recognition shared by many sessions, one module per part.
 
 - ``backend``: ``ASRBackend``, a recognizer over whole 16 kHz clips (``FasterWhisperBackend`` on
-  the CPU), ``load_backend`` (picks by device) and ``ASRError``.
+  the CPU) and ``ASRError``; ``factory``: ``load_backend``, which picks one by device.
 - ``torch_backend``: ``TorchWhisperBackend``, Whisper in PyTorch over the same CTranslate2 weights,
   many clips per batch (the GPU backend), built from ``ct2_weights`` (the model.bin reader),
   ``log_mel`` (features as faster-whisper computes them), ``whisper_model`` (encoder, decoder step
   on a static KV cache, the turbo shape with random weights) and ``greedy_decode`` (the batched
   greedy loop, its step captured in CUDA graphs per batch-size bucket).
 - ``worker``: ``ASRWorker``, one thread that owns the one loaded model and serves every session
-  from a bounded queue (a batching backend gets up to ``max_batch`` jobs a turn). Finals go before partials and are never dropped; a session's queued
+  from a bounded queue (a batching backend gets up to ``max_batch`` jobs a turn). Finals go
+  before partials and are never dropped; a session's queued
   partial is replaced by its newer one or removed when its final is queued; a partial that finds
   the queue full is dropped. ``stats`` counts all of it.
 - ``stable_prefix``: ``StablePrefix``, the local agreement that keeps partials stable.

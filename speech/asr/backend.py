@@ -2,8 +2,7 @@
 
 ``FasterWhisperBackend`` (CTranslate2, one clip at a time) serves the CPU;
 :class:`~speech.asr.torch_backend.TorchWhisperBackend` (PyTorch, many clips per batch) the GPU.
-``load_backend`` picks one by ``ASRConfig.backend`` and ``ASRConfig.device`` (see
-:func:`backend_name`).
+:func:`speech.asr.factory.load_backend` picks one by ``ASRConfig.backend`` and ``ASRConfig.device``.
 """
 
 from __future__ import annotations
@@ -146,26 +145,4 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def backend_name(config: ASRConfig) -> str:
-    """The backend ``config`` asks for: "auto" is "torch" on a GPU or for random weights, else
-    "faster-whisper" (CTranslate2 is the faster one on the CPU)."""
-    if config.backend != "auto":
-        return config.backend
-    on_gpu = resolve_device(config.device) == "cuda"
-    return "torch" if on_gpu or config.load_format == "dummy" else "faster-whisper"
-
-
-def load_backend(config: ASRConfig) -> ASRBackend:
-    """The ASR backend :func:`backend_name` picks, model loaded."""
-    name = backend_name(config)
-    if name == "faster-whisper":
-        if config.load_format == "dummy":
-            raise ConfigError("ASRConfig.load_format='dummy' needs the torch backend (random weights)")
-        return FasterWhisperBackend(config)
-    from speech.asr.torch_backend import TorchWhisperBackend  # imports torch: only when asked for
-
-    return TorchWhisperBackend(config)
-
-
-__all__ = ["ASR_SAMPLE_RATE", "ASRBackend", "ASRError", "Decoded", "FasterWhisperBackend", "backend_name",
-           "load_backend", "resolve_device"]  # fmt: skip
+__all__ = ["ASR_SAMPLE_RATE", "ASRBackend", "ASRError", "Decoded", "FasterWhisperBackend", "resolve_device"]

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from speech.asr.backend import ASRBackend, ASRError, Decoded, load_backend
+from speech.asr.backend import ASRBackend, ASRError, Decoded
+from speech.asr.factory import load_backend
 from speech.config import ASRConfig, ConfigError
 from speech.priority_worker import PriorityWorker
 

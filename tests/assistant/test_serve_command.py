@@ -102,7 +102,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
 
 def test_asr_device_backend_and_load_format_reach_the_voice_config():
     """auto everywhere by default (the torch Whisper on a GPU, faster-whisper on the CPU)."""
-    from speech.asr.backend import backend_name
+    from speech.asr.factory import backend_name
     from speech.config import ASRConfig
 
     voice = parse_config(["serve"])[0].voice

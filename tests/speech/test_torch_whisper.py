@@ -17,7 +17,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from speech.asr.backend import Decoded, FasterWhisperBackend, backend_name, load_backend
+from speech.asr.backend import Decoded, FasterWhisperBackend
+from speech.asr.factory import backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
 from speech.asr.log_mel import LogMel, mel_filters
 from speech.asr.session import AsyncASRSession
@@ -150,7 +151,7 @@ def test_dummy_turbo_decodes_exactly_the_forced_token_count() -> None:
     out = backend.transcribe_batch([(np.zeros(16000, np.float32), "", "en")] * 5)  # over max_batch: two rounds
     assert [(d.tokens, d.dummy) for d in out] == [(7, True)] * 5
     memory = backend.memory_bytes()
-    assert memory["asr_weights"] > 51866 * 64 * 4 and memory["asr_kv_cache"] == backend.decoder.cache.nbytes > 0
+    assert memory["asr weights"] > 51866 * 64 * 4 and memory["asr buffers"] == backend.decoder.cache.nbytes > 0
 
 
 def test_special_token_layout_matches_the_tokenizers(whisper_base_path: Path, whisper_tiny_path: Path) -> None:
