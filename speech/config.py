@@ -12,6 +12,7 @@ from pathlib import Path
 VAD_SAMPLE_RATES = (8000, 16000, 32000, 48000)  # the rates webrtcvad accepts
 VAD_FRAME_MS = (10, 20, 30)  # the frame lengths webrtcvad accepts
 TTS_BACKENDS = ("hibari", "coqui", "espeak")
+CUDA_STREAM_PRIORITIES = ("high", "default")
 ASR_BACKENDS = ("faster-whisper",)
 
 
@@ -103,6 +104,8 @@ class ASRConfig:
     no_speech_threshold: float = 0.6
     log_prob_threshold: float = -1.0
     compression_ratio_threshold: float = 2.4
+    cuda_stream_priority: str = "default"
+    """On CUDA, "high" runs the ASR kernels on a high-priority stream, so they go ahead of the LLM's queued kernels."""
 
     def __post_init__(self) -> None:
         _check(
@@ -112,6 +115,10 @@ class ASRConfig:
         _check(self.beam_size >= 1, f"ASRConfig.beam_size={self.beam_size}: must be >= 1")
         _check(self.cpu_threads >= 0, f"ASRConfig.cpu_threads={self.cpu_threads}: must be >= 0")
         _check(self.queue_size >= 1, f"ASRConfig.queue_size={self.queue_size}: must be >= 1")
+        _check(
+            self.cuda_stream_priority in CUDA_STREAM_PRIORITIES,
+            f"ASRConfig.cuda_stream_priority={self.cuda_stream_priority!r}: use one of {CUDA_STREAM_PRIORITIES}",
+        )
         _check(
             self.partial_interval_s is None or self.partial_interval_s > 0,
             f"ASRConfig.partial_interval_s={self.partial_interval_s}: must be > 0 or None",

@@ -27,6 +27,11 @@ class _Entry(Generic[Job]):
     job: Job = field(compare=False)
 
 
+def arrival_order(job: object) -> int:
+    """The key of a plain FIFO queue: every job the same, so arrival order decides."""
+    return 0
+
+
 class PriorityWorker(ABC, Generic[Job]):
     """A thread serving jobs by ``key(job)`` (smallest first), then arrival order.
 
@@ -120,4 +125,4 @@ class PriorityWorker(ABC, Generic[Job]):
             self._process(job)
 
 
-__all__ = ["PriorityWorker"]
+__all__ = ["PriorityWorker", "arrival_order"]

@@ -7,6 +7,10 @@ work; a session's own jobs keep their order); a session's queued partial is repl
 one (which keeps its place) or removed when its final is queued; a partial that finds
 ``queue_size`` partials queued is dropped; on close, queued partials are dropped and queued finals
 still decoded. ``stats`` counts all of it.
+
+An :class:`ASRQueuePolicy`, given at construction, can turn the ordering off (arrival order, for
+comparison) and make partials wait for spare capacity: a partial submitted, or reaching its turn,
+while ``spare_capacity()`` says no is skipped (the session's next partial catches up).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from speech.asr.backend import ASRBackend, ASRError, Decoded, load_backend
 from speech.config import ASRConfig, ConfigError
-from speech.priority_worker import PriorityWorker
+from speech.priority_worker import PriorityWorker, arrival_order
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,24 @@ class ASRJob:
     submitted: float = field(default_factory=time.perf_counter)
 
 
+def always() -> bool:
+    """Spare capacity for every partial: the default of :attr:`ASRQueuePolicy.spare_capacity`."""
+    return True
+
+
+@dataclass(frozen=True)
+class ASRQueuePolicy:
+    """How the shared worker orders its queue and when it decodes partials.
+
+    urgent_first: finals before partials, then the least recently served session (False: arrival
+    order). spare_capacity: asked (with the worker's lock held: it must be quick and must not call
+    the worker) when a partial is submitted and when its turn comes; False skips the partial.
+    """
+
+    urgent_first: bool = True
+    spare_capacity: Callable[[], bool] = always
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """Counters of the shared worker, for tests and metrics."""
@@ -53,6 +75,7 @@ class WorkerStats:
     submitted_finals: int
     submitted_partials: int
     dropped_partials: int
+    skipped_partials: int  # turned away or not decoded for want of spare capacity (ASRQueuePolicy)
     processed_finals: int
     processed_partials: int
     failed: int
@@ -61,29 +84,31 @@ class WorkerStats:
 class ASRWorker(PriorityWorker[ASRJob]):
     """One thread, one model, many sessions (see the module docstring for the queue rules).
 
-    ``submit(job)`` returns False when a partial was dropped because the queue was full;
+    ``submit(job)`` returns False when a partial was dropped because the queue was full or
+    skipped for want of spare capacity;
     ``close()`` drops the queued partials, decodes the queued finals, then ends the thread.
     """
 
-    def __init__(self, backend: ASRBackend, queue_size: int = 8) -> None:
+    def __init__(self, backend: ASRBackend, queue_size: int = 8, policy: ASRQueuePolicy = ASRQueuePolicy()) -> None:
         if queue_size < 1:
             raise ConfigError(f"ASR worker queue_size={queue_size}: must be >= 1")
         self.backend = backend
         self.queue_size = queue_size
+        self.policy = policy
         self._counts = dict.fromkeys(
-            ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials",
+            ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials", "skipped_partials",
              "processed_finals", "processed_partials", "failed"),
             0,
         )  # fmt: skip
         self._session_ids = itertools.count()
         self._turns = itertools.count()
         self._last_turn: dict[int, int] = {}  # open session -> the turn it was last served in (-1: never)
-        super().__init__("asr-worker", key=self._finals_first_then_round_robin)
+        super().__init__("asr-worker", key=self._finals_first_then_round_robin if policy.urgent_first else arrival_order)
 
     @classmethod
-    def from_config(cls, config: ASRConfig) -> ASRWorker:
+    def from_config(cls, config: ASRConfig, policy: ASRQueuePolicy = ASRQueuePolicy()) -> ASRWorker:
         """Load the configured backend and start a worker with the configured queue bound."""
-        return cls(load_backend(config), config.queue_size)
+        return cls(load_backend(config), config.queue_size, policy)
 
     def __enter__(self) -> ASRWorker:
         return self
@@ -129,6 +154,9 @@ class ASRWorker(PriorityWorker[ASRJob]):
             self._push(job)
             return True
         self._counts["submitted_partials"] += 1
+        if not self.policy.spare_capacity():
+            self._counts["skipped_partials"] += 1
+            return False
         if self._replace(session_partial, job):
             self._counts["dropped_partials"] += 1  # superseded, keeps its place
         elif self._queued_partials() >= self.queue_size:
@@ -150,6 +178,9 @@ class ASRWorker(PriorityWorker[ASRJob]):
 
     def _process(self, job: ASRJob) -> None:
         with self._cond:
+            if not job.is_final and not self.policy.spare_capacity():
+                self._counts["skipped_partials"] += 1
+                return
             if job.session in self._last_turn:
                 self._last_turn[job.session] = next(self._turns)
         started = time.perf_counter()
@@ -169,4 +200,4 @@ class ASRWorker(PriorityWorker[ASRJob]):
             log.exception("ASR result callback failed")
 
 
-__all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats"]
+__all__ = ["ASRJob", "ASRQueuePolicy", "ASRWorker", "JobCallback", "WorkerStats", "always"]

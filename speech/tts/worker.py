@@ -1,7 +1,8 @@
 """The shared TTS worker: one thread owns the loaded TTS backend and serves every session.
 
 A reply's first piece goes before later pieces of other replies: the first audio of a turn is
-latency-critical, the rest only has to stay ahead of playback. ``stream()`` hands the chunks to
+latency-critical, the rest only has to stay ahead of playback (``first_pieces_first=False``: plain
+arrival order, for comparison). ``stream()`` hands the chunks to
 asyncio code as they are synthesized and stops when the piece's ``CancelToken`` is cancelled.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from speech.cancel import CancelToken
 from speech.messages import AudioChunk
-from speech.priority_worker import PriorityWorker
+from speech.priority_worker import PriorityWorker, arrival_order
 from speech.tts.base import TTSBackend
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,14 @@ _DONE = object()
 
 
 class TTSWorker(PriorityWorker[TTSJob]):
-    """One thread, one TTS backend, every session's pieces, first pieces first."""
+    """One thread, one TTS backend, every session's pieces: first pieces first, or in arrival order."""
 
     join_timeout_s = 30.0
 
-    def __init__(self, backend: TTSBackend) -> None:
+    def __init__(self, backend: TTSBackend, first_pieces_first: bool = True) -> None:
         self.backend = backend
         self.sample_rate = backend.sample_rate
-        super().__init__("tts-worker", key=first_piece_first)
+        super().__init__("tts-worker", key=first_piece_first if first_pieces_first else arrival_order)
 
     async def stream(self, text: str, cancel: CancelToken, first: bool) -> AsyncIterator[tuple[AudioChunk, float]]:
         """The audio of ``text`` as (chunk, perf_counter when it was ready); stops when cancelled."""
