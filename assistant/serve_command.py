@@ -1,7 +1,7 @@
 """``python -m assistant serve``: the assistant's server (Realtime WebSocket, OpenAI HTTP, metrics).
 
     python -m assistant serve [--host 127.0.0.1] [--port 8000] [--docs DIR] [--model PATH] [--asr base|tiny|DIR]
-                              [--early-prefill] [--max-sessions 16] ...
+                              [--early-prefill] [--coscheduler on|off] [--max-sessions 16] ...
 
 The default host is 127.0.0.1. Listening beyond loopback (e.g. ``--host 0.0.0.0``) needs an API key,
 ``--api-key KEY`` or ``$ASSISTANT_API_KEY``: clients then send ``Authorization: Bearer KEY`` on HTTP
@@ -58,6 +58,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
+    s.add_argument("--coscheduler", choices=("on", "off"), default="on",
+                   help="on (default): ASR finals, then the turn's prefill, then its first audio go first, partials and "
+                        "early prefill only with spare capacity; off: each model on its own, first come first served")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
     s.add_argument("--max-sessions", type=int, default=16, help="open Realtime sessions at most (then close 1013)")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
@@ -80,7 +83,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
-                        output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
+                        coscheduler=a.coscheduler == "on", output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
