@@ -2,12 +2,17 @@
 tokens a step, so the urgent request's first token does not wait behind long prefill chunks.
 
 Time is simulated with a compute-bound cost model (a step takes as long as it has tokens), as a
-long prefill on a GPU does; the scheduler and block manager are the real ones."""
+long prefill on a GPU does; the scheduler and block manager are the real ones. Last, the
+AsyncEngine built from a config hands the policy to its scheduler."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from engine import AsyncEngine, SamplingParams
+from engine.llm import make_config
 from engine.scheduler import StepBound
 from tests.engine.helpers import SimulatedEngine, make_request
 
@@ -71,3 +76,21 @@ def test_without_a_bound_the_background_takes_what_is_left():
 def test_a_bound_must_allow_a_token():
     with pytest.raises(ValueError, match="tokens=0"):
         StepBound(priority=0, tokens=0)
+
+
+async def test_the_async_engine_hands_the_policy_to_its_scheduler_and_asks_it_on_its_thread(tiny_llama_dir):
+    asked_on: list[str] = []
+
+    def policy() -> StepBound | None:
+        asked_on.append(threading.current_thread().name)
+        return None
+
+    engine = AsyncEngine(make_config(str(tiny_llama_dir), num_kv_blocks=64), step_bound=policy)
+    try:
+        deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert deltas[-1].finished
+    finally:
+        engine.shutdown()
+    assert len(asked_on) >= 3 and set(asked_on) == {"engine-loop"}  # once a step
+    with pytest.raises(ValueError, match="step_bound"):
+        AsyncEngine(core=engine.core, step_bound=policy)  # a built core keeps its scheduler
