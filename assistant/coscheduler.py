@@ -64,7 +64,7 @@ class CoScheduler:
     """Counts the urgent turns and hands out the hooks the module docstring lists; thread-safe
     (the pipeline calls it on the event loop, the ASR worker and the engine on their threads)."""
 
-    def __init__(self, enabled: bool = True, step_tokens: int = 256) -> None:
+    def __init__(self, enabled: bool = VoiceConfig.coscheduler, step_tokens: int = VoiceConfig.coscheduler_step_tokens) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.enabled = enabled
