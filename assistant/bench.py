@@ -428,7 +428,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 
 SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
-                  "output_lead_ms", "device", "quantization", "coscheduler")  # fmt: skip
+                  "output_lead_ms", "device", "quantization")  # fmt: skip
 
 
 def add_server_options(p: argparse.ArgumentParser, who: str) -> None:

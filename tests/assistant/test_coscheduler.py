@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from assistant.bench import parse_args as bench_args
 from assistant.config import ServerConfig, VoiceConfig
 from assistant.coscheduler import DEFAULT_PRIORITY, VOICE_TURN, CoScheduler, UrgentCounts, Wait
 from assistant.serve_command import parse_config
@@ -72,7 +71,6 @@ def test_the_counts_are_prometheus_gauges() -> None:
 def test_the_command_line_switches_it_and_the_config_checks_the_bound() -> None:
     assert parse_config(["serve"])[0].voice.coscheduler is True
     assert parse_config(["serve", "--coscheduler", "off"])[0].voice.coscheduler is False
-    assert bench_args(["--coscheduler", "off"]).server_args == ("--coscheduler", "off")  # the bench's own server, for an A/B
     assert CoScheduler.from_config(VoiceConfig(coscheduler=False, coscheduler_step_tokens=64)).step_tokens == 64
     with pytest.raises(ValueError, match="coscheduler_step_tokens"):
         ServerConfig(voice=VoiceConfig(coscheduler_step_tokens=0)).validate()
