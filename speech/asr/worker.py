@@ -154,8 +154,7 @@ class ASRWorker(PriorityWorker[ASRJob]):
             self._push(job)
             return True
         self._counts["submitted_partials"] += 1
-        if not self.policy.spare_capacity():
-            self._counts["skipped_partials"] += 1
+        if self._skipped(job):
             return False
         if self._replace(session_partial, job):
             self._counts["dropped_partials"] += 1  # superseded, keeps its place
@@ -165,6 +164,13 @@ class ASRWorker(PriorityWorker[ASRJob]):
         else:
             self._push(job)
         self._counts["max_queued_partials"] = max(self._counts["max_queued_partials"], self._queued_partials())
+        return True
+
+    def _skipped(self, job: ASRJob) -> bool:
+        """A partial while the policy sees no spare capacity: counted, not to be decoded (lock held)."""
+        if job.is_final or self.policy.spare_capacity():
+            return False
+        self._counts["skipped_partials"] += 1
         return True
 
     def _queued_partials(self) -> int:
@@ -178,8 +184,7 @@ class ASRWorker(PriorityWorker[ASRJob]):
 
     def _process(self, job: ASRJob) -> None:
         with self._cond:
-            if not job.is_final and not self.policy.spare_capacity():
-                self._counts["skipped_partials"] += 1
+            if self._skipped(job):
                 return
             if job.session in self._last_turn:
                 self._last_turn[job.session] = next(self._turns)
