@@ -24,10 +24,11 @@ from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loaded_model import resolve_device
 from engine.quantization import gguf_supports_int4
+from engine.scheduler import StepBoundPolicy
 
 log = logging.getLogger(__name__)
 
-INTERACTIVE = 0  # engine priority of a live conversation turn
+INTERACTIVE = 0  # engine priority of an answer unless the caller says otherwise (see assistant/coscheduler.py)
 
 
 @dataclass
@@ -75,7 +76,9 @@ class Answerer:
         self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
 
     @classmethod
-    def create(cls, config: AssistantConfig) -> Answerer:
+    def create(cls, config: AssistantConfig, step_bound: StepBoundPolicy | None = None) -> Answerer:
+        """Load the engine and the documents; ``step_bound`` goes to the engine's scheduler (the
+        co-scheduler's :meth:`~assistant.coscheduler.CoScheduler.step_bound`)."""
         config.validate()
         library = load_library(config.docs_dir)
         opts = config.engine
@@ -94,7 +97,7 @@ class Answerer:
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             max_model_len=opts.max_model_len,
         )
-        engine = AsyncEngine(engine_config)
+        engine = AsyncEngine(engine_config, step_bound=step_bound)
         try:
             return cls(config, engine, library)
         except BaseException:

@@ -85,6 +85,10 @@ class VoiceConfig:
     package's default, half the cores up to 8).
     early_prefill: on each partial transcript, prefill the prompt so far (a max_tokens=1 request)
     so the final's prompt finds it in the prefix cache.
+    coscheduler: order the ASR worker, the engine and the TTS worker by turn urgency
+    (``assistant/coscheduler.py``); False: each on its own, first come first served.
+    coscheduler_step_tokens: while a turn waits for its ASR final or first token, the engine's
+    other requests share at most this many tokens a step.
     """
 
     asr_model: Path | None = None
@@ -105,6 +109,8 @@ class VoiceConfig:
     output_chunk_ms: int = 100
     output_lead_ms: int = 500
     early_prefill: bool = False
+    coscheduler: bool = True
+    coscheduler_step_tokens: int = 256
 
 
 @dataclass
@@ -137,6 +143,8 @@ class ServerConfig:
             raise ValueError(f"max_events_per_s and send_timeout_s must be > 0, got {self.max_events_per_s}, {self.send_timeout_s}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
+        if self.voice.coscheduler_step_tokens < 1:
+            raise ValueError(f"coscheduler_step_tokens must be >= 1, got {self.voice.coscheduler_step_tokens}")
         if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
             raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")
         self.assistant.validate()

@@ -6,7 +6,8 @@ most one reply in flight, and the :class:`~assistant.outbox.Outbox` that writes 
 ASR and TTS workers) is :class:`~assistant.voice_services.VoiceServices`.
 
 Nothing here blocks the event loop: VAD runs in a worker thread, Whisper in the ASR worker, TTS
-in its worker and the engine in its own thread. Stages talk through typed events.
+in its worker and the engine in its own thread. Stages talk through typed events. Each turn tells the
+:class:`~assistant.coscheduler.CoScheduler` what it waits for at its timeline's instants.
 
 Barge-in: speech that starts while a reply is in flight advances the session's generation
 counter (the reply's :class:`~speech.cancel.CancelToken` turns cancelled: TTS stops between
@@ -32,8 +33,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from assistant.answerer import INTERACTIVE
 from assistant.conversation import Conversation
+from assistant.coscheduler import Wait
 from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
@@ -113,6 +114,7 @@ class VoicePipeline:
             return
         self._closed = True
         self._interrupt("client_cancelled")
+        self.services.coscheduler.end_session(self.id)
         if self._asr is not None:
             self._asr.close()
         for task in list(self._tasks):
@@ -237,6 +239,8 @@ class VoicePipeline:
         asr = replace(self.services.asr_config, language=self.settings.language, pre_roll_s=td.prefix_padding_ms / 1000)
         self._asr = AsyncASRSession(self.services.asr, asr, vad, input_rate=self.config.sample_rate)
         self._asr_offset_s = self.clock.position_s
+        for dropped in self._utterances.values():
+            self.services.coscheduler.waits(self.id, dropped.item_id, None)
         self._utterances.clear()
         self._speaking = False
         self._spawn(self._listen(self._asr))
@@ -275,6 +279,7 @@ class VoicePipeline:
         timeline = Timeline("voice", self._hangover_ms, early_prefill=self.config.early_prefill)
         timeline.mark("speech_end", min(self.clock.at(self._asr_offset_s + event.speech_end_s), now))
         timeline.mark("endpoint", now)
+        self.services.coscheduler.waits(self.id, utterance.item_id, Wait.ASR_FINAL)
         utterance.timeline = timeline
         previous = self.last_item_id
         self._item_ids.append(utterance.item_id)
@@ -297,6 +302,7 @@ class VoicePipeline:
         timeline = utterance.timeline
         assert timeline is not None
         timeline.mark("asr_final")
+        self.services.coscheduler.waits(self.id, utterance.item_id, None)
         timeline.partials, timeline.prefills = utterance.partials, self.prefills - utterance.prefills_before
         self._utterances.pop(event.utterance, None)
         if event.text.strip():
@@ -312,11 +318,13 @@ class VoicePipeline:
     def _on_failed(self, event: TranscriptionFailed) -> None:
         utterance = self._utterances.pop(event.utterance, None)
         if utterance is not None:
+            self.services.coscheduler.waits(self.id, utterance.item_id, None)
             self.outbox.put(UserTranscriptFailed(utterance.item_id, event.error))
 
     # ---- early prefill ---------------------------------------------------------------------------
     def _prefill(self, utterance: int, text: str) -> None:
-        """Prefill the prompt for the partial ``text`` (the newest one waits for the running one)."""
+        """Prefill the prompt for the partial ``text`` (the newest one waits for the running one;
+        none starts without the co-scheduler's spare capacity)."""
         if self._prefill_task is not None and not self._prefill_task.done():
             self._prefill_next = (utterance, text)
             return
@@ -327,7 +335,7 @@ class VoicePipeline:
             utterance, text = partial
             # A partial whose final has come meanwhile is not prefilled: the final's own request
             # computes that prompt (and the stale one would compete with it at the same priority).
-            if utterance in self._utterances:
+            if utterance in self._utterances and self.services.coscheduler.spare_capacity():
                 question = "\n".join([*self._pending, text])
                 await prefill(self.services.answerer, question, self.conversation.messages(), f"{self.id}-prefill-{self.prefills}")
                 self.prefills += 1
@@ -349,6 +357,7 @@ class VoicePipeline:
             modalities or self.settings.output_modalities, max_output_tokens or self.settings.max_output_tokens, metadata,
         )  # fmt: skip
         self._reply = reply
+        self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_TOKEN)
         self._item_ids.append(reply.item_id)
         self.outbox.put(ResponseStarted(reply))
         reply.task = self._spawn(self._run_reply(reply))
@@ -359,11 +368,14 @@ class VoicePipeline:
         chunker = Chunker()
         finish_reason: str | None = None
         try:
-            answer = self.services.answerer.answer(reply.question, self.conversation, priority=INTERACTIVE,
-                                                   request_id=reply.request_id, max_tokens=reply.max_output_tokens)  # fmt: skip
+            answer = self.services.answerer.answer(
+                reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
+                request_id=reply.request_id, max_tokens=reply.max_output_tokens,
+            )  # fmt: skip
             try:
                 async for delta in answer:
-                    reply.timeline.mark("llm_first_token")
+                    if reply.timeline.mark("llm_first_token"):
+                        self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_AUDIO if reply.audio else None)
                     reply.prompt_tokens, reply.cached_tokens = delta.prompt_tokens, delta.cached_tokens
                     reply.output_tokens = delta.generated_tokens
                     if delta.text:
@@ -413,7 +425,8 @@ class VoicePipeline:
                 continue
             reply.timeline.mark("first_chunk")
             async for chunk, ready_at in tts.stream(piece, reply.token, first):
-                reply.timeline.mark("tts_first_audio", ready_at)
+                if reply.timeline.mark("tts_first_audio", ready_at):
+                    self.services.coscheduler.waits(self.id, reply.id, None)
                 pcm = to_pcm16(resampler.process(chunk.pcm))
                 for start in range(0, len(pcm), slice_len):
                     part = pcm[start : start + slice_len]
@@ -423,6 +436,7 @@ class VoicePipeline:
     def _finish(self, reply: Reply) -> None:
         """Queue the reply's end (once); a cancelled answer stays in the conversation as far as it
         was heard (not at all if nothing was: its question is then answered with the next one)."""
+        self.services.coscheduler.waits(self.id, reply.id, None)
         if reply.status == "cancelled":
             if reply.recorded:
                 self.conversation.turns.pop()  # the whole answer was added; only part of it was heard

@@ -1,7 +1,7 @@
 """``python -m assistant serve``: the assistant's server (Realtime WebSocket, OpenAI HTTP, metrics).
 
     python -m assistant serve [--host 127.0.0.1] [--port 8000] [--docs DIR] [--model PATH] [--asr base|tiny|DIR]
-                              [--early-prefill] [--max-sessions 16] [--device cuda] [--tts-workers N] ...
+                              [--early-prefill] [--coscheduler on|off] [--max-sessions 16] [--device cuda] [--tts-workers N] ...
 
 With ``--load-format dummy --model engine/configs/llama-3.1-8b.json`` the engine holds random weights of
 the Llama-3.1-8B shape (tokenized by the embedded SmolLM2's tokenizer), so the whole voice server can be
@@ -76,6 +76,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                                   "(default: half the cores, 1 to 8; coqui: 1)")
     s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
+    s.add_argument("--coscheduler", choices=("on", "off"), default="on",
+                   help="on (default): ASR finals, then the turn's prefill, then its first audio go first, partials and "
+                        "early prefill only with spare capacity; off: each model on its own, first come first served")
     s.add_argument("--output-lead-ms", type=int, default=500, help="answer audio sent ahead of real time (default 500)")
     s.add_argument("--max-sessions", type=int, default=16, help="open Realtime sessions at most (then close 1013)")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest client event (default 1 MiB)")
@@ -101,8 +104,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
-                        output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
-                        tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
+                        coscheduler=a.coscheduler == "on", output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend,
+                        tts_model=a.tts_model, tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
                           max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,

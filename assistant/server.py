@@ -5,7 +5,8 @@ OpenAI-compatible HTTP routes of :func:`engine.serving.server.create_app` with c
 documents (``/v1/chat/completions`` answers from the handbook, like a voice turn: at most
 ``--max-tokens`` tokens, then a ``Source:`` line as the CLI prints it), ``/v1/models``,
 ``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings, the
-session counters and the memory of all three models by owner; the warm-up's requests are not counted).
+session counters, the memory of all three models by owner and the co-scheduler's counts of waiting
+turns; the warm-up's requests are not counted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
 from assistant.device_memory import MemoryCollector, ServerModels
+from assistant.coscheduler import CoScheduler
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
@@ -31,13 +33,15 @@ SOURCE_LINE = re.compile(r"\n\nSource: [^\n]*\Z")  # what grounded_prompt's foot
 
 
 class AssistantServer:
-    """Loads the models (engine + documents, Whisper, TTS) and builds the app around them."""
+    """Loads the models (engine + documents, Whisper, TTS) and builds the app around them. An
+    ``answerer`` given here keeps its engine as built: without the co-scheduler's step bound."""
 
     def __init__(self, config: ServerConfig, answerer: Answerer | None = None) -> None:
         config.validate()
         self.config = config
-        self.answerer = answerer or Answerer.create(config.assistant)
-        self.services = VoiceServices.load(self.answerer, config.voice)
+        coscheduler = CoScheduler.from_config(config.voice)
+        self.answerer = answerer or Answerer.create(config.assistant, step_bound=coscheduler.step_bound)
+        self.services = VoiceServices.load(self.answerer, config.voice, coscheduler)
         self.model_name = config.model_name or Path(config.assistant.engine.model or default_model_path()).stem
         self.timelines = TimelineMetrics()
         self.sessions: set[RealtimeSession] = set()
@@ -50,7 +54,7 @@ class AssistantServer:
         registry.register(MemoryCollector(self.models))
         self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
-            engine, self.model_name, chat_prompt=self.grounded_prompt, collectors=[self.timelines.registry, registry],
+            engine, self.model_name, chat_prompt=self.grounded_prompt, collectors=[self.timelines.registry, registry, coscheduler.registry],
             max_body_bytes=config.max_body_bytes, metrics=self.engine_metrics, api_key=config.api_key,
         )  # fmt: skip
         self.app.add_api_websocket_route("/v1/realtime", self.realtime)

@@ -2,7 +2,9 @@
 
 :class:`VoiceServices`: the answerer (one engine, the documents prefix), one Whisper model behind
 the speech package's :class:`~speech.asr.worker.ASRWorker`, and one TTS backend behind its
-:class:`~speech.tts.worker.TTSWorker`, loaded and warmed up once per server.
+:class:`~speech.tts.worker.TTSWorker`, loaded and warmed up once per server, and the
+:class:`~assistant.coscheduler.CoScheduler` whose hooks the workers are built with (the engine
+gets its own when the answerer is created).
 
 Early prefill (``VoiceConfig.early_prefill``): each partial transcript starts the answer to the
 question so far and stops it after its first token (:func:`prefill`), so when the final arrives
@@ -20,6 +22,7 @@ import numpy as np
 
 from assistant.answerer import INTERACTIVE, Answerer
 from assistant.config import VoiceConfig
+from assistant.coscheduler import CoScheduler
 from assistant.models import resolve
 from speech.asr.backend import Decoded
 from speech.asr.worker import ASRJob, ASRWorker
@@ -38,19 +41,24 @@ class VoiceServices:
     asr_config: ASRConfig
     tts: TTSWorker
     config: VoiceConfig
+    coscheduler: CoScheduler
 
     @classmethod
-    def load(cls, answerer: Answerer, config: VoiceConfig) -> VoiceServices:
+    def load(cls, answerer: Answerer, config: VoiceConfig, coscheduler: CoScheduler) -> VoiceServices:
         """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice (one instance
-        per TTS worker thread, each warmed up)."""
+        per TTS worker thread, each warmed up), their workers built with the co-scheduler's hooks
+        (``answerer``'s engine should have its step bound)."""
         asr_config = ASRConfig(
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
             device=config.asr_device, backend=config.asr_backend, load_format=config.asr_load_format,
+            cuda_stream_priority=coscheduler.cuda_stream_priority,
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
                                workers=config.tts_workers)  # fmt: skip
-        return cls(answerer, ASRWorker.from_config(asr_config), asr_config, TTSWorker.from_config(tts_config), config)
+        asr = ASRWorker.from_config(asr_config, coscheduler.asr_policy())
+        tts = TTSWorker.from_config(tts_config, first_pieces_first=coscheduler.enabled)
+        return cls(answerer, asr, asr_config, tts, config, coscheduler)
 
     def warm_up(self) -> None:
         """Run each model once (documents prefix per handbook language, Whisper, TTS), so the

@@ -25,17 +25,21 @@ from engine.memory import MemoryLedger, tensor_bytes
 from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
 from engine.profiling import KVBudget, kv_budget_after_profile
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, gemv: GemvPolicy | None = None) -> EngineCore:
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, *, gemv: GemvPolicy | None = None,
+    step_bound: StepBoundPolicy | None = None,
+) -> EngineCore:
     """An engine ready to serve: ``loaded`` reuses weights already loaded (benchmarks build
     several engines on one model); ``gemv`` overrides the config's batch-1 GEMV policy (tests run
-    each variant in Triton's interpreter on the CPU)."""
+    each variant in Triton's interpreter on the CPU); ``step_bound`` is the scheduler's per-step
+    bound on background work (:class:`~engine.scheduler.StepBound`; a voice co-scheduler's)."""
     config.validate()
     loaded = loaded or LoadedModel.load(config)
     device, mc = loaded.device, loaded.model_config
@@ -74,6 +78,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, gem
             step_token_buckets=tuple(sorted(set(piecewise))),
         ),
         block_manager,
+        step_bound,
     )
     gemv = gemv if gemv is not None else gemv_policy(config, device)
     native = None

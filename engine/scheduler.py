@@ -9,12 +9,18 @@ lowest-priority, latest-arriving running request is preempted: its blocks are fr
 back to waiting to be recomputed (its full blocks usually survive in the prefix cache). A waiting
 request may preempt running ones only of a strictly lower class; a running one may preempt any
 request behind it in scheduling order, itself included.
+
+A step bound (:class:`StepBound`, asked for once per step from the ``step_bound`` callable given
+at construction) caps the tokens handed to classes after a given one: while an urgent request is
+on its way, or waits for its first token, a long prefill chunk of background work does not make
+the step it runs in (or the step in flight when it arrives) long.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -45,6 +51,23 @@ class TokenBudget:
 
     def give_back(self, n: int) -> None:
         self.remaining += n
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """Requests of a priority class after ``priority`` (a larger value) get at most ``tokens`` of a
+    step between them; the classes up to ``priority`` keep the whole budget."""
+
+    priority: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"StepBound.tokens={self.tokens}: must be >= 1")
+
+
+# Asked once per step: the bound for this step, or None for none.
+StepBoundPolicy = Callable[[], StepBound | None]
 
 
 # Below this many tokens a step is bound by reading the weights, so padding it to the next bucket
@@ -85,9 +108,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, step_bound: StepBoundPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.step_bound = step_bound
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.num_preemptions = 0
@@ -115,10 +139,13 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledChunk] = {}
         budget = TokenBudget(self.config.max_num_batched_tokens)
+        bound = self.step_bound() if self.step_bound is not None else None
         admission_open = True
         oversize_used = False
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
         for cls in classes:
+            if bound is not None and cls > bound.priority and budget.remaining > bound.tokens:
+                budget.remaining = bound.tokens  # what the classes from here on share
             members = [r for r in self.running if r.priority == cls]
             decodes = [r for r in members if not r.is_prefilling]
             prefills = [r for r in members if r.is_prefilling]

@@ -29,6 +29,11 @@ class _Entry(Generic[Job]):
     job: Job = field(compare=False)
 
 
+def arrival_order(job: object) -> int:
+    """The key of a plain FIFO queue: every job the same, so arrival order decides."""
+    return 0
+
+
 class PriorityWorker(ABC, Generic[Job]):
     """``threads`` threads serving jobs by ``key(job)`` (smallest first), then arrival order.
 
@@ -136,4 +141,4 @@ class PriorityWorker(ABC, Generic[Job]):
             self._process_batch(jobs)
 
 
-__all__ = ["PriorityWorker"]
+__all__ = ["PriorityWorker", "arrival_order"]

@@ -11,6 +11,9 @@ still decoded. ``stats`` counts all of it.
 A backend that batches (``max_batch`` above 1, e.g. the torch Whisper on a GPU) gets up to
 ``max_batch`` queued jobs a turn, taken in that same order (finals first, then partials, sessions
 round robin), and decodes them as one batch; every job's ``decode_s`` is then the batch's time.
+An :class:`ASRQueuePolicy`, given at construction, can turn the ordering off (arrival order, for
+comparison) and make partials wait for spare capacity: a partial submitted, or reaching its turn,
+while ``spare_capacity()`` says no is skipped (the session's next partial catches up).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from speech.asr.backend import ASRBackend, ASRError, Decoded
 from speech.asr.factory import load_backend
 from speech.config import ASRConfig, ConfigError
-from speech.priority_worker import PriorityWorker
+from speech.priority_worker import PriorityWorker, arrival_order
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,24 @@ class ASRJob:
     submitted: float = field(default_factory=time.perf_counter)
 
 
+def always() -> bool:
+    """Spare capacity for every partial: the default of :attr:`ASRQueuePolicy.spare_capacity`."""
+    return True
+
+
+@dataclass(frozen=True)
+class ASRQueuePolicy:
+    """How the shared worker orders its queue and when it decodes partials.
+
+    urgent_first: finals before partials, then the least recently served session (False: arrival
+    order). spare_capacity: asked (with the worker's lock held: it must be quick and must not call
+    the worker) when a partial is submitted and when its turn comes; False skips the partial.
+    """
+
+    urgent_first: bool = True
+    spare_capacity: Callable[[], bool] = always
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """Counters of the shared worker, for tests and metrics."""
@@ -58,6 +79,7 @@ class WorkerStats:
     submitted_finals: int
     submitted_partials: int
     dropped_partials: int
+    skipped_partials: int  # turned away or not decoded for want of spare capacity (ASRQueuePolicy)
     processed_finals: int
     processed_partials: int
     failed: int
@@ -68,17 +90,19 @@ class WorkerStats:
 class ASRWorker(PriorityWorker[ASRJob]):
     """One thread, one model, many sessions (see the module docstring for the queue rules).
 
-    ``submit(job)`` returns False when a partial was dropped because the queue was full;
+    ``submit(job)`` returns False when a partial was dropped because the queue was full or
+    skipped for want of spare capacity;
     ``close()`` drops the queued partials, decodes the queued finals, then ends the thread.
     """
 
-    def __init__(self, backend: ASRBackend, queue_size: int = 8) -> None:
+    def __init__(self, backend: ASRBackend, queue_size: int = 8, policy: ASRQueuePolicy = ASRQueuePolicy()) -> None:
         if queue_size < 1:
             raise ConfigError(f"ASR worker queue_size={queue_size}: must be >= 1")
         self.backend = backend
         self.queue_size = queue_size
+        self.policy = policy
         self._counts = dict.fromkeys(
-            ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials",
+            ("max_queued_partials", "submitted_finals", "submitted_partials", "dropped_partials", "skipped_partials",
              "processed_finals", "processed_partials", "failed", "batches", "largest_batch"),
             0,
         )  # fmt: skip
@@ -86,12 +110,12 @@ class ASRWorker(PriorityWorker[ASRJob]):
         self._turns = itertools.count()
         self._last_turn: dict[int, int] = {}  # open session -> the turn it was last served in (-1: never)
         self.batch_limit = max(1, backend.max_batch)
-        super().__init__("asr-worker", key=self._finals_first_then_round_robin)
+        super().__init__("asr-worker", key=self._finals_first_then_round_robin if policy.urgent_first else arrival_order)
 
     @classmethod
-    def from_config(cls, config: ASRConfig) -> ASRWorker:
+    def from_config(cls, config: ASRConfig, policy: ASRQueuePolicy = ASRQueuePolicy()) -> ASRWorker:
         """Load the configured backend and start a worker with the configured queue bound."""
-        return cls(load_backend(config), config.queue_size)
+        return cls(load_backend(config), config.queue_size, policy)
 
     def __enter__(self) -> ASRWorker:
         return self
@@ -137,6 +161,8 @@ class ASRWorker(PriorityWorker[ASRJob]):
             self._push(job)
             return True
         self._counts["submitted_partials"] += 1
+        if self._skipped(job):
+            return False
         if self._replace(session_partial, job):
             self._counts["dropped_partials"] += 1  # superseded, keeps its place
         elif self._queued_partials() >= self.queue_size:
@@ -145,6 +171,13 @@ class ASRWorker(PriorityWorker[ASRJob]):
         else:
             self._push(job)
         self._counts["max_queued_partials"] = max(self._counts["max_queued_partials"], self._queued_partials())
+        return True
+
+    def _skipped(self, job: ASRJob) -> bool:
+        """A partial while the policy sees no spare capacity: counted, not to be decoded (lock held)."""
+        if job.is_final or self.policy.spare_capacity():
+            return False
+        self._counts["skipped_partials"] += 1
         return True
 
     def _queued_partials(self) -> int:
@@ -161,6 +194,9 @@ class ASRWorker(PriorityWorker[ASRJob]):
 
     def _process_batch(self, jobs: list[ASRJob]) -> None:
         with self._cond:
+            jobs = [job for job in jobs if not self._skipped(job)]
+            if not jobs:
+                return
             for job in jobs:
                 if job.session in self._last_turn:
                     self._last_turn[job.session] = next(self._turns)
@@ -186,4 +222,4 @@ class ASRWorker(PriorityWorker[ASRJob]):
                 log.exception("ASR result callback failed")
 
 
-__all__ = ["ASRJob", "ASRWorker", "JobCallback", "WorkerStats"]
+__all__ = ["ASRJob", "ASRQueuePolicy", "ASRWorker", "JobCallback", "WorkerStats", "always"]

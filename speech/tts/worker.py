@@ -1,11 +1,12 @@
 """The shared TTS worker: a pool of threads, each with its own loaded voice, serving every session.
 
 A reply's first piece goes before later pieces of other replies: the first audio of a turn is
-latency-critical, the rest only has to stay ahead of playback. The pool has one queue in that
-order; whichever thread is free takes the next piece and synthesizes it with an idle voice
-instance (as many instances as threads, so one is always idle), so N replies are synthesized
-side by side. ``stream()`` hands the chunks to asyncio code as they are synthesized and stops
-when the piece's ``CancelToken`` is cancelled.
+latency-critical, the rest only has to stay ahead of playback (``first_pieces_first=False``: plain
+arrival order, for comparison). The pool has one queue in that order; whichever thread is free
+takes the next piece and synthesizes it with an idle voice instance (as many instances as
+threads, so one is always idle), so N replies are synthesized side by side. ``stream()`` hands
+the chunks to asyncio code as they are synthesized and stops when the piece's ``CancelToken`` is
+cancelled.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from speech.cancel import CancelToken
 from speech.config import TTSConfig
 from speech.messages import AudioChunk
-from speech.priority_worker import PriorityWorker
+from speech.priority_worker import PriorityWorker, arrival_order
 from speech.tts.base import TTSBackend
 from speech.tts.factory import load_tts
 
@@ -49,11 +50,12 @@ _DONE = object()
 
 
 class TTSWorker(PriorityWorker[TTSJob]):
-    """One thread per voice instance in ``backends``, every session's pieces, first pieces first."""
+    """One thread per voice instance in ``backends``, every session's pieces: first pieces first,
+    or in arrival order."""
 
     join_timeout_s = 30.0
 
-    def __init__(self, backends: list[TTSBackend]) -> None:
+    def __init__(self, backends: list[TTSBackend], first_pieces_first: bool = True) -> None:
         if not backends:
             raise ValueError("the TTS worker needs at least one voice instance")
         self.backends = tuple(backends)
@@ -61,10 +63,10 @@ class TTSWorker(PriorityWorker[TTSJob]):
         self._idle: queue.SimpleQueue[TTSBackend] = queue.SimpleQueue()
         for backend in backends:
             self._idle.put(backend)
-        super().__init__("tts-worker", key=first_piece_first, threads=len(backends))
+        super().__init__("tts-worker", key=first_piece_first if first_pieces_first else arrival_order, threads=len(backends))
 
     @classmethod
-    def from_config(cls, config: TTSConfig) -> TTSWorker:
+    def from_config(cls, config: TTSConfig, first_pieces_first: bool = True) -> TTSWorker:
         """``config.workers`` instances of the configured voice, loaded and warmed up side by side."""
 
         def warm(_: int) -> TTSBackend:
@@ -73,7 +75,7 @@ class TTSWorker(PriorityWorker[TTSJob]):
             return backend
 
         with ThreadPoolExecutor(config.workers, thread_name_prefix="tts-load") as pool:
-            return cls(list(pool.map(warm, range(config.workers))))
+            return cls(list(pool.map(warm, range(config.workers))), first_pieces_first)
 
     async def stream(self, text: str, cancel: CancelToken, first: bool) -> AsyncIterator[tuple[AudioChunk, float]]:
         """The audio of ``text`` as (chunk, perf_counter when it was ready); stops when cancelled."""

@@ -13,6 +13,7 @@ import pytest
 
 from assistant.answerer import Answerer
 from assistant.config import HANDBOOK_DIR, AssistantConfig, VoiceConfig
+from assistant.coscheduler import CoScheduler, UrgentCounts, Wait
 from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
     UserSpeechStarted, UserTranscriptDelta, UserTranscriptDone,
@@ -54,10 +55,12 @@ def services(tmp_path_factory, whisper_tiny_path):
     docs = tmp_path_factory.mktemp("handbook")
     for name in ("01-annual-leave.md", "06-information-security.md"):
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
-    answerer = Answerer.create(AssistantConfig(docs_dir=docs, language="en", max_tokens=24))
     # one TTS worker: the first-piece test below watches one queue's order (the pool's own tests
     # are in tests/speech/test_tts_worker.py)
-    shared = VoiceServices.load(answerer, VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4, tts_workers=1))
+    config = VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4, tts_workers=1)
+    coscheduler = CoScheduler.from_config(config)
+    answerer = Answerer.create(AssistantConfig(docs_dir=docs, language="en", max_tokens=24), step_bound=coscheduler.step_bound)
+    shared = VoiceServices.load(answerer, config, coscheduler)
     shared.warm_up()
     yield shared
     shared.close()
@@ -171,6 +174,16 @@ def cached_by(answerer: Answerer, question: str, earlier: str) -> int:
 
 
 # ---- early prefill -------------------------------------------------------------------------------------
+def partial(utterance: int, text: str) -> Transcript:
+    return Transcript(utterance, text, False, "en", 1.0, 0.0, 0.0)
+
+
+async def prefills_settled(pipeline: VoicePipeline) -> None:
+    """Wait for the running early prefill and any it left waiting."""
+    while pipeline._prefill_task is not None and not pipeline._prefill_task.done():
+        await pipeline._prefill_task
+
+
 async def test_early_prefill_puts_the_spoken_question_in_the_prefix_cache(services, voice) -> None:
     """Real speech, Whisper and engine; the audio is fed as the pipeline settles (not at real-time
     pace), so what was heard and prefilled before the final does not depend on the machine's load."""
@@ -222,27 +235,71 @@ async def test_a_partial_overtaken_by_its_final_is_not_prefilled(services) -> No
     pipeline = client.pipeline
     await pipeline.start()
     try:
-        def partial(utterance: int, text: str) -> Transcript:
-            return Transcript(utterance, text, False, "en", 1.0, 0.0, 0.0)
-
-        async def prefills_settled() -> None:  # the running prefill and any it left waiting
-            while pipeline._prefill_task is not None and not pipeline._prefill_task.done():
-                await pipeline._prefill_task
-
         await pipeline.feed(bytes(RATE * 2 * 3))  # 3 s of silence: the stream times below have happened
         pipeline.on_speech_event(SpeechStarted(1, 0.0, 0.1))
         pipeline.on_speech_event(partial(1, "How many unused"))
         pipeline.on_speech_event(partial(1, "How many unused annual leave days"))  # waits for the first
-        await prefills_settled()
+        await prefills_settled(pipeline)
         assert pipeline.prefills == 2  # still being spoken: both prefilled
         pipeline.on_speech_event(partial(1, "How many unused annual leave days can I"))
         pipeline.on_speech_event(partial(1, "How many unused annual leave days can I carry"))  # waits
         pipeline.on_speech_event(SpeechEnded(1, 0.0, 2.0, 2.5))
         pipeline.on_speech_event(Transcript(1, "How many unused annual leave days can I carry over?", True, "en", 2.0, 0.0, 0.0))
-        await prefills_settled()
+        await prefills_settled(pipeline)
         assert pipeline.prefills == 2
         reply = (await client.wait_for(ResponseTextDelta)).reply
         assert reply.question == "How many unused annual leave days can I carry over?" and reply.timeline.prefills == 2
+    finally:
+        await pipeline.close()
+
+
+# ---- the co-scheduler ---------------------------------------------------------------------------------------
+class RecordingCoScheduler(CoScheduler):
+    """The real co-scheduler, keeping what the pipeline told it in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[tuple[str, Wait | None]] = []
+
+    def waits(self, session: str, turn: str, stage: Wait | None) -> None:
+        self.told.append((turn, stage))
+        super().waits(session, turn, stage)
+
+
+async def test_a_spoken_turn_tells_the_coscheduler_what_it_waits_for(services, voice) -> None:
+    co = RecordingCoScheduler()
+    client = Client(replace(services, coscheduler=co))
+    await client.pipeline.start()
+    await client.pipeline.configure(replace(client.pipeline.settings, max_output_tokens=6))  # little audio to play out
+    try:
+        await client.speak(spoken(voice, SHORT))
+        reply = (await client.wait_for(ResponseFinished)).reply
+        (final,) = client.of(UserTranscriptDone)
+        assert reply.status in ("completed", "incomplete") and reply.audio_sent_s > 0
+        assert co.told[:5] == [(final.item_id, Wait.ASR_FINAL), (final.item_id, None), (reply.id, Wait.FIRST_TOKEN),
+                               (reply.id, Wait.FIRST_AUDIO), (reply.id, None)], co.told  # fmt: skip
+        assert co.snapshot() == UrgentCounts()
+    finally:
+        await client.pipeline.close()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+async def test_early_prefill_waits_for_spare_capacity_when_on(services, enabled: bool) -> None:
+    co = CoScheduler(enabled)
+    client = Client(replace(services, coscheduler=co, config=replace(services.config, early_prefill=True)))
+    pipeline = client.pipeline
+    await pipeline.start()
+    try:
+        await pipeline.feed(bytes(RATE * 2 * 3))  # 3 s of silence: the stream times below have happened
+        co.waits("another-session", "resp_x", Wait.FIRST_TOKEN)  # another caller's turn waits for its first token
+        pipeline.on_speech_event(SpeechStarted(1, 0.0, 0.1))
+        pipeline.on_speech_event(partial(1, "How many unused"))
+        await prefills_settled(pipeline)
+        assert pipeline.prefills == (0 if enabled else 1)
+        co.waits("another-session", "resp_x", None)  # its first token is out
+        pipeline.on_speech_event(partial(1, "How many unused annual leave days"))
+        await prefills_settled(pipeline)
+        assert pipeline.prefills == (1 if enabled else 2)
     finally:
         await pipeline.close()
 

@@ -431,6 +431,10 @@ async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clip
     for span in ("speech_end_to_first_audio", "endpoint_to_first_audio"):
         assert metric(server, "assistant_turn_total_seconds_count", span=span) >= 8
         assert metric(server, "assistant_turn_total_recent_seconds", span=span, quantile="0.99") > 0
+    # the co-scheduler's counts are there too, and every turn it counted has left them
+    assert metric(server, "assistant_coscheduler_enabled") == 1
+    for stage in ("asr_final", "first_token", "first_audio"):
+        assert metric(server, "assistant_coscheduler_turns_waiting", stage=stage) == 0
 
 
 async def test_over_capacity_is_refused_with_1013(server) -> None:

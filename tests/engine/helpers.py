@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.execution_path import ExecutionPath
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepBoundPolicy
 
 _seq = itertools.count()
 
@@ -26,9 +26,9 @@ class SimulatedEngine:
     """Scheduler + block manager driven like the real engine, with a fake model that emits
     token 7 for every completed chunk. Checks invariants after every step."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, **sched) -> None:
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, step_bound: StepBoundPolicy | None = None, **sched) -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=sched.pop("prefix", True))
-        self.scheduler = Scheduler(SchedulerConfig(**sched), self.bm)
+        self.scheduler = Scheduler(SchedulerConfig(**sched), self.bm, step_bound)
         self.finished: list[Request] = []
         self.steps = 0
 

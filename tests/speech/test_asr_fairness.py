@@ -10,7 +10,7 @@ import numpy as np
 
 from speech.asr.backend import ASRBackend, Decoded
 from speech.asr.session import ASRSession
-from speech.asr.worker import ASRJob, ASRWorker
+from speech.asr.worker import ASRJob, ASRQueuePolicy, ASRWorker
 from speech.audio import resample
 from speech.config import ASRConfig, VADConfig
 from speech.messages import SpeechEnded, SpeechStarted, Transcript
@@ -32,13 +32,13 @@ class GatedBackend(ASRBackend):
         return Decoded("x", "en")
 
 
-def run_order(submit_behind_first, jobs: int) -> list[tuple[str, bool, int]]:
+def run_order(submit_behind_first, jobs: int, policy: ASRQueuePolicy = ASRQueuePolicy()) -> list[tuple[str, bool, int]]:
     """(session, is_final, utterance) in the order decoded, for the ``jobs`` jobs that
     ``submit_behind_first(worker, job)`` queues while session A's first partial is being decoded."""
     order: list[tuple[str, bool, int]] = []
     all_done = threading.Event()
     backend = GatedBackend()
-    with ASRWorker(backend) as worker:
+    with ASRWorker(backend, policy=policy) as worker:
         names = {worker.new_session_id(): name for name in "ABC"}
         ids = {name: sid for sid, name in names.items()}
 
