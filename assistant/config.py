@@ -67,6 +67,12 @@ class VoiceConfig:
     so a barge-in has little audio on the wire to take back.
     early_prefill: on each partial transcript, prefill the prompt so far (a max_tokens=1 request)
     so the final's prompt finds it in the prefix cache.
+    endpointing: "fixed" (the turn ends after ``hangover_ms`` of silence) or "speculative" (after
+    ``speculative_pause_ms`` of silence the utterance so far is transcribed and answered at once, its
+    audio held; the answer is released when the turn is confirmed, by the hangover or sooner by the
+    turn-completion rule (speech/turn_completion.py), and dropped unsent if the user goes on).
+    false_endpoint_window_ms: speech starting this soon after an answered turn's endpoint counts as
+    a false endpoint on /metrics (the turn was likely not over).
     """
 
     asr_model: Path | None = None
@@ -83,6 +89,9 @@ class VoiceConfig:
     output_chunk_ms: int = 100
     output_lead_ms: int = 500
     early_prefill: bool = False
+    endpointing: str = "fixed"
+    speculative_pause_ms: int = 200
+    false_endpoint_window_ms: int = 1500
 
 
 @dataclass
@@ -115,6 +124,9 @@ class ServerConfig:
             raise ValueError(f"max_events_per_s and send_timeout_s must be > 0, got {self.max_events_per_s}, {self.send_timeout_s}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
+        if self.voice.endpointing not in ("fixed", "speculative") or self.voice.speculative_pause_ms < 1:
+            raise ValueError(f"endpointing must be fixed or speculative and speculative_pause_ms >= 1, got "
+                             f"{self.voice.endpointing!r}, {self.voice.speculative_pause_ms}")  # fmt: skip
         if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
             raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")
         self.assistant.validate()

@@ -51,6 +51,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
+    s.add_argument("--endpointing", choices=("fixed", "speculative"), default="fixed",
+                   help="fixed (default): a turn ends after --hangover-ms of silence; speculative: answer at a short pause, "
+                        "hold the audio until the turn is confirmed (hangover, or a transcript that reads complete)")
+    s.add_argument("--speculative-pause-ms", type=int, default=200, help="silence that starts a speculative answer (default 200)")
     s.add_argument("--max-utterance-s", type=float, default=30.0,
                    help="longer continuous speech is cut there and answered as a turn (default 30; 0: no limit)")
     s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
@@ -80,6 +84,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 engine=EngineOptions(model=a.model, device=a.device, quantization=a.quantization))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
+                        endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
