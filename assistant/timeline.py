@@ -2,8 +2,9 @@
 
 The stages, in order: ``speech_end`` (the user's last voiced frame), ``endpoint`` (the server
 decided the turn is over: with speculative endpointing, when the turn was confirmed, by the
-hangover or by the turn-completion rule), ``asr_final``, ``response_requested`` (the client's ``response.create`` arrived; only in a spoken turn the server did not answer on its own,
-as with push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
+hangover or by the turn-completion rule), ``asr_final``, ``response_requested`` (the client's
+``response.create`` arrived; only in a spoken turn the server did not answer on its own, as with
+push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
 speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
 Stages are reported in the order they happened (a speculative answer's LLM and TTS stages may
 come before its ``endpoint``: its audio waits for the confirmation), in the order above for ties.
