@@ -12,7 +12,14 @@ Measured per turn:
 - at the client: from the instant the question's last voiced sample was sent (its true end of
   speech, -40 dB envelope) to the first answer audio received, and the same minus the configured
   hangover (the anchors' "voice-to-voice minus VAD stop");
-- the transcript against the question (word error rate).
+- the transcript against the question (word error rate);
+- false endpoints: the server endpointed (``input_audio_buffer.committed``) or answered
+  (``response.created``) before the question's last voiced sample was sent.
+
+Every second turn of a caller (turns 1, 3, ...) asks its question with a mid-sentence pause
+(``--pause-ms``, default 300-700 ms in turn): its two halves are synthesized apart, trimmed to
+their speech and joined with that much silence; the pauses are printed. A turn whose question was
+cut by a false endpoint ends with the answer to its last part; its transcript is every part heard.
 
 Reported per caller count: p50/p90/p99 of each, a table on stdout, everything in ``--json``, and
 a waterfall PNG (``--plot``: one row per turn, the stages stacked from speech_end).
@@ -41,8 +48,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from assistant.bench_report import plot, table
 from assistant.config import ServerConfig
-from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
+from assistant.timeline import quantile
 from speech.word_errors import word_error_rate
 
 DEFAULT_QUESTIONS = (
@@ -68,6 +76,7 @@ class Question:
     text: str
     pcm: bytes
     speech_end_s: float
+    pause_ms: int | None = None  # silence in the middle (None: spoken whole)
 
 
 @dataclass
@@ -85,6 +94,9 @@ class TurnResult:
     client_s2a_minus_hangover_ms: float | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    pause_ms: int | None = None  # the question's mid-sentence pause (None: spoken whole)
+    false_endpoint: bool = False  # endpointed or answered before the question's last voiced sample was sent
+    responses: int = 0  # response.created received in the turn
 
 
 @dataclass
@@ -97,6 +109,7 @@ class BenchConfig:
     questions: tuple[str, ...] = DEFAULT_QUESTIONS
     max_output_tokens: int | None = None
     chunk_ms: int = 20
+    pauses_ms: tuple[int, ...] = (300, 400, 500, 600, 700)
     timeout_s: float = 180.0
     json_path: Path | None = None
     plot_path: Path | None = None
@@ -123,17 +136,49 @@ def speak_questions(texts: tuple[str, ...]) -> list[Question]:
     return questions
 
 
+def speak_paused(texts: tuple[str, ...], pauses_ms: tuple[int, ...]) -> list[Question]:
+    """Each question cut in two at its middle word, the halves spoken apart, trimmed to their speech
+    (-40 dB) and joined by ``pauses_ms[i % len(pauses_ms)]`` of silence, after ``LEAD_SILENCE_S``."""
+    from speech.audio import resample, to_pcm16
+    from speech.config import TTSConfig
+    from speech.tts import load_tts
+
+    tts = load_tts(TTSConfig(backend="hibari", seed=0))
+
+    def say(words: list[str]) -> np.ndarray:
+        speech = tts.synthesize(" ".join(words)).pcm
+        return speech if tts.sample_rate == RATE else resample(speech, tts.sample_rate, RATE)
+
+    questions = []
+    for i, text in enumerate(texts):
+        words = text.split()
+        halves = [say(words[: len(words) // 2]), say(words[len(words) // 2 :])]
+        first, second = (audio[round(start * RATE) : round(end * RATE)] for audio, (start, end) in zip(halves, map(speech_bounds, halves)))
+        pause = pauses_ms[i % len(pauses_ms)]
+        audio = np.concatenate([np.zeros(round(LEAD_SILENCE_S * RATE), np.float32), first,
+                                np.zeros(round(pause * RATE / 1000), np.float32), second])  # fmt: skip
+        questions.append(Question(text, to_pcm16(audio).astype("<i2").tobytes(), len(audio) / RATE, pause))
+    return questions
+
+
 def speech_end(audio: np.ndarray, rate: int) -> float:
     """The last instant the 10 ms RMS envelope is within 40 dB of its peak."""
+    return speech_bounds(audio, rate)[1]
+
+
+def speech_bounds(audio: np.ndarray, rate: int = RATE) -> tuple[float, float]:
+    """The first and last instants the 10 ms RMS envelope is within 40 dB of its peak."""
     window = rate // 100
     envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
     loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
-    return float((loud[-1] + 1) / rate)
+    return float(loud[0] / rate), float((loud[-1] + 1) / rate)
 
 
 # ---- one caller ----------------------------------------------------------------------------------------
-async def call(url: str, caller: int, callers: int, questions: list[Question], cfg: BenchConfig, bar: tqdm) -> list[TurnResult]:
-    """One caller's session: ask ``cfg.turns`` questions in turn, each after the previous answer."""
+async def call(url: str, caller: int, callers: int, questions: list[Question], paused: list[Question], cfg: BenchConfig,
+               bar: tqdm) -> list[TurnResult]:  # fmt: skip
+    """One caller's session: ask ``cfg.turns`` questions in turn, each after the previous answer;
+    every second one (if ``paused``) with a pause in the middle."""
     from websockets.asyncio.client import connect
 
     results = []
@@ -143,8 +188,9 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], c
         if cfg.max_output_tokens:
             await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": cfg.max_output_tokens}}))
         for turn in range(cfg.turns):
-            question = questions[(caller + turn * callers) % len(questions)]
-            result = TurnResult(caller, turn, question.text)
+            asked = paused if paused and turn % 2 else questions
+            question = asked[(caller + turn * callers) % len(asked)]
+            result = TurnResult(caller, turn, question.text, pause_ms=question.pause_ms)
             try:
                 async with asyncio.timeout(cfg.timeout_s):
                     await _turn(ws, question, hangover, result, cfg.chunk_ms)
@@ -170,18 +216,28 @@ async def microphone(ws: Any, pcm: bytes, chunk_ms: int, stop: asyncio.Event, st
 
 
 async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
+    """Until the timeline of the answer to the whole question: one that was not cancelled, or one
+    that came after the question was spoken (an answer to a part cut off by a false endpoint ends
+    cancelled when the rest is heard, or before the question has been spoken)."""
     start = time.perf_counter()
+    spoken_end = start + question.speech_end_s
     stop_sending = asyncio.Event()
     sender = asyncio.create_task(microphone(ws, question.pcm, chunk_ms, stop_sending, start))
-    first_audio: float | None = None
+    first_audio: dict[str, float] = {}  # response id -> its first audio received
+    transcripts: list[str] = []
+    audio_at: float | None = None  # the first audio of the answer whose timeline ends the turn
     try:
         async for message in ws:
             event = json.loads(message)
-            kind = event["type"]
-            if kind == "response.output_audio.delta" and first_audio is None:
-                first_audio = time.perf_counter()
+            kind, now = event["type"], time.perf_counter()
+            if kind == "response.output_audio.delta":
+                first_audio.setdefault(event["response_id"], now)
+            elif kind in ("input_audio_buffer.committed", "response.created"):
+                result.false_endpoint |= now < spoken_end
+                result.responses += kind == "response.created"
             elif kind == "conversation.item.input_audio_transcription.completed":
-                result.transcript = event["transcript"]
+                transcripts.append(event["transcript"])
+                result.transcript = " ".join(t.strip() for t in transcripts)
                 if not result.transcript.strip():
                     result.error = "the question was transcribed as nothing"
                     break
@@ -189,8 +245,9 @@ async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResul
                 result.answer = event["transcript"]
             elif kind == "response.done":
                 result.status = event["response"]["status"]
-            elif kind == "response.timeline":
+            elif kind == "response.timeline" and (result.status != "cancelled" or now > spoken_end):
                 result.timeline = event["timeline"]
+                audio_at = first_audio.get(event["response_id"])
                 break
             elif kind == "error":
                 result.error = event["error"]["message"]
@@ -198,16 +255,15 @@ async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResul
         stop_sending.set()
         await sender
     result.wer = word_error_rate(question.text, result.transcript)
-    if first_audio is not None:
-        spoken_end = start + question.speech_end_s
-        result.client_s2a_ms = round((first_audio - spoken_end) * 1000, 1)
+    if audio_at is not None:
+        result.client_s2a_ms = round((audio_at - spoken_end) * 1000, 1)
         result.client_s2a_minus_hangover_ms = round(result.client_s2a_ms - hangover_ms, 1)
 
 
-async def run_phase(url: str, callers: int, questions: list[Question], cfg: BenchConfig) -> list[TurnResult]:
+async def run_phase(url: str, callers: int, questions: list[Question], paused: list[Question], cfg: BenchConfig) -> list[TurnResult]:
     """``callers`` sessions at once, ``cfg.turns`` turns each."""
     with tqdm(total=callers * cfg.turns, desc=f"{callers} caller(s)", unit="turn", disable=not cfg.progress, file=sys.stderr) as bar:
-        per_caller = await asyncio.gather(*(call(url, i, callers, questions, cfg, bar) for i in range(callers)))
+        per_caller = await asyncio.gather(*(call(url, i, callers, questions, paused, cfg, bar) for i in range(callers)))
     return [r for results in per_caller for r in results]
 
 
@@ -236,75 +292,13 @@ def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
             for k, v in series.items()}  # fmt: skip
 
 
-ROWS = (
-    ("endpoint", "VAD hangover (speech_end -> endpoint)"),
-    ("asr_final", "ASR final after endpoint"),
-    ("response_requested", "client's response.create after ASR final"),
-    ("llm_first_token", "LLM first token after ASR final (or response.create)"),
-    ("first_chunk", "first speakable chunk after first token"),
-    ("tts_first_audio", "TTS first audio after chunk"),
-    ("first_audio_sent", "first audio sent after TTS"),
-    ("speech_end_to_first_audio", "server: speech_end -> first audio sent"),
-    ("endpoint_to_first_audio", "server: endpoint -> first audio sent (no hangover)"),
-    ("client_s2a", "client: end of speech -> first audio received"),
-    ("client_s2a_minus_hangover", "client: the same minus the configured hangover"),
-    ("transcript_wer_percent", "transcript word error rate (%)"),
-    ("uncached_prompt_tokens", "prompt tokens not in the prefix cache (count)"),
-    ("partials", "partial transcripts before the final (count)"),
-    ("prefills", "early prefills done before the final (count)"),
-)
-
-
-def table(phases: list[dict[str, Any]]) -> str:
-    """A markdown table: one row per stage, p50/p90/p99 per caller count (an optional stage that no
-    turn recorded, such as ``response_requested`` with hands-free callers, has no row)."""
-    head = "| stage (ms) | " + " | ".join(f"{p['callers']} caller(s) p50 / p90 / p99" for p in phases) + " |"
-    lines = [head, "|---|" + "---|" * len(phases)]
-    for key, label in ROWS:
-        if key in OPTIONAL_STAGES and not any(key in p["summary"] for p in phases):
-            continue
-        cells = []
-        for p in phases:
-            s = p["summary"].get(key)
-            cells.append(f"{s['p50']:.0f} / {s['p90']:.0f} / {s['p99']:.0f}" if s else "n/a")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
-    lines.append(f"| turns with a timeline | {turns} |")
-    return "\n".join(lines)
-
-
-def plot(phases: list[dict[str, Any]], path: Path) -> None:
-    """Waterfall: per caller count, one row per turn with its stage shares stacked from speech_end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = dict(ROWS)
-    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
-    rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
-    fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
-                             gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip
-    for ax, phase in zip(axes[:, 0], phases):
-        turns = [t for t in phase["turns"] if t["timeline"]]
-        medians = {s: phase["summary"][s]["p50"] for s in colors if s in phase["summary"]}
-        bars = [("median of each stage", medians)] + [(f"caller {t['caller']} turn {t['turn']}", t["timeline"]["stages_ms"]) for t in turns]
-        for y, (_, shares) in enumerate(bars):
-            left = 0.0
-            for stage, ms in shares.items():
-                ax.barh(y, ms / 1000, left=left / 1000, color=colors[stage], edgecolor="white", linewidth=0.5)
-                left += ms
-        ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(f"{phase['callers']} concurrent caller(s): from the end of speech to the first answer audio sent", fontsize=9)
-        ax.set_xlabel("seconds after the end of speech")
-        ax.grid(axis="x", alpha=0.3)
-    shown = [s for s in colors if s not in OPTIONAL_STAGES or any(s in p["summary"] for p in phases)]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in shown]
-    fig.legend(handles, [labels[s] for s in shown], loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def false_endpoints(results: list[TurnResult]) -> dict[str, dict[str, float]]:
+    """False endpoints among the questions asked with a pause and among those spoken whole."""
+    out = {}
+    for kind, turns in (("paused", [r for r in results if r.pause_ms is not None]), ("whole", [r for r in results if r.pause_ms is None])):
+        false = sum(r.false_endpoint for r in turns)
+        out[kind] = {"false": false, "n": len(turns), "rate": round(false / len(turns), 3) if turns else None}
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -377,6 +371,9 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
     """Every phase against ``cfg.url`` (or a server of our own); returns the report."""
     print(f"Speaking {len(cfg.questions)} questions with the bundled voice...", file=sys.stderr, flush=True)
     questions = speak_questions(cfg.questions)
+    paused = speak_paused(cfg.questions, cfg.pauses_ms) if cfg.pauses_ms and cfg.turns > 1 else []
+    for q in paused:
+        print(f"  with a {q.pause_ms} ms pause: {q.text}", file=sys.stderr)
     server = None
     url = cfg.url
     if url is None:
@@ -389,14 +386,16 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
             await asyncio.to_thread(server.wait_ready)
         phases = []
         for n in cfg.callers:
-            results = await run_phase(url, n, questions, cfg)
-            phases.append({"callers": n, "summary": summarize(results), "turns": [asdict(r) for r in results]})
+            results = await run_phase(url, n, questions, paused, cfg)
+            phases.append({"callers": n, "summary": summarize(results), "false_endpoints": false_endpoints(results),
+                           "turns": [asdict(r) for r in results]})  # fmt: skip
         ok = all(not r["error"] and r["timeline"] for p in phases for r in p["turns"])
     finally:
         if server is not None:
             server.stop(keep_log=not ok)
     return {"meta": {**machine(), "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]), "url": cfg.url or "own server",
-                     "server_args": list(cfg.server_args), "chunk_ms": cfg.chunk_ms, "turns_per_caller": cfg.turns},
+                     "server_args": list(cfg.server_args), "chunk_ms": cfg.chunk_ms, "turns_per_caller": cfg.turns,
+                     "pauses_ms": list(cfg.pauses_ms)},
             "phases": phases}  # fmt: skip
 
 
@@ -409,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
     p.add_argument("--max-output-tokens", type=int, help="cap each answer (session.update)")
     p.add_argument("--chunk-ms", type=int, default=20, help="audio packet length, sent at real-time pace (default 20)")
+    p.add_argument("--pause-ms", type=int, nargs="*", default=[300, 400, 500, 600, 700],
+                   help="mid-sentence pauses of the questions asked every second turn, in turn (default 300 400 500 600 700; "
+                        "none given: no pauses)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a turn may take (default 180)")
     p.add_argument("--json", type=Path, help="write the whole report here")
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
@@ -422,13 +424,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         p.error("server options only apply when the bench starts its own server (no --url)")
     return BenchConfig(
         url=a.url, callers=tuple(a.callers), turns=a.turns, questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS,
-        max_output_tokens=a.max_output_tokens, chunk_ms=a.chunk_ms, timeout_s=a.timeout, json_path=a.json,
+        max_output_tokens=a.max_output_tokens, chunk_ms=a.chunk_ms, pauses_ms=tuple(a.pause_ms), timeout_s=a.timeout, json_path=a.json,
         plot_path=a.plot, progress=a.progress, server_args=server_args,
     )  # fmt: skip
 
 
 SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
-                  "output_lead_ms", "device", "quantization")  # fmt: skip
+                  "output_lead_ms", "device", "quantization", "endpointing", "speculative_pause_ms")  # fmt: skip
 
 
 def add_server_options(p: argparse.ArgumentParser, who: str) -> None:
