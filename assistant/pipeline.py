@@ -222,6 +222,7 @@ class VoicePipeline:
         did not answer it), the turn keeps that utterance's voice timeline and records now as
         ``response_requested``: the client's wait after the transcript is that stage's share, not
         the LLM's. Otherwise it is a text turn, its speech stages all now."""
+        self._drop_speculation()
         if self.active_reply is not None:
             raise TurnError("conversation_already_has_active_response",
                             f"response {self.active_reply.id} is in progress; cancel it or wait for response.done")
@@ -247,7 +248,13 @@ class VoicePipeline:
         td = self.settings.turn_detection
         return td.silence_duration_ms if td else self.config.hangover_ms
 
+    def _drop_speculation(self) -> None:
+        """Discard a held answer (the client asks for something else, or restarts listening)."""
+        if self._reply is not None and self._reply.held:
+            self._discard(self._reply)
+
     def _open_asr(self) -> None:
+        self._drop_speculation()
         if self._asr is not None:
             self._asr.close()
         td = self.settings.turn_detection or TurnDetection(silence_duration_ms=self.config.hangover_ms)
@@ -411,6 +418,8 @@ class VoicePipeline:
 
     def _discard(self, reply: Reply) -> None:
         """The user went on: stop the held answer everywhere; none of its events is ever sent."""
+        if reply.discarded:
+            return
         reply.discarded = True
         if reply is self._reply:
             self._generation.advance()
