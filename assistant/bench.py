@@ -188,8 +188,10 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
         if cfg.max_output_tokens:
             await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": cfg.max_output_tokens}}))
         for turn in range(cfg.turns):
-            asked = paused if paused and turn % 2 else questions
-            question = asked[(caller + turn * callers) % len(asked)]
+            if paused and turn % 2:  # the n-th paused question of a caller has the n-th pause of --pause-ms
+                question = paused[(caller + turn // 2 * callers) % len(paused)]
+            else:
+                question = questions[(caller + turn * callers) % len(questions)]
             result = TurnResult(caller, turn, question.text, pause_ms=question.pause_ms)
             try:
                 async with asyncio.timeout(cfg.timeout_s):
