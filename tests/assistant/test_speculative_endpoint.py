@@ -78,11 +78,11 @@ def speculations(server: AssistantServer) -> dict[str, float]:
 async def ask(
     server: AssistantServer, parts: list[bytes], pause_s: float = 0.0, until: Callable[[], bool] | None = None,
     linger_s: float = 1.5,
-) -> tuple[list[tuple[float, dict]], float]:
+) -> tuple[list[tuple[float, dict]], float | None]:
     """Stream the parts at real-time pace with ``pause_s`` of silence between them (and then, if
     ``until`` is given, silence until it holds), then silence, until the first ``response.timeline``
     and ``linger_s`` more. Returns the server events with their arrival instants and the instant the
-    last part's last packet was sent."""
+    last part's last packet was sent (None if that came later)."""
     url = server.url.replace("http://", "ws://") + "/v1/realtime"  # type: ignore[attr-defined]
     events: list[tuple[float, dict]] = []
     step = RATE * CHUNK_MS // 1000 * 2
@@ -121,7 +121,7 @@ async def ask(
                 pass
         finally:
             mic.cancel()
-    return events, sent_all.result()
+    return events, sent_all.result() if sent_all.done() else None
 
 
 async def engine_idle(server: AssistantServer, timeout: float = 30.0) -> None:
@@ -136,7 +136,7 @@ async def engine_idle(server: AssistantServer, timeout: float = 30.0) -> None:
     raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
-def check_one_turn(events: list[tuple[float, dict]], last_sent: float, question: str) -> dict:
+def check_one_turn(events: list[tuple[float, dict]], last_sent: float | None, question: str) -> dict:
     """One turn: one utterance, one transcript (the whole question), one response, all of whose
     events came after the question was spoken; returns its timeline."""
     types = [e["type"] for _, e in events]
@@ -145,7 +145,7 @@ def check_one_turn(events: list[tuple[float, dict]], last_sent: float, question:
     transcripts = [e["transcript"] for _, e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
     assert len(transcripts) == 1 and word_error_rate(question, transcripts[0]) <= 0.2, transcripts
     created_at, created = next((t, e) for t, e in events if e["type"] == "response.created")
-    assert created_at > last_sent  # nothing of an answer came while the question was being spoken
+    assert last_sent is not None and created_at > last_sent  # nothing of an answer came while the question was being spoken
     response_id = created["response"]["id"]
     ids = {e.get("response_id") or e["response"]["id"] for _, e in events if e["type"].startswith("response.")}
     assert ids == {response_id}
@@ -193,3 +193,16 @@ async def test_a_complete_question_is_endpointed_by_the_rule_before_the_hangover
     assert instants["first_audio_sent"] >= instants["endpoint"]  # held until confirmed
     assert timeline["speech_end_to_first_audio_ms"] == pytest.approx(instants["first_audio_sent"] - instants["speech_end"], abs=1e-3)
     assert sum(timeline["stages_ms"].values()) == pytest.approx(timeline["total_ms"], abs=1e-6)
+
+
+async def test_speech_right_after_a_released_answer_counts_a_false_endpoint(server, voice) -> None:
+    """The user goes on just after the answer was released: a barge-in, counted on /metrics as a
+    false endpoint (speech within 1.5 s of the endpoint)."""
+    before = metric(server, "assistant_false_endpoints_total")
+    confirmed = speculations(server)["confirmed"]
+    released = lambda: speculations(server)["confirmed"] > confirmed  # noqa: E731
+    parts = [spoken(voice, "How do I apply for annual leave?"), spoken(voice, "And how many days do I get?")]
+    events, _ = await ask(server, parts, until=released)
+    done = next(e for _, e in events if e["type"] == "response.done")["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
+    assert metric(server, "assistant_false_endpoints_total") == before + 1
