@@ -18,7 +18,10 @@ Measured per turn:
 - at the client: from the instant the question's last voiced sample was sent (its true end of
   speech, -40 dB envelope) to the first answer audio received, and the same minus the configured
   hangover (the anchors' "voice-to-voice minus VAD stop");
-- the transcript against the question (word error rate).
+- the transcript against the question (word error rate);
+- false endpoints: the server endpointed (``input_audio_buffer.committed``) or answered
+  (``response.created``) before the question's last voiced sample was sent (every second
+  question of a caller is asked with a mid-sentence pause: see :mod:`assistant.bench_callers`).
 After each phase, the server's memory by owner (``assistant_memory_bytes`` on ``/metrics``).
 
 Reported per phase: p50/p95/p99 of each, a table on stdout, and with ``--json`` a file with
@@ -56,8 +59,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from assistant.bench_callers import Pattern, Question, run_phase, speak_questions
-from assistant.bench_report import caller_count_results, plot, results, summarize, table
+from assistant.bench_callers import Pattern, Question, run_phase, speak_paused, speak_questions
+from assistant.bench_report import caller_count_results, false_endpoints, plot, results, summarize, table
 from assistant.config import ServerConfig
 
 DEFAULT_QUESTIONS = (
@@ -172,12 +175,15 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
     """Every phase against ``cfg.url`` (or servers of our own); returns the report."""
     print(f"Speaking {len(cfg.questions)} questions with the bundled voice...", file=sys.stderr, flush=True)
     questions = speak_questions(cfg.questions)
+    paused = speak_paused(cfg.questions, cfg.pattern.pauses_ms) if cfg.pattern.pauses_ms and cfg.pattern.turns > 1 else []
+    for q in paused:
+        print(f"  with a {q.pause_ms} ms pause: {q.text}", file=sys.stderr)
     phases: list[dict[str, Any]] = []
     plan = [("", cfg.server_args, cfg.callers)]
     if cfg.ab:
         plan.append(("coscheduler off", (*cfg.server_args, *COSCHEDULER_OFF), cfg.ab))
     for server_name, args, caller_counts in plan:
-        await run_server(cfg, server_name, args, caller_counts, questions, phases)
+        await run_server(cfg, server_name, args, caller_counts, questions, paused, phases)
     pattern = {"name": "conversation", **{k: v for k, v in asdict(cfg.pattern).items() if k != "burst"}}
     return {"gpu": gpu_name(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["python -m assistant.bench", *sys.argv[1:]]),
@@ -186,7 +192,7 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
 
 
 async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_counts: tuple[int, ...], questions: list[Question],
-                     phases: list[dict[str, Any]]) -> None:  # fmt: skip
+                     paused: list[Question], phases: list[dict[str, Any]]) -> None:  # fmt: skip
     """Every phase of ``caller_counts`` against one server (ours, started with ``args``, unless
     ``cfg.url``), appended to ``phases``; ``name`` is "" or what sets the server apart ("coscheduler off")."""
     server = None
@@ -202,46 +208,12 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         patterns = [cfg.pattern] + ([Pattern(**{**asdict(cfg.pattern), "burst": True})] if cfg.burst and not name else [])
         for pattern in patterns:
             for n in caller_counts:
-                turns = await run_phase(url, n, questions, pattern, cfg.progress)
+                turns = await run_phase(url, n, questions, paused, pattern, cfg.progress)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
-                               "results": caller_count_results(turns, memory), "turns": [asdict(r) for r in turns]})  # fmt: skip
+                               "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory),
+                               "turns": [asdict(r) for r in turns]})  # fmt: skip
         ok = all(not p["results"]["lost_turns"] for p in phases)
-    finally:
-        if server is not None:
-            server.stop(keep_log=not ok)
-
-
-def http_base(ws_url: str) -> str:
-    """http://HOST:PORT of a ws://HOST:PORT/v1/realtime address."""
-    return ws_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).split("/v1/", 1)[0]
-
-
-def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
-    """device -> owner -> bytes, from the server's ``assistant_memory_bytes`` ({} if it has none)."""
-    text = httpx.get(http_url + "/metrics", timeout=30).text
-    memory: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "assistant_memory_bytes":
-                memory.setdefault(sample.labels["device"], {})[sample.labels["owner"]] = sample.value
-    return memory
-
-
-def gpu_name() -> str | None:
-    """The first GPU's name (nvidia-smi), or None."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False)
-    return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
-
-
-def counts(value: str) -> list[int]:
-    """"1,8,32" (or one number) -> [1, 8, 32]."""
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected caller counts like 1,8,32, got {value!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -260,6 +232,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
     p.add_argument("--max-output-tokens", type=int, help="cap each answer (session.update)")
     p.add_argument("--chunk-ms", type=int, default=20, help="audio packet length, sent at real-time pace (default 20)")
+    p.add_argument("--pause-ms", type=int, nargs="*", default=[300, 400, 500, 600, 700],
+                   help="mid-sentence pauses of the questions asked every second turn, in turn (default 300 400 500 600 700; "
+                        "none given: no pauses)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds a turn may take (default 180)")
     p.add_argument("--json", type=Path, help="write the whole report here")
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
@@ -282,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if not a.url and "--max-sessions" not in server_args:  # the default limit (16) would turn callers away
         server_args = (*server_args, "--max-sessions", str(max(ServerConfig.max_sessions, *callers, *a.ab)))
     pattern = Pattern(turns=a.turns, duration_s=a.duration_s, pause_s=pause, seed=a.seed, chunk_ms=a.chunk_ms,  # type: ignore[arg-type]
-                      timeout_s=a.timeout, max_output_tokens=a.max_output_tokens)  # fmt: skip
+                      timeout_s=a.timeout, max_output_tokens=a.max_output_tokens, pauses_ms=tuple(a.pause_ms))  # fmt: skip
     return BenchConfig(
         url=a.url, callers=callers, pattern=pattern, burst=a.burst, ab=tuple(a.ab), config_name=a.config or "custom",
         questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS, json_path=a.json, plot_path=a.plot,
@@ -292,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 SERVER_OPTIONS = ("docs", "model", "asr", "lang", "max_tokens", "max_sessions", "max_sessions_per_client", "hangover_ms",
                   "output_lead_ms", "device", "quantization", "load_format", "tokenizer", "gpu_memory_utilization", "max_num_seqs", "tts_workers",
-                  "asr_device", "asr_backend", "asr_load_format", "coscheduler")  # fmt: skip
+                  "asr_device", "asr_backend", "asr_load_format", "coscheduler", "endpointing", "speculative_pause_ms")  # fmt: skip
 
 
 def add_server_options(p: argparse.ArgumentParser, who: str) -> None:

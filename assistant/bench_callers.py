@@ -8,6 +8,13 @@ Two patterns (:class:`Pattern`):
   silence, then asks the next question; it stops after ``turns`` questions or once ``duration_s``
   has passed since the phase started (a turn under way is finished).
 - burst: every caller connects, then all speak their one question at the same instant.
+
+In a conversation every second turn of a caller (turns 1, 3, ...) asks its question with a
+mid-sentence pause (``Pattern.pauses_ms``, 300-700 ms in turn): its two halves are synthesized
+apart, trimmed to their speech and joined with that much silence. A false endpoint is the server
+endpointing (``input_audio_buffer.committed``) or answering (``response.created``) before the
+question's last voiced sample was sent; a turn cut that way ends with the answer to its last part,
+and its transcript is every part heard.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class Question:
     text: str
     pcm: bytes
     speech_end_s: float
+    pause_ms: int | None = None  # silence in the middle (None: spoken whole)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Pattern:
     chunk_ms: int = 20
     timeout_s: float = 180.0  # the longest one turn may take
     max_output_tokens: int | None = None
+    pauses_ms: tuple[int, ...] = (300, 400, 500, 600, 700)  # mid-sentence pauses of every second turn (): none
 
     @property
     def name(self) -> str:
@@ -72,6 +81,9 @@ class TurnResult:
     client_s2a_minus_hangover_ms: float | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    pause_ms: int | None = None  # the question's mid-sentence pause (None: spoken whole)
+    false_endpoint: bool = False  # endpointed or answered before the question's last voiced sample was sent
+    responses: int = 0  # response.created received in the turn
 
     @property
     def lost(self) -> bool:
@@ -98,18 +110,49 @@ def speak_questions(texts: tuple[str, ...]) -> list[Question]:
     return questions
 
 
+def speak_paused(texts: tuple[str, ...], pauses_ms: tuple[int, ...]) -> list[Question]:
+    """Each question cut in two at its middle word, the halves spoken apart, trimmed to their speech
+    (-40 dB) and joined by ``pauses_ms[i % len(pauses_ms)]`` of silence, after ``LEAD_SILENCE_S``."""
+    from speech.audio import resample, to_pcm16
+    from speech.config import TTSConfig
+    from speech.tts import load_tts
+
+    tts = load_tts(TTSConfig(backend="hibari", seed=0, workers=1))
+
+    def say(words: list[str]) -> np.ndarray:
+        speech = tts.synthesize(" ".join(words)).pcm
+        return speech if tts.sample_rate == RATE else resample(speech, tts.sample_rate, RATE)
+
+    questions = []
+    for i, text in enumerate(texts):
+        words = text.split()
+        halves = [say(words[: len(words) // 2]), say(words[len(words) // 2 :])]
+        first, second = (audio[round(start * RATE) : round(end * RATE)] for audio, (start, end) in zip(halves, map(speech_bounds, halves)))
+        pause = pauses_ms[i % len(pauses_ms)]
+        audio = np.concatenate([np.zeros(round(LEAD_SILENCE_S * RATE), np.float32), first,
+                                np.zeros(round(pause * RATE / 1000), np.float32), second])  # fmt: skip
+        questions.append(Question(text, to_pcm16(audio).astype("<i2").tobytes(), len(audio) / RATE, pause))
+    return questions
+
+
 def speech_end(audio: np.ndarray, rate: int) -> float:
     """The last instant the 10 ms RMS envelope is within 40 dB of its peak."""
+    return speech_bounds(audio, rate)[1]
+
+
+def speech_bounds(audio: np.ndarray, rate: int = RATE) -> tuple[float, float]:
+    """The first and last instants the 10 ms RMS envelope is within 40 dB of its peak."""
     window = rate // 100
     envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
     loud = np.nonzero(envelope > envelope.max() * 0.01)[0]
-    return float((loud[-1] + 1) / rate)
+    return float(loud[0] / rate), float((loud[-1] + 1) / rate)
 
 
 # ---- one caller ----------------------------------------------------------------------------------------
-async def call(url: str, caller: int, callers: int, questions: list[Question], pattern: Pattern, go: asyncio.Event,
-               connected: list[int], bar: tqdm) -> list[TurnResult]:  # fmt: skip
-    """One caller's session: connect, wait for ``go`` (every caller connected), then its turns."""
+async def call(url: str, caller: int, callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
+               go: asyncio.Event, connected: list[int], bar: tqdm) -> list[TurnResult]:  # fmt: skip
+    """One caller's session: connect, wait for ``go`` (every caller connected), then its turns;
+    in a conversation every second one (if ``paused``) with a pause in the middle."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
@@ -133,8 +176,11 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
         for turn in range(1 if pattern.burst else pattern.turns):
             if turn and pattern.duration_s is not None and time.perf_counter() - start >= pattern.duration_s:
                 break
-            question = questions[(caller + turn * callers) % len(questions)]
-            result = TurnResult(caller, turn, question.text)
+            if paused and turn % 2 and not pattern.burst:  # a caller's n-th paused question has the n-th pause
+                question = paused[(caller + turn // 2 * callers) % len(paused)]
+            else:
+                question = questions[(caller + turn * callers) % len(questions)]
+            result = TurnResult(caller, turn, question.text, pause_ms=question.pause_ms)
             try:
                 if turn:
                     await _silence(ws, rng.uniform(*pattern.pause_s), pattern.chunk_ms)
@@ -173,18 +219,28 @@ async def _silence(ws: Any, seconds: float, chunk_ms: int) -> None:
 
 
 async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResult, chunk_ms: int) -> None:
+    """Until the timeline of the answer to the whole question: one that was not cancelled, or one
+    that came after the question was spoken (an answer to a part cut off by a false endpoint ends
+    cancelled when the rest is heard, or before the question has been spoken)."""
     start = time.perf_counter()
+    spoken_end = start + question.speech_end_s
     stop_sending = asyncio.Event()
     sender = asyncio.create_task(microphone(ws, question.pcm, chunk_ms, stop_sending, start))
-    first_audio: float | None = None
+    first_audio: dict[str, float] = {}  # response id -> its first audio received
+    transcripts: list[str] = []
+    audio_at: float | None = None  # the first audio of the answer whose timeline ends the turn
     try:
         async for message in ws:
             event = json.loads(message)
-            kind = event["type"]
-            if kind == "response.output_audio.delta" and first_audio is None:
-                first_audio = time.perf_counter()
+            kind, now = event["type"], time.perf_counter()
+            if kind == "response.output_audio.delta":
+                first_audio.setdefault(event["response_id"], now)
+            elif kind in ("input_audio_buffer.committed", "response.created"):
+                result.false_endpoint |= now < spoken_end
+                result.responses += kind == "response.created"
             elif kind == "conversation.item.input_audio_transcription.completed":
-                result.transcript = event["transcript"]
+                transcripts.append(event["transcript"])
+                result.transcript = " ".join(t.strip() for t in transcripts)
                 if not result.transcript.strip():
                     result.error = "the question was transcribed as nothing"
                     break
@@ -192,8 +248,9 @@ async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResul
                 result.answer = event["transcript"]
             elif kind == "response.done":
                 result.status = event["response"]["status"]
-            elif kind == "response.timeline":
+            elif kind == "response.timeline" and (result.status != "cancelled" or now > spoken_end):
                 result.timeline = event["timeline"]
+                audio_at = first_audio.get(event["response_id"])
                 break
             elif kind == "error":
                 result.error = event["error"]["message"]
@@ -201,20 +258,20 @@ async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResul
         stop_sending.set()
         await sender
     result.wer = word_error_rate(question.text, result.transcript)
-    if first_audio is not None:
-        spoken_end = start + question.speech_end_s
-        result.client_s2a_ms = round((first_audio - spoken_end) * 1000, 1)
+    if audio_at is not None:
+        result.client_s2a_ms = round((audio_at - spoken_end) * 1000, 1)
         result.client_s2a_minus_hangover_ms = round(result.client_s2a_ms - hangover_ms, 1)
 
 
-async def run_phase(url: str, callers: int, questions: list[Question], pattern: Pattern, progress: bool) -> list[TurnResult]:
+async def run_phase(url: str, callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
+                    progress: bool) -> list[TurnResult]:  # fmt: skip
     """``callers`` sessions at once in ``pattern``; every turn's result."""
     go, connected = asyncio.Event(), [0]
     total = callers * (1 if pattern.burst else pattern.turns)
     with tqdm(total=total, desc=f"{callers} caller(s), {pattern.name}", unit="turn", disable=not progress, file=sys.stderr) as bar:
-        per_caller = await asyncio.gather(*(call(url, i, callers, questions, pattern, go, connected, bar) for i in range(callers)))
+        per_caller = await asyncio.gather(*(call(url, i, callers, questions, paused, pattern, go, connected, bar) for i in range(callers)))
     return [r for results in per_caller for r in results]
 
 
-__all__ = ["LEAD_SILENCE_S", "RATE", "Pattern", "Question", "TurnResult", "call", "microphone", "run_phase", "speak_questions",
-           "speech_end"]  # fmt: skip
+__all__ = ["LEAD_SILENCE_S", "RATE", "Pattern", "Question", "TurnResult", "call", "microphone", "run_phase", "speak_paused",
+           "speak_questions", "speech_bounds", "speech_end"]  # fmt: skip

@@ -45,9 +45,18 @@ def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
             for k, v in series.items()}  # fmt: skip
 
 
+def false_endpoints(results: list[TurnResult]) -> dict[str, dict[str, float]]:
+    """False endpoints among the questions asked with a pause and among those spoken whole."""
+    out = {}
+    for kind, turns in (("paused", [r for r in results if r.pause_ms is not None]), ("whole", [r for r in results if r.pause_ms is None])):
+        false = sum(r.false_endpoint for r in turns)
+        out[kind] = {"false": false, "n": len(turns), "rate": round(false / len(turns), 3) if turns else None}
+    return out
+
+
 ROWS = (
-    ("endpoint", "VAD hangover (speech_end -> endpoint)"),
-    ("asr_final", "ASR final after endpoint"),
+    ("endpoint", "VAD hangover (speech_end -> endpoint; speculative: -> the turn confirmed)"),
+    ("asr_final", "ASR final after endpoint (speculative: after speech_end)"),
     ("response_requested", "client's response.create after ASR final"),
     ("llm_first_token", "LLM first token after ASR final (or response.create)"),
     ("first_chunk", "first speakable chunk after first token"),
@@ -79,7 +88,13 @@ def table(phases: list[dict[str, Any]]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
     lines.append(f"| turns with a timeline | {turns} |")
+    false = " | ".join(f"{f['paused']['false']} of {f['paused']['n']} / {f['whole']['false']} of {f['whole']['n']}"
+                       for f in (p.get("false_endpoints") or _NONE for p in phases))  # fmt: skip
+    lines.append(f"| false endpoints: questions with a pause / spoken whole | {false} |")
     return "\n".join(lines)
+
+
+_NONE = {"paused": {"false": 0, "n": 0}, "whole": {"false": 0, "n": 0}}
 
 
 def title(phase: dict[str, Any]) -> str:
@@ -140,6 +155,7 @@ def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[s
         "stages": {stage: percentiles(summary, stage) for stage in STAGES[1:] if stage in summary},
         "turns": len(turns),
         "lost_turns": sum(t.lost for t in turns),
+        "false_endpoints": false_endpoints(turns),
         "memory_bytes": memory_bytes,
     }
 

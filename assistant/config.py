@@ -89,6 +89,12 @@ class VoiceConfig:
     (``assistant/coscheduler.py``); False: each on its own, first come first served.
     coscheduler_step_tokens: while a turn waits for its ASR final or first token, the engine's
     other requests share at most this many tokens a step.
+    endpointing: "fixed" (the turn ends after ``hangover_ms`` of silence) or "speculative" (after
+    ``speculative_pause_ms`` of silence the utterance so far is transcribed and answered at once, its
+    audio held; the answer is released when the turn is confirmed, by the hangover or sooner by the
+    turn-completion rule (speech/turn_completion.py), and dropped unsent if the user goes on).
+    false_endpoint_window_ms: speech starting this soon after an answered turn's endpoint counts as
+    a false endpoint on /metrics (the turn was likely not over).
     """
 
     asr_model: Path | None = None
@@ -111,6 +117,9 @@ class VoiceConfig:
     early_prefill: bool = False
     coscheduler: bool = True
     coscheduler_step_tokens: int = 256
+    endpointing: str = "fixed"
+    speculative_pause_ms: int = 200
+    false_endpoint_window_ms: int = 1500
 
 
 @dataclass
@@ -145,6 +154,9 @@ class ServerConfig:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
         if self.voice.coscheduler_step_tokens < 1:
             raise ValueError(f"coscheduler_step_tokens must be >= 1, got {self.voice.coscheduler_step_tokens}")
+        if self.voice.endpointing not in ("fixed", "speculative") or self.voice.speculative_pause_ms < 1:
+            raise ValueError(f"endpointing must be fixed or speculative and speculative_pause_ms >= 1, got "
+                             f"{self.voice.endpointing!r}, {self.voice.speculative_pause_ms}")  # fmt: skip
         if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
             raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")
         self.assistant.validate()

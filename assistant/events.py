@@ -103,6 +103,8 @@ class Reply:
     recorded: bool = False  # the conversation holds this turn (the answerer adds finished ones)
     finish_queued: bool = False
     delivered: bool = False
+    held: bool = False  # a speculative answer: generated, but nothing is sent until the turn is confirmed
+    discarded: bool = False  # a speculation the user talked over: none of its events is ever sent
     task: asyncio.Task[None] | None = None
     pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
 

@@ -2,7 +2,9 @@
 
 Control events go out at once; a reply's events keep their order and its audio is paced at real
 time (``output_lead_ms`` ahead of playback); deltas of a cancelled reply are dropped unsent, so
-barge-in's ``ResponseFinished`` goes out ahead of any paced audio. The writer outlives any
+barge-in's ``ResponseFinished`` goes out ahead of any paced audio. A held reply (a speculative
+answer) waits at the head of its lane until it is released; every event of a discarded one is
+dropped unsent. The writer outlives any
 failure of a single send (it is logged), so ``sync()`` always returns once the client reads.
 """
 
@@ -68,8 +70,8 @@ class Outbox:
                 if _stale(event):
                     self._replies.popleft()
                     continue
-                delay = self._due(event) - time.perf_counter()
-                if delay <= 0:
+                delay = None if event.reply.held else self._due(event) - time.perf_counter()
+                if delay is not None and delay <= 0:
                     self._replies.popleft()
                     await self._deliver(event)
                     continue
@@ -95,6 +97,8 @@ class Outbox:
 
 
 def _stale(event: object) -> bool:
+    if isinstance(event, REPLY_EVENTS) and event.reply.discarded:
+        return True
     return isinstance(event, (ResponseTextDelta, ResponseAudioDelta)) and event.reply.token.cancelled
 
 

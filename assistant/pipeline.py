@@ -5,6 +5,11 @@ most one reply in flight, and the :class:`~assistant.outbox.Outbox` that writes 
 (:mod:`assistant.events`) to the client in order. What every session shares (the answerer, the
 ASR and TTS workers) is :class:`~assistant.voice_services.VoiceServices`.
 
+This file stays whole (over 500 lines): it is one session's turn-taking state machine. Barge-in,
+speculative endpointing and the reply's lifetime all change the same state (the reply in flight,
+the pending user text, the item order, the generation counter); split, each part would reach
+into the others' private state.
+
 Nothing here blocks the event loop: VAD runs in a worker thread, Whisper in the ASR worker, TTS
 in its worker and the engine in its own thread. Stages talk through typed events. Each turn tells the
 :class:`~assistant.coscheduler.CoScheduler` what it waits for at its timeline's instants.
@@ -17,6 +22,14 @@ pieces, queued audio is dropped), aborts the engine request, cancels the reply's
 Early prefill (``VoiceConfig.early_prefill``): each partial transcript prefills the prompt of the
 question so far (:func:`~assistant.voice_services.prefill`); the newest partial waits for the
 running prefill, and a partial whose final has come is skipped.
+
+Speculative endpointing (``VoiceConfig.endpointing``): at a short pause the ASR session decodes
+the utterance so far and the answer starts at once, held (:attr:`Reply.held`: the outbox sends
+none of its events). The turn is confirmed when the hangover passes, or at once when the
+transcript reads as complete (:func:`~speech.turn_completion.is_complete`: the utterance is then
+ended there); the final transcript is the pause's decode and the held answer is released. If the
+user goes on first, the answer is discarded: engine request aborted, TTS stopped, no event of it
+sent (the client never sees its ``response.created``), and the utterance continues as one turn.
 
 The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
 trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
@@ -48,7 +61,8 @@ from speech.audio import Resampler, to_float32, to_pcm16
 from speech.cancel import Generation
 from speech.chunker import Chunker
 from speech.config import VADConfig
-from speech.messages import SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
+from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted, Transcript, TranscriptionFailed
+from speech.turn_completion import is_complete
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +78,10 @@ class _Utterance:
     partial: str = ""
     partials: int = 0
     timeline: Timeline | None = None
+    speech_end: float | None = None  # at the pause in progress (speculative endpointing)
+    paused_at: float | None = None
+    speculation: Reply | None = None  # the held answer started at the pause
+    speculative_text: str = ""
 
 
 class VoicePipeline:
@@ -101,6 +119,7 @@ class VoicePipeline:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefill_task: asyncio.Task[None] | None = None
         self._prefill_next: tuple[int, str] | None = None  # (utterance, partial) waiting for the running prefill
+        self._answered_endpoint: float | None = None  # endpoint of the newest voice turn answered (false-endpoint count)
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -205,6 +224,7 @@ class VoicePipeline:
         did not answer it), the turn keeps that utterance's voice timeline and records now as
         ``response_requested``: the client's wait after the transcript is that stage's share, not
         the LLM's. Otherwise it is a text turn, its speech stages all now."""
+        self._drop_speculation()
         if self.active_reply is not None:
             raise TurnError("conversation_already_has_active_response",
                             f"response {self.active_reply.id} is in progress; cancel it or wait for response.done")
@@ -230,12 +250,20 @@ class VoicePipeline:
         td = self.settings.turn_detection
         return td.silence_duration_ms if td else self.config.hangover_ms
 
+    def _drop_speculation(self) -> None:
+        """Discard a held answer (the client asks for something else, or restarts listening)."""
+        if self._reply is not None and self._reply.held:
+            self._discard(self._reply)
+
     def _open_asr(self) -> None:
+        self._drop_speculation()
         if self._asr is not None:
             self._asr.close()
         td = self.settings.turn_detection or TurnDetection(silence_duration_ms=self.config.hangover_ms)
+        pause = self.config.speculative_pause_ms
+        speculate = self.config.endpointing == "speculative" and td.create_response and pause < td.silence_duration_ms
         vad = VADConfig(start_ms=self.config.start_ms, hangover_ms=td.silence_duration_ms, silero_threshold=td.threshold,
-                        max_utterance_s=self.config.max_utterance_s)
+                        max_utterance_s=self.config.max_utterance_s, pause_ms=pause if speculate else None)
         asr = replace(self.services.asr_config, language=self.settings.language, pre_roll_s=td.prefix_padding_ms / 1000)
         self._asr = AsyncASRSession(self.services.asr, asr, vad, input_rate=self.config.sample_rate)
         self._asr_offset_s = self.clock.position_s
@@ -251,10 +279,16 @@ class VoicePipeline:
                 return
             self.on_speech_event(event)
 
-    def on_speech_event(self, event: SpeechStarted | SpeechEnded | Transcript | TranscriptionFailed) -> None:
+    def on_speech_event(
+        self, event: SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded | Transcript | TranscriptionFailed
+    ) -> None:
         """One event of the session's ASR stage (speech/messages.py)."""
         if isinstance(event, SpeechStarted):
             self._on_speech_started(event)
+        elif isinstance(event, SpeechPaused):
+            self._on_paused(event)
+        elif isinstance(event, SpeechResumed):
+            self._on_resumed(event)
         elif isinstance(event, SpeechEnded):
             self._on_speech_ended(event)
         elif isinstance(event, Transcript):
@@ -267,19 +301,28 @@ class VoicePipeline:
         item_id = new_id("item")
         self._utterances[event.utterance] = _Utterance(item_id, self.prefills)
         self._speaking = True
+        speech_start = self.clock.at(self._asr_offset_s + event.start_s)
+        if self._answered_endpoint is not None and speech_start - self._answered_endpoint < self.config.false_endpoint_window_ms / 1000:
+            if self.metrics is not None:
+                self.metrics.false_endpoint()
+        self._answered_endpoint = None
         td = self.settings.turn_detection
         if td is not None and td.interrupt_response and self.active_reply is not None:
-            self._interrupt("turn_detected", speech_start=self.clock.at(self._asr_offset_s + event.start_s), detected=detected)
+            self._interrupt("turn_detected", speech_start=speech_start, detected=detected)
         self.outbox.put(UserSpeechStarted(item_id, round((self._asr_offset_s + event.start_s) * 1000)))
 
     def _on_speech_ended(self, event: SpeechEnded) -> None:
         now = time.perf_counter()
         self._speaking = False
         utterance = self._utterances.setdefault(event.utterance, _Utterance(new_id("item")))
-        timeline = Timeline("voice", self._hangover_ms, early_prefill=self.config.early_prefill)
-        timeline.mark("speech_end", min(self.clock.at(self._asr_offset_s + event.speech_end_s), now))
+        timeline = utterance.timeline if utterance.speculation is not None else None
+        if timeline is None:
+            timeline = self._new_timeline()
+            timeline.mark("speech_end", min(self.clock.at(self._asr_offset_s + event.speech_end_s), now))
+            timeline.pause = utterance.paused_at
         timeline.mark("endpoint", now)
         self.services.coscheduler.waits(self.id, utterance.item_id, Wait.ASR_FINAL)
+        timeline.endpoint_by = timeline.endpoint_by or ("commit" if event.committed else "hangover")
         utterance.timeline = timeline
         previous = self.last_item_id
         self._item_ids.append(utterance.item_id)
@@ -287,9 +330,15 @@ class VoicePipeline:
             self.outbox.put(UserSpeechStopped(utterance.item_id, round((self._asr_offset_s + event.speech_end_s) * 1000)))
         self.outbox.put(UserAudioCommitted(utterance.item_id, previous))
 
+    def _new_timeline(self) -> Timeline:
+        return Timeline("voice", self._hangover_ms, early_prefill=self.config.early_prefill, endpointing=self.config.endpointing)
+
     def _on_transcript(self, event: Transcript) -> None:
         utterance = self._utterances.get(event.utterance)
         if utterance is None:
+            return
+        if event.speculative:
+            self._speculate(utterance, event)
             return
         if not event.is_final:
             utterance.partials += 1
@@ -305,14 +354,22 @@ class VoicePipeline:
         self.services.coscheduler.waits(self.id, utterance.item_id, None)
         timeline.partials, timeline.prefills = utterance.partials, self.prefills - utterance.prefills_before
         self._utterances.pop(event.utterance, None)
+        self.outbox.put(UserTranscriptDone(utterance.item_id, event.text, event.audio_end_s))
+        speculation = utterance.speculation
+        if speculation is not None:
+            if speculation is self._reply and event.text == utterance.speculative_text:
+                self._pending.clear()  # the held answer's question holds them
+                self._release(speculation)
+                return
+            self._discard(speculation)
         if event.text.strip():
             self._pending.append(event.text)
             self._heard = timeline  # a response.create for it keeps this timeline
-        self.outbox.put(UserTranscriptDone(utterance.item_id, event.text, event.audio_end_s))
         td = self.settings.turn_detection
         if td is None or not td.create_response or self._speaking or self.active_reply is not None:
             return  # an utterance still being spoken will answer for both
         if self._pending:
+            self._answered_endpoint = timeline.instants.get("endpoint")
             self._start_reply(timeline, None, None, None)
 
     def _on_failed(self, event: TranscriptionFailed) -> None:
@@ -320,6 +377,70 @@ class VoicePipeline:
         if utterance is not None:
             self.services.coscheduler.waits(self.id, utterance.item_id, None)
             self.outbox.put(UserTranscriptFailed(utterance.item_id, event.error))
+
+    # ---- speculative endpointing --------------------------------------------------------------------
+    def _on_paused(self, event: SpeechPaused) -> None:
+        utterance = self._utterances.get(event.utterance)
+        if utterance is not None:
+            utterance.paused_at = time.perf_counter()
+            utterance.speech_end = min(self.clock.at(self._asr_offset_s + event.speech_end_s), utterance.paused_at)
+
+    def _on_resumed(self, event: SpeechResumed) -> None:
+        utterance = self._utterances.get(event.utterance)
+        if utterance is None:
+            return
+        utterance.paused_at = None
+        if utterance.speculation is not None:
+            self._discard(utterance.speculation)
+            utterance.speculation = None
+
+    def _speculate(self, utterance: _Utterance, event: Transcript) -> None:
+        """The pause's transcript: start the answer, held; end the turn now if it reads complete."""
+        td = self.settings.turn_detection
+        if (utterance.paused_at is None or utterance.speech_end is None or not event.text.strip() or td is None
+                or not td.create_response or self.active_reply is not None):  # fmt: skip
+            return
+        timeline = self._new_timeline()
+        timeline.mark("speech_end", utterance.speech_end)
+        timeline.pause = utterance.paused_at
+        timeline.mark("asr_final")
+        utterance.timeline, utterance.speculative_text = timeline, event.text
+        utterance.speculation = self._start_reply(timeline, None, None, None, speculative_text=event.text)
+        if self.metrics is not None:
+            self.metrics.speculation("started")
+        if is_complete(event.text, event.language):
+            timeline.endpoint_by = "completion"
+            assert self._asr is not None
+            self._asr.end_turn()  # its SpeechEnded and final (this decode) follow through _listen
+
+    def _release(self, reply: Reply) -> None:
+        """The turn is confirmed: the held answer goes out (what it generated so far first)."""
+        reply.held = False
+        self._item_ids.append(reply.item_id)
+        self._heard = None
+        self._answered_endpoint = reply.timeline.instants.get("endpoint")
+        if self.metrics is not None:
+            self.metrics.speculation("confirmed")
+        self.outbox.flush()
+
+    def _discard(self, reply: Reply) -> None:
+        """The user went on: stop the held answer everywhere; none of its events is ever sent."""
+        if reply.discarded:
+            return
+        reply.discarded = True
+        if reply is self._reply:
+            self._generation.advance()
+            self._reply = None
+        reply.token.cancel()
+        self.services.answerer.engine.abort(reply.request_id)
+        if reply.task is not None and not reply.task.done():
+            reply.task.cancel()
+        if reply.recorded:  # it finished: the answerer added the turn
+            self.conversation.turns.pop()
+            reply.recorded = False
+        self.outbox.flush()
+        if self.metrics is not None:
+            self.metrics.speculation("cancelled")
 
     # ---- early prefill ---------------------------------------------------------------------------
     def _prefill(self, utterance: int, text: str) -> None:
@@ -344,21 +465,28 @@ class VoicePipeline:
     # ---- answering ---------------------------------------------------------------------------------
     def _start_reply(
         self, timeline: Timeline, modalities: tuple[str, ...] | None, max_output_tokens: int | None,
-        metadata: dict[str, str] | None,
+        metadata: dict[str, str] | None, speculative_text: str | None = None,
     ) -> Reply:  # fmt: skip
-        if not self._pending:
+        """Answer the pending text; or, held, the pending text and ``speculative_text`` (the
+        utterance at a pause: the pending text stays until the turn is confirmed)."""
+        if speculative_text is not None:
+            question = "\n".join([*self._pending, speculative_text])
+        elif not self._pending:
             raise TurnError("no_user_input", "there is no user message to answer; add one with conversation.item.create")
-        question = "\n".join(self._pending)
-        self._pending.clear()
-        self._heard = None
+        else:
+            question = "\n".join(self._pending)
+            self._pending.clear()
+            self._heard = None
         rid = new_id("resp")
         reply = Reply(
             rid, new_id("item"), f"{self.id}-{rid}", question, self._generation.advance(), timeline,
             modalities or self.settings.output_modalities, max_output_tokens or self.settings.max_output_tokens, metadata,
+            held=speculative_text is not None,
         )  # fmt: skip
         self._reply = reply
         self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_TOKEN)
-        self._item_ids.append(reply.item_id)
+        if not reply.held:
+            self._item_ids.append(reply.item_id)
         self.outbox.put(ResponseStarted(reply))
         reply.task = self._spawn(self._run_reply(reply))
         return reply
@@ -455,6 +583,9 @@ class VoicePipeline:
         """Barge-in or cancel: stop the reply in flight everywhere at once."""
         reply = self.active_reply
         if reply is None:
+            return
+        if reply.held:  # a speculation the client does not know of: drop it unseen
+            self._discard(reply)
             return
         self._generation.advance()  # the reply's token is cancelled: TTS stops, queued audio is stale
         self.services.answerer.engine.abort(reply.request_id)

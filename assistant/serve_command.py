@@ -67,6 +67,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--asr-load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: a large-v3-turbo-shaped Whisper with random weights, for timing")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
+    s.add_argument("--endpointing", choices=("fixed", "speculative"), default="fixed",
+                   help="fixed (default): a turn ends after --hangover-ms of silence; speculative: answer at a short pause, "
+                        "hold the audio until the turn is confirmed (hangover, or a transcript that reads complete)")
+    s.add_argument("--speculative-pause-ms", type=int, default=200, help="silence that starts a speculative answer (default 200)")
     s.add_argument("--max-utterance-s", type=float, default=30.0,
                    help="longer continuous speech is cut there and answered as a turn (default 30; 0: no limit)")
     s.add_argument("--tts-backend", choices=("hibari", "espeak", "coqui"), default="hibari", help="voice of the answers (default: the bundled hibari)")
@@ -104,8 +108,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
-                        coscheduler=a.coscheduler == "on", output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend,
-                        tts_model=a.tts_model, tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
+                        coscheduler=a.coscheduler == "on", endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
+                        output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
+                        tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip
     config = ServerConfig(host=a.host, port=a.port, model_name=a.served_model_name, max_sessions=a.max_sessions,
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
                           max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,

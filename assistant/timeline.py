@@ -1,10 +1,13 @@
 """Per-turn timeline: when each stage of a turn finished, on one clock (``time.perf_counter``).
 
-The stages, in order: ``speech_end`` (the user's last voiced frame),
-``endpoint`` (the server decided the turn is over), ``asr_final``, ``response_requested`` (the
-client's ``response.create`` arrived; only in a spoken turn the server did not answer on its own,
-as with push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
+The stages, in order: ``speech_end`` (the user's last voiced frame), ``endpoint`` (the server
+decided the turn is over: with speculative endpointing, when the turn was confirmed, by the
+hangover or by the turn-completion rule), ``asr_final``, ``response_requested`` (the client's
+``response.create`` arrived; only in a spoken turn the server did not answer on its own, as with
+push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
 speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
+Stages are reported in the order they happened (a speculative answer's LLM and TTS stages may
+come before its ``endpoint``: its audio waits for the confirmation), in the order above for ties.
 A stage's *share* is the time from the previous recorded stage to it, so the shares add up to the
 total (first to last recorded instant): the client's wait before asking for the answer is the
 share of ``response_requested``, not part of ``llm_first_token``'s. The total is reported with the
@@ -76,6 +79,9 @@ class Timeline:
     partials: int = 0  # partial transcripts of the utterance before its final
     prefills: int = 0  # early-prefill requests of the utterance finished before its final
     barge_in: BargeIn | None = None
+    endpointing: str = "fixed"  # fixed | speculative (VoiceConfig.endpointing)
+    endpoint_by: str | None = None  # hangover | completion (the turn-completion rule) | commit (the client)
+    pause: float | None = None  # speculative endpointing: when the short pause was heard (the answer then starts)
 
     def mark(self, stage: str, at: float | None = None) -> bool:
         """Record ``stage`` at ``at`` (default: now) unless already recorded; True if recorded."""
@@ -87,8 +93,8 @@ class Timeline:
         return True
 
     def recorded(self) -> list[tuple[str, float]]:
-        """The recorded (stage, instant) pairs in stage order."""
-        return [(s, self.instants[s]) for s in STAGES if s in self.instants]
+        """The recorded (stage, instant) pairs in the order they happened (stage order for ties)."""
+        return sorted(((s, self.instants[s]) for s in STAGES if s in self.instants), key=lambda pair: pair[1])
 
     def offsets_ms(self) -> dict[str, float]:
         """Each recorded stage in ms after the first, rounded to the microsecond (all figures
@@ -135,7 +141,15 @@ class Timeline:
             "partials": self.partials,
             "prefills": self.prefills,
             "barge_in": self.barge_in.to_dict() if self.barge_in else None,
+            "endpointing": self.endpointing,
+            "endpoint_by": self.endpoint_by,
+            "pause_ms": self._after_first(self.pause),
         }
+
+    def _after_first(self, instant: float | None) -> float | None:
+        """ms from the first recorded stage to ``instant`` (None if either is missing)."""
+        pairs = self.recorded()
+        return None if instant is None or not pairs else _ms(instant - pairs[0][1])
 
 
 def _ms(seconds: float) -> float:
@@ -202,6 +216,15 @@ class TimelineMetrics:
             "assistant_turns", "Finished turns by source and response status.", ("source", "status"),
             registry=self.registry,
         )  # fmt: skip
+        self._speculations = Counter(
+            "assistant_speculations", "Speculative answers started at a short pause, then confirmed (released) "
+            "or cancelled (the user went on: nothing was sent).", ("outcome",), registry=self.registry,
+        )  # fmt: skip
+        self._false_endpoints = Counter(
+            "assistant_false_endpoints", "Answered turns whose user spoke again within the false-endpoint window "
+            "of the endpoint (VoiceConfig.false_endpoint_window_ms): the turn was likely not over.",
+            registry=self.registry,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._recent: dict[tuple[str, str], deque[float]] = {}
         self.window = window
@@ -222,6 +245,14 @@ class TimelineMetrics:
         with self._lock:
             for kind, name, ms in values:
                 self._recent.setdefault((kind, name), deque(maxlen=self.window)).append(ms / 1000.0)
+
+    def speculation(self, outcome: str) -> None:
+        """Count a speculative answer: started, confirmed or cancelled."""
+        self._speculations.labels(outcome).inc()
+
+    def false_endpoint(self) -> None:
+        """Count an answered turn that the user went on speaking into (see ``_false_endpoints``)."""
+        self._false_endpoints.inc()
 
     def recent(self) -> dict[tuple[str, str], list[float]]:
         """A copy of the recent values per (kind, name), kind "stage" or "span"."""

@@ -36,6 +36,8 @@ class VADConfig:
     hangover_ms: unvoiced audio after the last voiced frame before the endpoint is declared.
     use_silero: a frame counts as voiced only if Silero (the ONNX model shipped in faster-whisper)
     also hears speech; webrtcvad alone takes steady noise for speech.
+    pause_ms: silence inside an utterance that reports ``SpeechPaused`` (and speech after it
+    ``SpeechResumed``), for speculative endpointing; shorter than ``hangover_ms``. None: off.
     max_utterance_s: an utterance that reaches this length ends there as if the speaker had
     paused (``SpeechEnded.cut``), so it is transcribed as a turn and one caller's endless speech
     cannot hold the shared ASR worker with ever longer decodes; speech going on starts the next
@@ -51,6 +53,7 @@ class VADConfig:
     silero_threshold: float = 0.5
     silero_model: Path | None = None  # None: faster_whisper/assets/silero_vad_v6.onnx
     max_utterance_s: float | None = 30.0
+    pause_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -74,6 +77,10 @@ class VADConfig:
         _check(
             self.max_utterance_s is None or self.max_utterance_s * 1000 > self.start_ms,
             f"VADConfig.max_utterance_s={self.max_utterance_s}: must be longer than start_ms, or None",
+        )
+        _check(
+            self.pause_ms is None or 0 < self.pause_ms < self.hangover_ms,
+            f"VADConfig.pause_ms={self.pause_ms}: must be > 0 and shorter than hangover_ms={self.hangover_ms}, or None",
         )
 
     @property

@@ -38,12 +38,32 @@ class SpeechEnded:
 
 
 @dataclass(frozen=True)
+class SpeechPaused:
+    """The utterance in progress has been silent ``VADConfig.pause_ms`` (less than the hangover):
+    it may be over. ``speech_end_s`` is its last voiced frame, ``paused_s`` when VAD knew."""
+
+    utterance: int
+    speech_end_s: float
+    paused_s: float
+
+
+@dataclass(frozen=True)
+class SpeechResumed:
+    """Speech went on after a :class:`SpeechPaused`, before the hangover: the same utterance."""
+
+    utterance: int
+    resumed_s: float
+
+
+@dataclass(frozen=True)
 class Transcript:
     """A transcript of one utterance.
 
     A partial (``is_final=False``) carries only the stable prefix, so every partial is a prefix of
     the later partials and of the final. ``audio_end_s`` is the stream time the decoded audio ends
     at; ``queue_s`` and ``decode_s`` are the time spent waiting for and inside the model.
+    ``speculative`` (with ``is_final``): a decode of the utterance so far made at a
+    :class:`SpeechPaused`; the utterance may still go on (a :class:`SpeechResumed` then follows).
     """
 
     utterance: int
@@ -53,6 +73,7 @@ class Transcript:
     audio_end_s: float
     queue_s: float
     decode_s: float
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,4 +96,4 @@ class AudioChunk:
         return len(self.pcm) / self.sample_rate
 
 
-ASREvent = SpeechStarted | SpeechEnded | Transcript | TranscriptionFailed
+ASREvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded | Transcript | TranscriptionFailed

@@ -6,6 +6,11 @@ voiced audio starts an utterance; ``hangover_ms`` of unvoiced audio after the la
 ends it. Two instants are reported apart: ``speech_end_s`` (end of the last voiced frame, when the
 user stopped) and ``endpoint_s`` (when the hangover elapsed, i.e. when we decided). An utterance
 still voiced at ``max_utterance_s`` is ended there (``cut``); its speech end is the cut.
+
+With ``pause_ms`` (shorter than the hangover), ``pause_ms`` of silence inside an utterance reports
+``SpeechPaused`` (the turn may be over: a caller can start answering speculatively) and a voiced
+frame after it ``SpeechResumed`` (it was not: same utterance). ``end_turn()`` ends the utterance
+at once, for a caller that decided the turn is complete before the hangover.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import webrtcvad
 
 from speech.audio import Resampler, split_frames, to_float32, to_pcm16
 from speech.config import VADConfig
-from speech.messages import SpeechEnded, SpeechStarted
+from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted
 
-VADEvent = SpeechStarted | SpeechEnded
+VADEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded
 
 
 class SileroVAD:
@@ -78,6 +83,8 @@ class VoiceActivityDetector:
         self._frame = self.config.frame_samples
         self._start_frames = -(-self.config.start_ms // self.config.frame_ms)
         self._hangover = self.config.hangover_ms * self.config.sample_rate // 1000
+        pause_ms = self.config.pause_ms
+        self._pause = None if pause_ms is None else pause_ms * self.config.sample_rate // 1000
         max_s = self.config.max_utterance_s
         self._max_utterance = None if max_s is None else round(max_s * self.config.sample_rate)
         self.reset()
@@ -103,6 +110,7 @@ class VoiceActivityDetector:
         self._run_frames = 0
         self._start = 0
         self._last_voiced_end = 0
+        self._paused = False
 
     @property
     def in_speech(self) -> bool:
@@ -137,6 +145,13 @@ class VoiceActivityDetector:
             return None
         return self._end(endpoint=self._received, committed=True)
 
+    def end_turn(self) -> SpeechEnded | None:
+        """End the utterance in progress now, as the hangover would (the caller judged the turn
+        complete during a pause); None if there is none."""
+        if not self._in_speech:
+            return None
+        return self._end(endpoint=self._decided, committed=False)
+
     def _score_silero(self, floats: np.ndarray) -> None:
         audio16k = floats if self._to16k is None else self._to16k.process(floats)
         high, low = self.config.silero_threshold, self.config.silero_threshold - 0.15
@@ -163,31 +178,37 @@ class VoiceActivityDetector:
                 )
             self._webrtc_votes.popleft()
             self._decided = end
-            event = self._step(voiced, start, end)
-            if event is not None:
-                events.append(event)
+            events += self._step(voiced, start, end)
         return events
 
-    def _step(self, voiced: bool, start: int, end: int) -> VADEvent | None:
+    def _step(self, voiced: bool, start: int, end: int) -> list[VADEvent]:
+        rate = self.config.sample_rate
+        events: list[VADEvent] = []
         if voiced:
             if self._run_frames == 0:
                 self._run_start = start
             self._run_frames += 1
             self._last_voiced_end = end
+            if self._paused:
+                self._paused = False
+                events.append(SpeechResumed(self._utterance, start / rate))
         else:
             self._run_frames = 0
         if not self._in_speech:
             if self._run_frames >= self._start_frames:
                 self._in_speech = True
                 self._start = self._run_start
-                rate = self.config.sample_rate
-                return SpeechStarted(self._utterance, self._run_start / rate, end / rate)
-            return None
-        if end - self._last_voiced_end >= self._hangover:
-            return self._end(endpoint=end, committed=False)
+                return [SpeechStarted(self._utterance, self._run_start / rate, end / rate)]
+            return []
+        silence = end - self._last_voiced_end
+        if silence >= self._hangover:
+            return [*events, self._end(endpoint=end, committed=False)]
         if self._max_utterance is not None and end - self._start >= self._max_utterance:
-            return self._end(endpoint=end, committed=False, cut=True)
-        return None
+            return [*events, self._end(endpoint=end, committed=False, cut=True)]
+        if self._pause is not None and silence >= self._pause and not self._paused:
+            self._paused = True
+            events.append(SpeechPaused(self._utterance, self._last_voiced_end / rate, end / rate))
+        return events
 
     def _end(self, endpoint: int, committed: bool, cut: bool = False) -> SpeechEnded:
         rate = self.config.sample_rate
@@ -200,6 +221,7 @@ class VoiceActivityDetector:
             cut=cut,
         )
         self._in_speech = False
+        self._paused = False
         self._run_frames = 0
         self._utterance += 1
         return event

@@ -5,6 +5,12 @@ While the user speaks, the growing utterance is re-decoded every ``partial_inter
 its stable prefix (:class:`~speech.asr.stable_prefix.StablePrefix`) is emitted, forced as the
 decoder prefix of every later decode, so each partial is a prefix of the later ones and of the
 final. No partials are decoded while the speaker pauses, so the worker is free when the final comes.
+
+Speculation (``VADConfig.pause_ms``): at a short pause the utterance so far is decoded as a final
+would be and delivered as a ``speculative`` transcript, so a caller can start answering before the
+hangover. If the speech does not go on, that decode *is* the final (the audio differs only by
+trailing silence): the final then comes without a second decode, at once if the speculative one
+is done. Speech going on (``SpeechResumed``) drops it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,10 +27,22 @@ from speech.asr.stable_prefix import StablePrefix
 from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import Resampler, check_rate, to_float32
 from speech.config import ASRConfig, ConfigError, VADConfig
-from speech.messages import ASREvent, SpeechEnded, SpeechStarted, Transcript, TranscriptionFailed
+from speech.messages import (
+    ASREvent, SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted, Transcript, TranscriptionFailed,
+)  # fmt: skip
 from speech.vad import VoiceActivityDetector
 
 PARTIAL_MAX_SILENCE_S = 0.15  # no partial decodes once the speaker pauses: nothing new to hear
+
+
+@dataclass
+class _Speculation:
+    """The decode of an utterance at its pause, and whether its final is waiting for it."""
+
+    utterance: int
+    final: Transcript | None = None
+    error: str | None = None
+    final_wanted: bool = False
 
 
 class ASRSession:
@@ -64,6 +83,8 @@ class ASRSession:
         self._speech_start = 0
         self._last_partial = 0
         self._stable = StablePrefix()
+        self._speculation: _Speculation | None = None
+        self._vad_lock = threading.Lock()  # feed() runs VAD in a thread; end_turn() may come from another
         self._keep_idle = round((asr.pre_roll_s + vad.start_ms / 1000 + 1.0) * ASR_SAMPLE_RATE)
         self._closed = False
 
@@ -75,19 +96,34 @@ class ASRSession:
         with self._lock:
             self._audio = np.concatenate([self._audio, samples])
             self._total += len(samples)
-        for event in self._vad.process(samples):
-            if isinstance(event, SpeechStarted):
-                self._start(event)
-            else:
-                self._finish(event)
+        with self._vad_lock:
+            for event in self._vad.process(samples):
+                if isinstance(event, SpeechStarted):
+                    self._start(event)
+                elif isinstance(event, SpeechPaused):
+                    self._speculate(event)
+                elif isinstance(event, SpeechResumed):
+                    self._resume(event)
+                else:
+                    self._finish(event)
         self._maybe_partial()
         self._trim()
 
     def commit(self) -> SpeechEnded | None:
         """End the current utterance now (the client says the turn is over); None if silent."""
-        event = self._vad.commit()
-        if event is not None:
-            self._finish(event)
+        with self._vad_lock:
+            event = self._vad.commit()
+            if event is not None:
+                self._finish(event)
+        return event
+
+    def end_turn(self) -> SpeechEnded | None:
+        """End the current utterance now, as the hangover would (the caller judged it complete
+        at a pause); None if silent."""
+        with self._vad_lock:
+            event = self._vad.end_turn()
+            if event is not None:
+                self._finish(event)
         return event
 
     def close(self) -> None:
@@ -112,16 +148,54 @@ class ASRSession:
             self._stable = StablePrefix()
         self._emit(event)
 
+    def _end_sample(self, speech_end_s: float) -> int:
+        return min(self._total, round((speech_end_s + self.asr.post_roll_s) * ASR_SAMPLE_RATE))
+
     def _finish(self, event: SpeechEnded) -> None:
         with self._lock:
-            end = min(
-                self._total,
-                round((event.speech_end_s + self.asr.post_roll_s) * ASR_SAMPLE_RATE),
-            )
-            job = self._job(event.utterance, True, end)
+            job = self._job(event.utterance, True, self._end_sample(event.speech_end_s))
             self._utterance = None
+            spec, self._speculation = self._speculation, None
+        self._emit(event)
+        if spec is None or spec.utterance != event.utterance:
+            self._worker.submit(job)
+            return
+        with self._lock:  # the pause's decode is this final: use it, now or when it is done
+            final, error = spec.final, spec.error
+            spec.final_wanted = final is None and error is None
+        if final is not None:
+            self._emit(final)
+        elif error is not None:
+            self._worker.submit(job)
+
+    def _speculate(self, event: SpeechPaused) -> None:
+        with self._lock:
+            spec = self._speculation = _Speculation(event.utterance)
+            job = self._job(event.utterance, True, self._end_sample(event.speech_end_s))
+        job = replace(job, on_done=lambda j, result, queue_s, decode_s: self._on_speculation(spec, j, result, queue_s, decode_s))
         self._emit(event)
         self._worker.submit(job)
+
+    def _resume(self, event: SpeechResumed) -> None:
+        with self._lock:
+            self._speculation = None
+        self._emit(event)
+
+    def _on_speculation(
+        self, spec: _Speculation, job: ASRJob, result: Decoded | Exception, queue_s: float, decode_s: float
+    ) -> None:
+        final = None
+        with self._lock:
+            if isinstance(result, Exception):
+                spec.error = f"{type(result).__name__}: {result}"
+            else:
+                text = result.text if result.text.startswith(job.prefix) else job.prefix
+                spec.final = final = Transcript(job.utterance, text, True, result.language, job.audio_end_s, queue_s, decode_s)
+            wanted, current = spec.final_wanted, self._speculation is spec
+        if wanted:
+            self._emit(final if final is not None else TranscriptionFailed(job.utterance, spec.error or ""))
+        elif current and final is not None:
+            self._emit(replace(final, speculative=True))
 
     def _maybe_partial(self) -> None:
         interval = self.asr.partial_interval_s
@@ -217,6 +291,9 @@ class AsyncASRSession:
 
     def commit(self) -> SpeechEnded | None:
         return self._session.commit()
+
+    def end_turn(self) -> SpeechEnded | None:
+        return self._session.end_turn()
 
     def close(self) -> None:
         """Stop the session; an ``async for`` over it ends."""

@@ -29,11 +29,12 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out, png = tmp_path / "bench.json", tmp_path / "waterfall.png"
-    r = bench("--callers", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--burst", "--docs", str(docs), "--asr", str(whisper_tiny_path),
+    r = bench("--callers", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--pause-ms", "300", "--burst", "--docs", str(docs), "--asr", str(whisper_tiny_path),
               "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--plot", str(png))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| server: speech_end -> first audio sent |" in r.stdout and "| client: end of speech -> first audio received |" in r.stdout
     assert "2 caller(s), burst p50 / p95 / p99" in r.stdout
+    assert "| false endpoints: questions with a pause / spoken whole | 0 of 2 / 0 of 2 | 0 of 0 / 0 of 2 |" in r.stdout
     report = json.loads(out.read_text())
     assert report["date"] and "--burst" in report["command"] and "gpu" in report
     assert report["meta"]["versions"]["faster-whisper"] and report["meta"]["cores"] >= 1
@@ -43,6 +44,9 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
             assert turn["error"] is None and turn["status"] in ("completed", "incomplete")
             assert list(turn["timeline"]["instants_ms"]) == HANDS_FREE
             assert turn["wer"] <= 0.25 and turn["client_s2a_ms"] > turn["client_s2a_minus_hangover_ms"] > 0
+        paused = [t for t in phase["turns"] if t["pause_ms"] is not None]  # every second turn of a conversation
+        assert [t["turn"] for t in paused] == ([1, 1] if phase["pattern"] == "conversation" else [])
+        assert phase["false_endpoints"]["paused"] == {"false": 0, "n": len(paused), "rate": 0.0 if paused else None}
         summary = phase["summary"]
         for key in (*HANDS_FREE[1:], "speech_end_to_first_audio", "endpoint_to_first_audio", "client_s2a", "client_s2a_minus_hangover"):
             assert summary[key]["p50"] <= summary[key]["p95"] <= summary[key]["p99"] and summary[key]["n"] == len(phase["turns"])
@@ -99,3 +103,22 @@ def test_bench_without_a_server_fails_with_a_message() -> None:
     r = bench("--url", "ws://127.0.0.1:9/v1/realtime", "--callers", "1", "--turns", "1", timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error:")
     assert "Traceback" not in r.stderr
+
+
+def test_paused_questions_have_the_pause_they_say() -> None:
+    """Each question's halves are joined by its pause exactly: the silence between its two runs
+    of speech (by the same -40 dB envelope) is the pause, and the question ends at its speech end."""
+    import numpy as np
+
+    from assistant.bench_callers import RATE, speak_paused, speech_bounds
+
+    texts = ("How do I apply for annual leave?", "How long is the probation period?")
+    for q, pause in zip(speak_paused(texts, (300, 700)), (300, 700), strict=True):
+        audio = np.frombuffer(q.pcm, "<i2").astype(np.float32) / 32768
+        envelope = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(RATE // 100) / (RATE // 100), "same"))
+        quiet = envelope <= envelope.max() * 0.01
+        start, end = speech_bounds(audio)
+        runs = np.flatnonzero(np.diff(quiet[round(start * RATE) : round(end * RATE)].astype(int)))
+        longest = max((b - a for a, b in zip(runs[::2], runs[1::2])), default=0) / RATE
+        assert q.pause_ms == pause and abs(longest - pause / 1000) <= 0.03, (q.text, longest)
+        assert q.speech_end_s == len(audio) / RATE

@@ -151,3 +151,18 @@ def test_metrics_export_histograms_and_recent_quantiles() -> None:
     assert recent("0.5") == pytest.approx(0.3) and recent("0.99") == pytest.approx(quantile([0.3, 0.4, 0.3], 0.99))
     total = samples[("assistant_turn_total_recent_seconds", (("quantile", "0.9"), ("span", "speech_end_to_first_audio")))]
     assert total == pytest.approx(quantile([1.251, 1.351, 1.251], 0.9))
+
+
+def test_a_speculative_turn_lists_its_stages_in_the_order_they_happened() -> None:
+    """A speculative answer is generated before its turn is confirmed: ``endpoint`` comes after
+    the TTS stages, every share stays >= 0 and the shares still add up to the total."""
+    t = Timeline("voice", 500, endpointing="speculative", endpoint_by="hangover", pause=10.2)
+    for stage, at in (("speech_end", 10.0), ("asr_final", 10.35), ("llm_first_token", 10.4), ("first_chunk", 10.42),
+                      ("tts_first_audio", 10.45), ("endpoint", 10.5), ("first_audio_sent", 10.51)):  # fmt: skip
+        t.mark(stage, at)
+    assert list(t.offsets_ms()) == ["speech_end", "asr_final", "llm_first_token", "first_chunk", "tts_first_audio",
+                                    "endpoint", "first_audio_sent"]  # fmt: skip
+    assert min(t.shares_ms().values()) >= 0 and sum(t.shares_ms().values()) == pytest.approx(t.total_ms)
+    report = t.to_dict()
+    assert report["pause_ms"] == pytest.approx(200) and report["endpoint_to_first_audio_ms"] == pytest.approx(10)
+    assert (report["endpointing"], report["endpoint_by"]) == ("speculative", "hangover")

@@ -7,7 +7,7 @@ import pytest
 
 from speech.audio import resample
 from speech.config import ConfigError, VADConfig
-from speech.messages import SpeechEnded, SpeechStarted
+from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted
 from speech.vad import VoiceActivityDetector
 
 
@@ -128,3 +128,34 @@ def test_utterances_are_numbered_and_reset_restarts_time(question_clips) -> None
 def test_bad_vad_settings_are_rejected(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         VADConfig(**kwargs)
+
+
+def test_a_short_pause_is_reported_and_speech_after_it_resumes_the_utterance(question_clips) -> None:
+    first, second = (resample(c.audio, c.sample_rate, 16000) for c in question_clips[:2])
+    lead = round(question_clips[1].speech_start_s * 16000)
+    first_end = question_clips[0].speech_end_s
+    gap = np.zeros(round(0.3 * 16000), np.float32)  # with the soft onset, a pause of about 0.35 s
+    audio = np.concatenate([first[: round(first_end * 16000)], gap, second[lead:]])
+    events = run(VoiceActivityDetector(VADConfig(pause_ms=200)), audio)
+    assert [type(e) for e in events] == [SpeechStarted, SpeechPaused, SpeechResumed, SpeechPaused, SpeechEnded]
+    _, paused, resumed, last_pause, ended = events
+    assert abs(paused.speech_end_s - first_end) <= 0.060
+    assert paused.paused_s == pytest.approx(paused.speech_end_s + 0.2, abs=0.031)
+    assert resumed.resumed_s >= paused.paused_s and last_pause.speech_end_s == ended.speech_end_s
+    assert ended.endpoint_s == pytest.approx(ended.speech_end_s + 0.5, abs=0.031)
+    assert [type(e) for e in run(VoiceActivityDetector(), audio)] == [SpeechStarted, SpeechEnded]  # off by default
+
+
+def test_end_turn_ends_the_utterance_at_the_pause(question_clips) -> None:
+    clip = question_clips[0]
+    audio = resample(clip.audio, clip.sample_rate, 16000)
+    vad = VoiceActivityDetector(VADConfig(pause_ms=200))
+    events = []
+    for i in range(0, len(audio), 480):
+        events += vad.process(audio[i : i + 480])
+        if events and isinstance(events[-1], SpeechPaused):
+            break
+    ended = vad.end_turn()
+    assert isinstance(ended, SpeechEnded) and not ended.committed
+    assert ended.speech_end_s == events[-1].speech_end_s and ended.endpoint_s == pytest.approx(events[-1].paused_s, abs=0.031)
+    assert vad.end_turn() is None and not vad.in_speech
