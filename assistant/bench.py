@@ -214,6 +214,41 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
                                "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory),
                                "turns": [asdict(r) for r in turns]})  # fmt: skip
         ok = all(not p["results"]["lost_turns"] for p in phases)
+    finally:
+        if server is not None:
+            server.stop(keep_log=not ok)
+
+
+def http_base(ws_url: str) -> str:
+    """http://HOST:PORT of a ws://HOST:PORT/v1/realtime address."""
+    return ws_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).split("/v1/", 1)[0]
+
+
+def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
+    """device -> owner -> bytes, from the server's ``assistant_memory_bytes`` ({} if it has none)."""
+    text = httpx.get(http_url + "/metrics", timeout=30).text
+    memory: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "assistant_memory_bytes":
+                memory.setdefault(sample.labels["device"], {})[sample.labels["owner"]] = sample.value
+    return memory
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name (nvidia-smi), or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def counts(value: str) -> list[int]:
+    """"1,8,32" (or one number) -> [1, 8, 32]."""
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected caller counts like 1,8,32, got {value!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
