@@ -31,7 +31,7 @@ and every turn; ``--plot`` draws a waterfall PNG (one row per turn, the stages s
 
 Configurations (``--config``; server options given as well are passed after them, so they win):
 - ``8b``: the Llama-3.1-8B shape with random weights (engine/configs/llama-3.1-8b.json) and the
-  bundled handbook as its cached prefix, answers capped at 64 tokens, a Whisper large-v3-turbo
+  bundled handbook as its cached prefix, answers capped at 24 tokens, a Whisper large-v3-turbo
   shape with random weights, the hibari voice (ONNX, on the CPU); the LLM and Whisper on CUDA;
 - ``real``: the embedded models (Whisper base, SmolLM2, hibari) with the engine on CUDA.
 Any other ``python -m assistant serve`` option reaches the server with ``--server-arg=--flag=value``.
@@ -78,11 +78,12 @@ VERSIONED = ("torch", "faster-whisper", "ctranslate2", "onnxruntime", "webrtcvad
 LLAMA_8B = Path(__file__).resolve().parent.parent / "engine" / "configs" / "llama-3.1-8b.json"
 # --config NAME: the server options it stands for. The engine plans in 80% of the GPU, leaving the rest
 # to Whisper (weights, KV cache, graphs), and decodes up to 128 answers at once (one per caller at the
-# most); random 8B answers are capped at 64 tokens, about a real answer's two or three sentences (a
+# most); random 8B answers are capped at 24 tokens, about a real answer's first sentence: the voice reads every
+# token of a random answer, and the callers wait for the answer's audio to end before their next question (a
 # random model never stops by itself).
 CONFIGS: dict[str, tuple[str, ...]] = {
     "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda", "--gpu-memory-utilization", "0.8",
-           "--max-num-seqs", "128", "--max-tokens", "64", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
+           "--max-num-seqs", "128", "--max-tokens", "24", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
     "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "128"),
 }  # fmt: skip
 COSCHEDULER_OFF = ("--coscheduler", "off")  # the A/B's second server

@@ -119,7 +119,7 @@ class CudaGraphRunner:
                     self._step(bs, meta)
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.outputs[bs] = self._step(bs, meta)
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
@@ -195,7 +195,7 @@ class _Piece:
                 fn()  # warm-up: cuBLAS heuristics, Triton compiles
                 torch.cuda.synchronize(device)
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
+                with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                     self.outputs = fn()
             else:
                 self.graph = None
@@ -412,7 +412,7 @@ class MixedGraphRunner:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
         self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)

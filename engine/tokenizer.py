@@ -40,9 +40,10 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
     def pad_vocab(self, size: int) -> None:
-        """Add placeholder tokens ``" <ID>"`` up to ``size`` ids (for random weights whose vocabulary
-        is larger than the tokenizer lent to them); encoding of ordinary text is unchanged."""
-        self.hf.add_tokens([f" <{i}>" for i in range(len(self.hf), size)])
+        """Add placeholder tokens up to ``size`` ids (for random weights whose vocabulary is larger
+        than the tokenizer lent to them): ``" ~"`` and the id in letters (``" ~ab"``), short enough
+        for a voice to say quickly; ordinary text (no ``~``) encodes as before."""
+        self.hf.add_tokens([f" ~{_letters(i)}" for i in range(len(self.hf), size)])
 
     @property
     def vocab_size(self) -> int:
@@ -68,3 +69,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt)
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+
+def _letters(n: int) -> str:
+    """``n`` in base 26, written with the letters a-z."""
+    out = ""
+    while True:
+        n, r = divmod(n, 26)
+        out = chr(97 + r) + out
+        if n == 0:
+            return out
