@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -76,9 +77,11 @@ class Answerer:
         self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
 
     @classmethod
-    def create(cls, config: AssistantConfig, step_bound: StepBoundPolicy | None = None) -> Answerer:
+    def create(cls, config: AssistantConfig, step_bound: StepBoundPolicy | None = None,
+               gpu_lock: AbstractContextManager | None = None) -> Answerer:  # fmt: skip
         """Load the engine and the documents; ``step_bound`` goes to the engine's scheduler (the
-        co-scheduler's :meth:`~assistant.coscheduler.CoScheduler.step_bound`)."""
+        co-scheduler's :meth:`~assistant.coscheduler.CoScheduler.step_bound`), ``gpu_lock`` is held
+        around the engine's CUDA graph captures (the speech models' GPU work holds it too)."""
         config.validate()
         library = load_library(config.docs_dir)
         opts = config.engine
@@ -97,7 +100,7 @@ class Answerer:
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             max_model_len=opts.max_model_len,
         )
-        engine = AsyncEngine(engine_config, step_bound=step_bound)
+        engine = AsyncEngine(engine_config, step_bound=step_bound, capture_lock=gpu_lock)
         try:
             return cls(config, engine, library)
         except BaseException:

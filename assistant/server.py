@@ -12,6 +12,7 @@ turns; the warm-up's requests are not counted).
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 from fastapi import FastAPI, WebSocket
@@ -40,8 +41,11 @@ class AssistantServer:
         config.validate()
         self.config = config
         coscheduler = CoScheduler.from_config(config.voice)
-        self.answerer = answerer or Answerer.create(config.assistant, step_bound=coscheduler.step_bound)
-        self.services = VoiceServices.load(self.answerer, config.voice, coscheduler)
+        # One lock for the GPU work that must not overlap a CUDA graph capture: the engine's
+        # captures (at start-up and while serving) and Whisper's batches.
+        self.gpu_lock = threading.Lock()
+        self.answerer = answerer or Answerer.create(config.assistant, step_bound=coscheduler.step_bound, gpu_lock=self.gpu_lock)
+        self.services = VoiceServices.load(self.answerer, config.voice, coscheduler, self.gpu_lock)
         self.model_name = config.model_name or Path(config.assistant.engine.model or default_model_path()).stem
         self.timelines = TimelineMetrics()
         self.sessions: set[RealtimeSession] = set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,10 +45,12 @@ class VoiceServices:
     coscheduler: CoScheduler
 
     @classmethod
-    def load(cls, answerer: Answerer, config: VoiceConfig, coscheduler: CoScheduler) -> VoiceServices:
+    def load(cls, answerer: Answerer, config: VoiceConfig, coscheduler: CoScheduler,
+             gpu_lock: AbstractContextManager | None = None) -> VoiceServices:  # fmt: skip
         """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice (one instance
         per TTS worker thread, each warmed up), their workers built with the co-scheduler's hooks
-        (``answerer``'s engine should have its step bound)."""
+        (``answerer``'s engine should have its step bound; ``gpu_lock`` is the lock its CUDA graph
+        captures hold, which Whisper holds around its GPU batches)."""
         asr_config = ASRConfig(
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
@@ -56,7 +59,7 @@ class VoiceServices:
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
                                workers=config.tts_workers)  # fmt: skip
-        asr = ASRWorker.from_config(asr_config, coscheduler.asr_policy())
+        asr = ASRWorker.from_config(asr_config, coscheduler.asr_policy(), gpu_lock)
         tts = TTSWorker.from_config(tts_config, first_pieces_first=coscheduler.enabled)
         return cls(answerer, asr, asr_config, tts, config, coscheduler)
 

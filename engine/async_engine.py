@@ -7,6 +7,8 @@ that stops iterating (a client that went away) aborts its request, which frees i
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import asyncio
 import logging
 import queue
@@ -61,18 +63,20 @@ class _ResetCounters:
 class AsyncEngine:
     def __init__(
         self, config: EngineConfig | None = None, *, core: EngineCore | None = None, step_bound: StepBoundPolicy | None = None,
+        capture_lock: AbstractContextManager | None = None,
     ) -> None:
         """From a config the engine thread itself loads the model (and waits here until it has,
         re-raising a load error): the thread that runs torch should be the one that loaded it.
         On the CPU, OpenMP thread pools are per calling thread, and a model loaded on one thread
         and stepped on another decoded ~30% slower here (2.6k context, int4: 21 vs 15 tok/s).
         ``step_bound`` goes to the scheduler of the engine built from ``config`` (see
-        :func:`~engine.engine_builder.build_engine`); it is called on the engine thread."""
+        :func:`~engine.engine_builder.build_engine`); it is called on the engine thread. So is
+        ``capture_lock``, held around each CUDA graph capture (see ``build_engine``)."""
         if core is None and config is None:
             raise ValueError("AsyncEngine needs an EngineConfig or an EngineCore")
-        if core is not None and step_bound is not None:
-            raise ValueError("step_bound is given to the scheduler when the engine is built; pass a config, not a core")
-        self._step_bound = step_bound
+        if core is not None and (step_bound is not None or capture_lock is not None):
+            raise ValueError("step_bound and capture_lock are given when the engine is built; pass a config, not a core")
+        self._step_bound, self._capture_lock = step_bound, capture_lock
         self.core = core
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -180,7 +184,7 @@ class AsyncEngine:
     def _run(self, config: EngineConfig | None) -> None:
         if config is not None:
             try:
-                self.core = build_engine(config, step_bound=self._step_bound)
+                self.core = build_engine(config, step_bound=self._step_bound, capture_lock=self._capture_lock)
             except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
                 self._load_error = e
         self._loaded.set()

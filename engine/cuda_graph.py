@@ -24,6 +24,8 @@ included, as one graph per (decode bucket, chunk length): no eager launch at all
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -299,9 +301,10 @@ class MixedGraphRunner:
     def __init__(
         self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         decode_buckets: list[int], max_chunk: int, max_blocks_per_seq: int, max_model_len: int, max_graphs: int,
-        device: torch.device, gemv: GemvPolicy,
+        device: torch.device, gemv: GemvPolicy, capture_lock: AbstractContextManager,
     ) -> None:
         self.model, self.backend, self.kv_layers, self.device, self.gemv = model, backend, kv_layers, device, gemv
+        self.capture_lock = capture_lock  # held while capturing: no other GPU work of the process meanwhile
         self.decode_buckets = sorted({0, *decode_buckets})  # 0: a lone chunk (a question after a cached prefix)
         self.max_chunk, self.max_model_len, self.max_graphs = max_chunk, max_model_len, max_graphs
         dmax = self.decode_buckets[-1]
@@ -391,7 +394,8 @@ class MixedGraphRunner:
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(*key)
+            with self.capture_lock:
+                entry = self.graphs[key] = self._capture(*key)
         graph, hidden, _ = entry
         graph.replay()
         return hidden

@@ -8,6 +8,8 @@ runs steps.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import logging
 
 import torch
@@ -34,12 +36,15 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 def build_engine(
     config: EngineConfig, loaded: LoadedModel | None = None, *, gemv: GemvPolicy | None = None,
-    step_bound: StepBoundPolicy | None = None,
+    step_bound: StepBoundPolicy | None = None, capture_lock: AbstractContextManager | None = None,
 ) -> EngineCore:
     """An engine ready to serve: ``loaded`` reuses weights already loaded (benchmarks build
     several engines on one model); ``gemv`` overrides the config's batch-1 GEMV policy (tests run
     each variant in Triton's interpreter on the CPU); ``step_bound`` is the scheduler's per-step
-    bound on background work (:class:`~engine.scheduler.StepBound`; a voice co-scheduler's)."""
+    bound on background work (:class:`~engine.scheduler.StepBound`; a voice co-scheduler's);
+    ``capture_lock`` is held around every CUDA graph capture, here and while serving, so that
+    other GPU work of the process that holds it too (a speech model's batches) never runs during
+    a capture (a capture fails when another thread touches the GPU the wrong way meanwhile)."""
     config.validate()
     loaded = loaded or LoadedModel.load(config)
     device, mc = loaded.device, loaded.model_config
@@ -86,7 +91,8 @@ def build_engine(
         native = _native_decode_step(config, loaded, kv_cache, memory)
     runner = ModelRunner(loaded.model, kv_cache, backend, block_manager, device, gemv, native)
     if graphs:
-        _capture_graphs(runner, config, max_model_len, piecewise, memory)
+        with capture_lock or nullcontext():
+            _capture_graphs(runner, config, max_model_len, piecewise, memory, capture_lock or nullcontext())
     core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner)
     if config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda"):
         core.warm_up()
@@ -132,7 +138,8 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
     return step
 
 
-def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, piecewise: list[int], memory: MemoryLedger) -> None:
+def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, piecewise: list[int], memory: MemoryLedger,
+                    capture_lock: AbstractContextManager) -> None:  # fmt: skip
     """Decode graphs, piecewise graphs for ``piecewise`` token counts, and the mixed-step
     graphs' runner (it captures while serving); their memory pool goes into the ledger."""
     device = runner.device
@@ -144,6 +151,7 @@ def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: in
         runner.capture_piecewise_graphs(piecewise)
     if config.mixed_cuda_graph_max_chunk > 0:
         decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
-        runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, max_model_len, config.mixed_cuda_graph_max_graphs)
+        runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, max_model_len, config.mixed_cuda_graph_max_graphs,
+                                   capture_lock)  # fmt: skip
     memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(device) - before)
 

@@ -8,6 +8,8 @@ copied to the device in one transfer; a decode-only step that fits a decode grap
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,12 +105,14 @@ class ModelRunner:
         steps of at most ``max(token_sizes)`` tokens that are not decode-only replay them."""
         self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device, self.gemv)
 
-    def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int) -> None:
+    def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int,
+                            capture_lock: AbstractContextManager) -> None:  # fmt: skip
         """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens replay whole
-        (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner)."""
+        (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner);
+        each capture while serving holds ``capture_lock``."""
         self.mixed = MixedGraphRunner(
             self.model, self.backend, self.kv_layers, decode_buckets, max_chunk, -(-max_model_len // self.block_size),
-            max_model_len, max_graphs, self.device, self.gemv,
+            max_model_len, max_graphs, self.device, self.gemv, capture_lock,
         )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:

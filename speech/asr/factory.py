@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from speech.asr.backend import ASRBackend, FasterWhisperBackend, resolve_device
 from speech.config import ASRConfig, ConfigError
 
@@ -15,8 +17,9 @@ def backend_name(config: ASRConfig) -> str:
     return "torch" if on_gpu or config.load_format == "dummy" else "faster-whisper"
 
 
-def load_backend(config: ASRConfig) -> ASRBackend:
-    """The ASR backend :func:`backend_name` picks, model loaded."""
+def load_backend(config: ASRConfig, gpu_lock: AbstractContextManager | None = None) -> ASRBackend:
+    """The ASR backend :func:`backend_name` picks, model loaded; ``gpu_lock`` (the torch backend
+    holds it around its GPU work) is the lock the process's CUDA graph captures hold."""
     name = backend_name(config)
     if name == "faster-whisper":
         if config.load_format == "dummy":
@@ -24,4 +27,4 @@ def load_backend(config: ASRConfig) -> ASRBackend:
         return FasterWhisperBackend(config)
     from speech.asr.torch_backend import TorchWhisperBackend  # imports torch: only when asked for
 
-    return TorchWhisperBackend(config)
+    return TorchWhisperBackend(config, gpu_lock=gpu_lock)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,11 @@ class TorchWhisperBackend(ASRBackend):
     ``dummy_dims`` replaces the turbo shape of a ``load_format="dummy"`` model (tests use a small one).
     """
 
-    def __init__(self, config: ASRConfig, dummy_dims: WhisperDims | None = None) -> None:
+    def __init__(self, config: ASRConfig, dummy_dims: WhisperDims | None = None, gpu_lock: AbstractContextManager | None = None) -> None:
         self.config = config
+        # Held around each batch's GPU work (and the captures here): the process's other CUDA graph
+        # captures (the LLM engine's, while serving) take it too, so none runs beside this work.
+        self.gpu_lock = gpu_lock or nullcontext()
         self.torch_device = torch.device(resolve_device(config.device))
         self.device = str(self.torch_device)
         dtype = torch.float16 if self.torch_device.type == "cuda" else torch.float32
@@ -142,7 +146,7 @@ class TorchWhisperBackend(ASRBackend):
             stream = torch.cuda.Stream(device=self.torch_device, priority=min(torch.cuda.Stream.priority_range()))
         self.decoder = GreedyDecoder(self.model, rules, config.max_batch, config.cuda_graphs, stream)
         self.mel = LogMel(self.model.dims.n_mels, self.torch_device)
-        with self.decoder.stream_context():
+        with self.gpu_lock, self.decoder.stream_context():
             self.decoder.capture()
         self._language_of = {token: code for code, token in special.languages.items()}
 
@@ -156,7 +160,7 @@ class TorchWhisperBackend(ASRBackend):
         if not clips:
             return []
         languages = [self._language(language) for _, _, language in clips]
-        with torch.inference_mode(), self.decoder.stream_context():
+        with self.gpu_lock, torch.inference_mode(), self.decoder.stream_context():
             windows = self.mel.windows([to_float32(audio) for audio, _, _ in clips])
             prompts, first_row = [], {}
             for row, (clip, first) in enumerate(zip(windows.clip, windows.first)):

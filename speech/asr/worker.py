@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,9 +114,11 @@ class ASRWorker(PriorityWorker[ASRJob]):
         super().__init__("asr-worker", key=self._finals_first_then_round_robin if policy.urgent_first else arrival_order)
 
     @classmethod
-    def from_config(cls, config: ASRConfig, policy: ASRQueuePolicy = ASRQueuePolicy()) -> ASRWorker:
-        """Load the configured backend and start a worker with the configured queue bound."""
-        return cls(load_backend(config), config.queue_size, policy)
+    def from_config(cls, config: ASRConfig, policy: ASRQueuePolicy = ASRQueuePolicy(),
+                    gpu_lock: AbstractContextManager | None = None) -> ASRWorker:  # fmt: skip
+        """Load the configured backend (``gpu_lock``: see :func:`~speech.asr.factory.load_backend`)
+        and start a worker with the configured queue bound."""
+        return cls(load_backend(config, gpu_lock), config.queue_size, policy)
 
     def __enter__(self) -> ASRWorker:
         return self

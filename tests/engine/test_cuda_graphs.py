@@ -61,3 +61,31 @@ def test_every_step_has_a_device_span_by_mode(tiny_llama_dir):
     assert sum(n for _, n in st.device_span.values()) == st.steps and {"graph", "piecewise"} <= set(st.device_span)
     assert 0 < summary["busy_s"] and summary["busy_s"] + summary["idle_s"] <= wall
     assert summary["by_mode"]["graph"]["ms_per_step"] > 0
+
+
+def test_every_capture_holds_the_capture_lock(tiny_llama_dir):
+    """The start-up captures and each mixed-step capture while serving hold the lock the process
+    shares with its other GPU work (a speech model's batches), and nothing else takes it."""
+    import threading
+
+    from engine import EngineConfig
+    from engine.engine_builder import build_engine
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self.lock, self.entries = threading.Lock(), 0
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            self.entries += 1
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    lock = CountingLock()
+    core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_blocks=256,
+                                     long_prefill_token_threshold=16), capture_lock=lock)  # fmt: skip
+    assert lock.entries == 1  # the start-up captures, as one
+    rng = random.Random(0)
+    generate_staggered(core, [[rng.randrange(301) for _ in range(n)] for n in (40, 90, 130, 160)], PARAMS, steps_between=6)
+    assert core.runner.mixed.captures > 0 and lock.entries == 1 + core.runner.mixed.captures

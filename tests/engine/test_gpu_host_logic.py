@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -156,7 +158,7 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
     runner = MixedGraphRunner(core.model, core.runner.backend, core.runner.kv_layers, [1, 2, 4], max_chunk=16,
                               max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"),
-                              gemv=core.runner.gemv)
+                              gemv=core.runner.gemv, capture_lock=nullcontext())
 
     def meta(qlens):
         return AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, query_lens_host=qlens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -130,7 +132,8 @@ def test_mixed_step_graph_layout_gives_the_same_output(smollm, llm_gguf_path, pr
     a bucket (null-block padding rows), the chunk after them, sampled rows mapped back. On a GPU
     each shape is one CUDA graph; here the same padded batch runs eagerly."""
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, long_prefill_token_threshold=7)
-    llm.core.runner.enable_mixed_graphs([2, 4], max_chunk=8, max_model_len=llm.core.max_model_len, max_graphs=4)
+    llm.core.runner.enable_mixed_graphs([2, 4], max_chunk=8, max_model_len=llm.core.max_model_len, max_graphs=4,
+                                        capture_lock=nullcontext())
     # each prompt is chunked (7 tokens a step) while the earlier ones decode
     assert generate_staggered(llm.core, prompts, PARAMS, steps_between=12) == reference
     mixed = llm.core.runner.mixed

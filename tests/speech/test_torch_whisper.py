@@ -154,6 +154,24 @@ def test_dummy_turbo_decodes_exactly_the_forced_token_count() -> None:
     assert memory["asr weights"] > 51866 * 64 * 4 and memory["asr buffers"] == backend.decoder.cache.nbytes > 0
 
 
+def test_a_batch_waits_for_the_gpu_lock_a_capture_holds() -> None:
+    """The lock the process's CUDA graph captures hold (the engine's, while serving): a batch
+    does not start while it is held, and runs once it is released."""
+    import threading
+
+    lock = threading.Lock()
+    config = ASRConfig(load_format="dummy", device="cpu", dummy_tokens=3, max_batch=2)
+    backend = TorchWhisperBackend(config, dummy_dims=TINY_DUMMY, gpu_lock=lock)
+    done = threading.Event()
+    with lock:  # a capture under way elsewhere
+        worker = threading.Thread(target=lambda: (backend.transcribe_batch([(np.zeros(16000, np.float32), "", "en")]), done.set()))
+        worker.start()
+        assert not done.wait(1.0)  # held back while the lock is taken
+    assert done.wait(60)
+    worker.join()
+    assert not lock.locked()
+
+
 def test_special_token_layout_matches_the_tokenizers(whisper_base_path: Path, whisper_tiny_path: Path) -> None:
     """The random-weight model takes its special ids from Whisper's layout: the same as the real ones."""
     for path, n_vocab in ((whisper_base_path, 51865), (whisper_tiny_path, 51864)):  # multilingual, English-only
