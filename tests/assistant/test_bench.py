@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 from assistant.config import HANDBOOK_DIR
 from assistant.timeline import OPTIONAL_STAGES, STAGES
@@ -65,12 +64,6 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
 
 
 def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_off(tmp_path, whisper_tiny_path) -> None:
-    from assistant.serve_command import parse_config
-
-    try:
-        parse_config(["serve", "--coscheduler", "off"])
-    except SystemExit:
-        pytest.skip("this server has no --coscheduler option")
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
