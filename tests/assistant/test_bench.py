@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-
 from assistant.config import HANDBOOK_DIR
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 
