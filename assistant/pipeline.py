@@ -615,6 +615,16 @@ class VoicePipeline:
             event.reply.delivered = True
             if self.metrics is not None:
                 self.metrics.observe(event.reply.timeline, event.reply.status)
+            self._answer_waiting_turn()
+
+    def _answer_waiting_turn(self) -> None:
+        """A voice turn that ended while the last reply was in flight (audio sent faster than real
+        time: both utterances ended before the first answer began) is answered now, as its own turn."""
+        td = self.settings.turn_detection
+        if self._heard is None or not self._pending or td is None or not td.create_response or self._speaking or self.active_reply is not None:
+            return
+        self._answered_endpoint = self._heard.instants.get("endpoint")
+        self._start_reply(self._heard, None, None, None)
 
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)

@@ -251,3 +251,64 @@ async def test_a_few_hundred_fuzzed_events_each_get_an_error_or_a_documented_clo
     report: FuzzReport = await fuzz(raw_url(server), server.config, events=300, connections=2, seed=1)
     assert report.sent >= 300 and not report.unexpected, report.unexpected[:5]
     assert report.clean_turn is not None and report.clean_turn.startswith("response.done")
+
+
+# ---- audio faster than real time -------------------------------------------------------------------
+async def test_audio_sent_faster_than_real_time_is_heard_and_another_session_is_unharmed(server) -> None:
+    """One client sends two spoken questions (a second of silence after each) as fast as it can;
+    another speaks a question at real-time pace meanwhile. Every question is transcribed right,
+    the paced speaker gets its answer, and neither session gets an error."""
+    import base64
+    import time
+
+    import numpy as np
+
+    from speech.audio import to_pcm16
+    from speech.config import TTSConfig
+    from speech.tts import load_tts
+    from speech.word_errors import word_error_rate
+
+    rate, chunk_ms = 24000, 200
+    tts = load_tts(TTSConfig(backend="hibari", seed=0))
+    assert tts.sample_rate == rate
+
+    def spoken(text: str) -> bytes:
+        audio = np.concatenate([np.zeros(rate // 4, np.float32), tts.synthesize(text).pcm, np.zeros(rate, np.float32)])
+        return to_pcm16(audio).astype("<i2").tobytes()
+
+    fast_questions = ["How many days of annual leave do I get?", "How long is the probation period?"]
+    paced_question = "How do I apply for annual leave?"
+    fast_pcm, paced_pcm = b"".join(spoken(q) for q in fast_questions), spoken(paced_question)
+    step = rate * chunk_ms // 1000 * 2
+
+    async def append(ws, pcm: bytes, paced: bool) -> None:
+        start = time.perf_counter()
+        for k, i in enumerate(range(0, len(pcm), step)):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i : i + step]).decode()}))
+            if paced:
+                await asyncio.sleep(max(0.0, start + (k + 1) * chunk_ms / 1000 - time.perf_counter()))
+
+    async def listen(ws, transcripts: int) -> tuple[list[str], list[str], list[dict]]:
+        heard, statuses, errors = [], [], []
+        async with asyncio.timeout(240):
+            while len(heard) < transcripts or len(statuses) < transcripts:
+                event = json.loads(await ws.recv())
+                if event["type"] == "conversation.item.input_audio_transcription.completed":
+                    heard.append(event["transcript"])
+                elif event["type"] == "response.done":
+                    statuses.append(event["response"]["status"])
+                elif event["type"] == "error":
+                    errors.append(event["error"])
+        return heard, statuses, errors
+
+    async with ws_connect(raw_url(server), max_size=None) as fast, ws_connect(raw_url(server), max_size=None) as paced:
+        await next_of(fast, "session.created")
+        await next_of(paced, "session.created")
+        fast_heard, paced_heard = asyncio.create_task(listen(fast, 2)), asyncio.create_task(listen(paced, 1))
+        await asyncio.gather(append(fast, fast_pcm, paced=False), append(paced, paced_pcm, paced=True))
+        (heard, statuses, errors), (heard_paced, statuses_paced, errors_paced) = await fast_heard, await paced_heard
+    assert errors == errors_paced == []
+    assert [word_error_rate(q, h) <= 0.25 for q, h in zip(fast_questions, heard, strict=True)] == [True, True], heard
+    answered = ("completed", "incomplete")  # incomplete: the fixture's 8-token answers
+    assert word_error_rate(paced_question, heard_paced[0]) <= 0.25 and statuses_paced[0] in answered, (heard_paced, statuses_paced)
+    assert len(statuses) == 2 and set(statuses) <= set(answered), statuses  # each question its own answer, none cancelled
