@@ -28,6 +28,7 @@ from speech.audio import to_pcm16
 from speech.config import TTSConfig
 from speech.tts import load_tts
 from speech.word_errors import word_error_rate
+from tests.assistant.test_realtime import wait_idle
 
 RATE = 24000
 HANGOVER_MS = 6000
@@ -124,18 +125,6 @@ async def ask(
     return events, sent_all.result() if sent_all.done() else None
 
 
-async def engine_idle(server: AssistantServer, timeout: float = 30.0) -> None:
-    """Until no request runs or waits and every KV block is free again."""
-    engine = server.answerer.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
-
-
 def check_one_turn(events: list[tuple[float, dict]], last_sent: float | None, question: str) -> dict:
     """One turn: one utterance, one transcript (the whole question), one response, all of whose
     events came after the question was spoken; returns its timeline."""
@@ -165,7 +154,7 @@ async def test_a_question_with_a_short_pause_is_answered_once_as_one_turn(server
     after = speculations(server)
     assert after["confirmed"] - before["confirmed"] == 1
     assert after["started"] - before["started"] == after["confirmed"] - before["confirmed"] + after["cancelled"] - before["cancelled"]
-    await engine_idle(server)
+    await wait_idle(server)
 
 
 async def test_speech_after_a_speculation_started_cancels_it_unseen(server, voice) -> None:
@@ -177,7 +166,7 @@ async def test_speech_after_a_speculation_started_cancels_it_unseen(server, voic
     check_one_turn(events, last_sent, " ".join(PARTS))
     after = speculations(server)
     assert after["cancelled"] - before["cancelled"] == 1 and after["confirmed"] - before["confirmed"] == 1
-    await engine_idle(server)  # the cancelled speculation's request was aborted and its KV freed
+    await wait_idle(server)  # the cancelled speculation's request was aborted and its KV freed
 
 
 async def test_a_complete_question_is_endpointed_by_the_rule_before_the_hangover(server, voice) -> None:

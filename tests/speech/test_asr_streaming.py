@@ -110,31 +110,34 @@ async def test_partials_arrive_during_speech_and_are_stable_prefixes(
             assert wer([(clip.text, final.text)]) <= 0.25  # tiny.en: fast, not the most accurate
 
 
+async def speak_into(worker: ASRWorker, config: ASRConfig, clip, delay: float) -> tuple[str, list[str]]:
+    """One user: after ``delay``, ``clip`` streamed at real-time pace in 100 ms packets through its
+    own session on ``worker``; (final text, partial texts)."""
+    await asyncio.sleep(delay)
+    session = AsyncASRSession(worker, config, input_rate=clip.sample_rate)
+    partial_texts: list[str] = []
+
+    async def listen() -> None:
+        async for event in session:
+            if isinstance(event, Transcript) and not event.is_final:
+                partial_texts.append(event.text)
+
+    listener = asyncio.create_task(listen())
+    for chunk in chunks(clip.audio, clip.sample_rate, ms=100):
+        session.feed(chunk)
+        await asyncio.sleep(0.1)
+    final = await asyncio.wait_for(session.final(), 60)
+    session.close()
+    await listener
+    return final.text, partial_texts
+
+
 async def test_four_sessions_share_one_model(long_clips, whisper_base, base_config, wer) -> None:
     """Four users speak at once (real time) through one shared Whisper base: all finals right."""
     clips = long_clips[:4]
 
-    async def user(worker: ASRWorker, clip, delay: float) -> tuple[str, list[str]]:
-        await asyncio.sleep(delay)
-        session = AsyncASRSession(worker, base_config, input_rate=clip.sample_rate)
-        partial_texts: list[str] = []
-
-        async def listen() -> None:
-            async for event in session:
-                if isinstance(event, Transcript) and not event.is_final:
-                    partial_texts.append(event.text)
-
-        listener = asyncio.create_task(listen())
-        for chunk in chunks(clip.audio, clip.sample_rate, ms=100):
-            session.feed(chunk)
-            await asyncio.sleep(0.1)
-        final = await asyncio.wait_for(session.final(), 60)
-        session.close()
-        await listener
-        return final.text, partial_texts
-
     with ASRWorker(whisper_base, queue_size=base_config.queue_size) as worker:
-        results = await asyncio.gather(*(user(worker, c, 0.05 * i) for i, c in enumerate(clips)))
+        results = await asyncio.gather(*(speak_into(worker, base_config, c, 0.05 * i) for i, c in enumerate(clips)))
         stats = worker.stats
     assert wer([(c.text, text) for c, (text, _) in zip(clips, results)]) <= 0.10, results
     for text, partial_texts in results:

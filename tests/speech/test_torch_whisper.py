@@ -21,14 +21,12 @@ from speech.asr.backend import Decoded, FasterWhisperBackend
 from speech.asr.factory import backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
 from speech.asr.log_mel import LogMel, mel_filters
-from speech.asr.session import AsyncASRSession
 from speech.asr.torch_backend import SpecialTokens, TorchWhisperBackend
 from speech.asr.whisper_model import TURBO_DIMS, parameter_count
 from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import resample
 from speech.config import ASRConfig, ConfigError
-from speech.messages import Transcript
-from tests.speech.test_asr_streaming import assert_stable_prefixes, chunks
+from tests.speech.test_asr_streaming import assert_stable_prefixes, speak_into
 
 TINY_DUMMY = replace(TURBO_DIMS, n_audio_state=64, n_audio_head=2, n_audio_layer=2, n_text_state=64,
                      n_text_head=2, n_text_layer=2)  # fmt: skip
@@ -202,28 +200,9 @@ async def test_four_sessions_stream_through_the_batched_backend(long_clips, torc
     partials and finals are decoded in batches, partials stay stable prefixes, finals are right."""
     config = replace(tiny_config, backend="torch", device="cpu")
 
-    async def user(worker: ASRWorker, clip, delay: float) -> tuple[str, list[str]]:
-        await asyncio.sleep(delay)
-        session = AsyncASRSession(worker, config, input_rate=clip.sample_rate)
-        partials: list[str] = []
-
-        async def listen() -> None:
-            async for event in session:
-                if isinstance(event, Transcript) and not event.is_final:
-                    partials.append(event.text)
-
-        listener = asyncio.create_task(listen())
-        for chunk in chunks(clip.audio, clip.sample_rate, ms=100):
-            session.feed(chunk)
-            await asyncio.sleep(0.1)
-        final = await asyncio.wait_for(session.final(), 60)
-        session.close()
-        await listener
-        return final.text, partials
-
     clips = long_clips[:4]
     with ASRWorker(torch_tiny, queue_size=config.queue_size) as worker:
-        results = await asyncio.gather(*(user(worker, c, 0.05 * i) for i, c in enumerate(clips)))
+        results = await asyncio.gather(*(speak_into(worker, config, c, 0.05 * i) for i, c in enumerate(clips)))
         stats = worker.stats
     assert wer([(c.text, text) for c, (text, _) in zip(clips, results)]) <= 0.25, results
     for text, partials in results:
