@@ -68,10 +68,12 @@ def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_of
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out = tmp_path / "bench.json"
     r = bench("--callers", "1", "--ab", "1", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
-              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--server-log", str(tmp_path / "logs"))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert set(results["callers"]) == set(results["coscheduler_off"]) == {"1"}
+    logs = sorted((tmp_path / "logs").glob("assistant-serve-*.log"))  # --server-log keeps both servers' logs
+    assert len(logs) == 2 and all("Traceback" not in log.read_text() for log in logs)
     assert results["coscheduler_off"]["1"]["lost_turns"] == 0 and results["coscheduler_off"]["1"]["endpoint_to_first_audio_ms"]["p50"] > 0
 
 
