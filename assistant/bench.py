@@ -214,6 +214,7 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         patterns = [cfg.pattern] + ([Pattern(**{**asdict(cfg.pattern), "burst": True})] if cfg.burst and not name else [])
         for pattern in patterns:
             for n in caller_counts:
+                await asyncio.to_thread(wait_sessions_closed, http_base(url))
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
@@ -228,6 +229,18 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
 def http_base(ws_url: str) -> str:
     """http://HOST:PORT of a ws://HOST:PORT/v1/realtime address."""
     return ws_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).split("/v1/", 1)[0]
+
+
+def wait_sessions_closed(http_url: str, timeout_s: float = 60.0) -> None:
+    """Until the server holds no Realtime session (the last phase's callers have all been let go), so
+    that a phase never meets the session limit because of the one before it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(http_url + "/metrics", timeout=30).text
+        if not any(s.name == "assistant_realtime_sessions" and s.value > 0
+                   for family in text_string_to_metric_families(text) for s in family.samples):  # fmt: skip
+            return
+        time.sleep(0.5)
 
 
 def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
