@@ -339,7 +339,7 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
     from engine import LLM, SamplingParams, build_engine
     from engine.llm import make_config
 
-    tiny_llama_dir = request.getfixturevalue(fixture)
+    model_dir = request.getfixturevalue(fixture)
 
     prompt = [5, 17, 33, 2, 90, 41, 7]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -349,11 +349,11 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
     if PDL:
         paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
     for name, path in paths.items():
-        config = make_config(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+        config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
         llm = LLM(core=build_engine(config, gemv=path))
         outputs[name] = llm.generate([prompt], params)[0]
     if PDL:  # as the engine runs it: its own path (PDL on), captured in CUDA graphs
-        llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
+        llm = LLM(str(model_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
         assert llm.core.runner.gemv.pdl
         outputs["engine, graphs"] = llm.generate([prompt], params)[0]
     plain = outputs.pop("plain")
