@@ -49,15 +49,15 @@ _ALT_NUMBER = r"(?<![A-Za-z0-9.,:\-])[£$€¥]?\d+(?:[.,]\d+)?(?![A-Za-z0-9:\-]
 _COMMA = r"\s*[,，、]\s*"
 _OR = r"\s*[,，]?\s*(?:or|或者|或|/)\s*"
 ALTERNATIVES = re.compile(rf"{_ALT_NUMBER}(?:(?:{_COMMA}{_ALT_NUMBER})*{_OR}{_ALT_NUMBER}|(?:{_COMMA}{_ALT_NUMBER}){{2,}})")
-# Saying plainly that the handbook does not answer the question.
+# Saying plainly that the handbook does not answer the question (not "if the handbook does not say").
 REFUSAL = {
     "en": re.compile(
-        r"handbook (?:does not|doesn't|did not|didn't) (?:say|state|mention|cover|specify|include|contain|provide|answer|have|give)"
+        r"(?<!if the )handbook (?:does not|doesn't|did not|didn't) (?:say|state|mention|cover|specify|include|contain|provide|answer|have|give)"
         r"|not (?:in|covered (?:in|by)|mentioned in|stated in|specified in|addressed in|included in) the handbook"
         r"|handbook (?:has|contains|gives|provides|says) (?:no|nothing)",
         re.IGNORECASE,
     ),
-    "zh": re.compile(r"手册[^。！？\n]{0,10}(?:没有|未|并未|不包括|不包含|不涉及)"),
+    "zh": re.compile(r"(?<!如果)手册[^。！？\n]{0,10}(?:没有|未|并未|不包括|不包含|不涉及)"),
 }
 
 

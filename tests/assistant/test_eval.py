@@ -60,6 +60,7 @@ def test_what_counts_as_a_number_an_alternative_and_a_refusal():
     assert refuses("The handbook does not say. Ask HR.", "en") and refuses("That is not covered in the handbook.", "en")
     assert refuses("手册中没有说明。请联系HR。", "zh") and not refuses("手册规定每年20天。", "zh")
     assert not refuses("You get 20 days.", "en")
+    assert not refuses("Submit HR-01. If the handbook does not say, ask HR.", "en") and not refuses("如果手册没有说明，请联系HR。", "zh")
 
 
 def test_a_question_the_handbook_does_not_answer_needs_a_refusal_and_the_contact_and_no_invented_number():
