@@ -8,13 +8,16 @@ from pathlib import Path
 HANDBOOK_DIR = Path(__file__).resolve().parent / "handbook"
 
 SYSTEM_PROMPT = (
-    "You are the employee handbook assistant of the company. Answer the employee's question "
-    "using only the handbook below. Be brief: two or three sentences, with the concrete numbers, "
-    "form names and steps from the handbook. If the handbook does not say, say so."
+    "You are the employee handbook assistant of the company. Answer the employee's question using only "
+    "the handbook below, in one or two short sentences, not a list: give the exact figure from the "
+    "handbook and the form code or the contact it names. If the handbook does not answer the question, "
+    "say that the handbook does not say, and name the contact from Who to Contact to ask, with their "
+    "email. Never guess a number."
 )
 SYSTEM_PROMPT_ZH = (
-    "你是公司的员工手册助手。只根据下面的员工手册回答员工的问题。回答要简短：两三句话，"
-    "给出手册中的具体数字、表格名称和步骤。如果手册没有写，就直接说明。"
+    "你是公司的员工手册助手。只根据下面的员工手册回答员工的问题，用一两句话简短回答，不要列清单："
+    "给出手册中的确切数字，并写出手册中的表格编号或联系人。如果手册没有回答这个问题，"
+    "就说明手册中没有写，并根据“联系方式”写出应该联系谁及其邮箱。不要猜测数字。"
 )
 
 
@@ -22,13 +25,13 @@ SYSTEM_PROMPT_ZH = (
 class EngineOptions:
     """The subset of engine settings the assistant exposes (see engine.EngineConfig)."""
 
-    model: Path | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    model: Path | None = None  # None: the embedded default LLM (assistant.models.resolve("llm"))
     load_format: str = "auto"
     """dummy: random weights of the shape in ``model`` (a config.json), for timing at a size whose
     weights are not here (e.g. engine/configs/llama-3.1-8b.json); the answers are noise."""
     tokenizer: Path | None = None
     """A tokenizer other than the model's (HF directory or .gguf); None: the model's own, or with
-    dummy weights the embedded SmolLM2's (its ids must fit the model's vocabulary)."""
+    dummy weights the embedded SmolLM2's (its 49k ids fit any Llama shape's vocabulary)."""
     device: str = "auto"
     gpu_memory_utilization: float = 0.90  # share of the GPU the engine plans with (weights, KV cache, graphs)
     dtype: str = "auto"

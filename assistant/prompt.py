@@ -8,11 +8,18 @@ template's end-of-turn special token after the system message keeps the boundary
 Two modes, chosen from the context budget (the model's context minus room for the answer and
 for the conversation):
 
-- whole-context: all documents are in the prefix; every prompt is prefix + history + question.
+- whole-context: all documents are in the prefix; every prompt is prefix + history + the last
+  user message, which repeats the best-matching document (BM25, ``assistant.retrieval``) in
+  front of the question: a small model reads the figures and form codes next to the question
+  far better than 2k tokens back (Qwen2.5-Coder-1.5B named FIN-01 and HR-04 only so).
 - retrieval: the documents do not fit. The prefix is the system prompt and a table of contents
   (still byte-stable, still cached for everyone); the sections that best match the question
-  (BM25, ``assistant.retrieval``) go into the last user message, in front of the question. So
-  only the stable part and the earlier turns are shared in the cache; the sections vary.
+  go into the last user message, in front of the question.
+
+Either way the sections vary per question and come after the shared, cached prefix; the history
+keeps each question without its sections (so the earlier turns but the last are cached too). The
+last user message ends with the answer's form (:class:`Labels`): short, the figure, the form code
+or contact, and "the handbook does not say" + whom to ask when it does not.
 
 History beyond the budget is dropped a whole turn at a time, oldest first; never the prefix.
 """
@@ -62,14 +69,22 @@ class Labels:
     contents: str  # heads the table of contents
     sections: str  # heads the retrieved sections
     question: str  # precedes the question after them
+    reminder: str  # the answer's form, last before the answer
 
 
 LABELS_EN = Labels(
     "The handbook's documents and sections are listed below; the sections that answer a question are given with it.",
     "Handbook sections:",
     "Question: ",
+    "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names. "
+    "If the handbook does not answer the question, say that the handbook does not say and name the contact to ask.",
 )
-LABELS_ZH = Labels("手册的文件和章节如下；与问题相关的章节随问题一起给出。", "手册相关章节：", "问题：")
+LABELS_ZH = Labels(
+    "手册的文件和章节如下；与问题相关的章节随问题一起给出。",
+    "手册相关章节：",
+    "问题：",
+    "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。如果手册没有回答这个问题，就说明手册中没有写，并写出应该联系谁。",
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,7 @@ class Prompt:
     """One request's prompt and how it was made."""
 
     token_ids: list[int]
-    sections: tuple[Section, ...]  # retrieval mode: the sections sent with the question, best first
+    sections: tuple[Section, ...]  # the sections sent with the question (retrieval: best first; whole: the best document)
     dropped_turns: int  # oldest history turns left out to fit the context
 
 
@@ -159,11 +174,17 @@ class PromptBuilder:
                 used += cost
         return tuple(chosen)
 
+    def best_document(self, question: str) -> tuple[Section, ...]:
+        """Whole-context mode: the sections of the document holding the best-matching section."""
+        best = self.index.search(question)[:1]
+        return tuple(s for s in self.docs.sections if s.path == best[0].section.path) if best else ()
+
     def _user_content(self, question: str, sections: Sequence[Section]) -> str:
+        """The last user message: the sections given with the question, the question, the answer's form."""
         if not sections:
-            return question
+            return f"{question}\n\n{self.labels.reminder}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
-        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.question}{question}"
+        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.question}{question}\n\n{self.labels.reminder}"
 
     def _ids(self, history: list[Message], content: str) -> list[int]:
         messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": content}]
@@ -175,7 +196,7 @@ class PromptBuilder:
 
     def prompt(self, history: list[Message], question: str) -> Prompt:
         """The prompt for the next answer: prefix, as many recent turns as fit, (sections +) question."""
-        sections = self.select(question) if self.mode == RETRIEVAL else ()
+        sections = self.select(question) if self.mode == RETRIEVAL else self.best_document(question)
         content = self._user_content(question, sections)
         for kept, dropped in oldest_first_cuts(history):
             ids = self._ids(kept, content)

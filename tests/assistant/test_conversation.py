@@ -47,13 +47,19 @@ def test_history_is_cut_a_whole_turn_at_a_time_oldest_first():
     assert [kept for kept, _ in cuts] == [history, history[2:], history[5:], []]
 
 
-def test_the_next_turns_prompt_starts_with_the_previous_turns_prompt(tokenizer):
+def test_the_next_turns_prompt_shares_the_prefix_and_the_earlier_turns(tokenizer):
     builder = PromptBuilder(tokenizer, SYSTEM_PROMPT, load_library(HANDBOOK_DIR)["en"])
     first = builder.build([], "How do I apply for annual leave?")
     history = [user("How do I apply for annual leave?"), assistant("Submit form HR-01 in PeopleHub.")]
     second = builder.build(history, "And how many days do I get?")
     third = builder.build([*history, user("And how many days do I get?"), assistant("20 days a year.")], "Thanks!")
-    assert second[: len(first)] == first and third[: len(second)] == second
+    prefix = len(builder.prefix.token_ids)
+    assert first[:prefix] == second[:prefix] == third[:prefix]
+    # the history holds each question as asked (its sections went with it once): the turns before
+    # the newest are a shared start of the next prompts, so their KV is cached too
+    shared = next(i for i, (a, b) in enumerate(zip(second, third)) if a != b)
+    text = tokenizer.decode(third[:shared], skip_special_tokens=False)
+    assert text.endswith("How do I apply for annual leave?<|im_end|>\n<|im_start|>assistant\nSubmit form HR-01 in PeopleHub.<|im_end|>\n<|im_start|>user\n")
 
 
 def test_a_long_conversation_never_exceeds_the_context_and_keeps_the_prefix(tokenizer):
@@ -104,10 +110,13 @@ async def test_earlier_turns_are_cached_and_the_conversation_keeps_them(answerer
     finals = [await ask(answerer, q, conversation) for q in questions]
     assert [t.question for t in conversation.turns] == questions
     assert all(t.answer for t in conversation.turns)
-    # each turn reuses the whole previous prompt (whole blocks of it), so the cached part grows
+    # each turn reuses the prefix and every turn before the newest (whole blocks of them): the
+    # newest was sent with its sections, the history holds it without them
+    prefix = len(answerer.builders[answerer.language_for(questions[0])].prefix.token_ids) // BLOCK * BLOCK
+    assert all(f.cached_tokens >= prefix for f in finals[1:])
     for before, after in pairwise(finals):
-        assert after.cached_tokens >= before.prompt_tokens // BLOCK * BLOCK
-        assert after.cached_tokens > before.cached_tokens
+        assert after.cached_tokens >= before.cached_tokens
+    assert finals[2].cached_tokens > finals[1].cached_tokens
 
 
 async def test_a_long_conversation_is_trimmed_to_the_engines_context(answerer):

@@ -9,7 +9,7 @@ import pytest
 from assistant import docs as docs_module
 from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT
 from assistant.docs import MAX_SECTION_CHARS, DocumentError, DocumentSet, Section, detect_language, load_library, normalize
-from assistant.prompt import PromptBuilder
+from assistant.prompt import LABELS_EN, PromptBuilder
 
 
 def test_bundled_handbook_has_both_languages_with_the_same_topics():
@@ -143,7 +143,11 @@ def test_every_prompt_starts_with_the_same_prefix_tokens(smollm_tokenizer):
     assert len(prefix) > 1500  # the whole handbook is in it
     # the prompt is exactly what the chat template renders
     text = smollm_tokenizer.decode(a, skip_special_tokens=False)
-    assert text.endswith("How do I apply for annual leave?<|im_end|>\n<|im_start|>assistant\n")
+    # after the prefix: the best-matching document again, the question, the answer's form
+    rest = text[len(builder.prefix.rendered) :]
+    assert rest.index("[01-annual-leave.md — Entitlement]") < rest.index("[01-annual-leave.md — How to apply]")
+    assert "Submit a Leave Request form (HR-01)" in rest and "[02-sick-leave.md" not in rest
+    assert rest.endswith(f"Question: How do I apply for annual leave?\n\n{LABELS_EN.reminder}<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")
