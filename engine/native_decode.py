@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.gguf_blocks import tensor_blocks
+from engine.gguf_blocks import Blocks, tensor_blocks
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -129,6 +129,16 @@ class BlockMatrix:
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
 
+    @classmethod
+    def from_blocks(cls, blocks: Blocks) -> "BlockMatrix":
+        """Q4_1 or Q8_0 :class:`~engine.gguf_blocks.Blocks` in the C layout."""
+        q = blocks.q
+        if blocks.is_q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
+            rows, cols = q.shape
+            grouped = q.reshape(rows, cols // QK, QK).astype(np.uint8)
+            q = grouped[..., :16] | (grouped[..., 16:] << 4)
+        return cls(Q4_1 if blocks.is_q4_1 else Q8_0, *(None if a is None else np.ascontiguousarray(a) for a in (q, blocks.d, blocks.m)))
+
     def struct(self) -> _Matrix:
         n, k = self.shape
         return _Matrix(self.qs.ctypes.data, self.d.ctypes.data, self.m.ctypes.data if self.m is not None else None, self.type, n, k)
@@ -140,14 +150,9 @@ def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
     from engine.loader import _unpermute
 
     blocks = tensor_blocks(tensor)
-    q, d, m = blocks.q, blocks.d, blocks.m
     if unpermute_heads is not None:
-        q, d, m = (None if a is None else _unpermute(a, unpermute_heads) for a in (q, d, m))
-    if blocks.is_q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
-        rows, cols = q.shape
-        grouped = q.reshape(rows, cols // QK, QK).astype(np.uint8)
-        q = grouped[..., :16] | (grouped[..., 16:] << 4)
-    return BlockMatrix(Q4_1 if blocks.is_q4_1 else Q8_0, *(None if a is None else np.ascontiguousarray(a) for a in (q, d, m)))
+        blocks = Blocks(*(None if a is None else _unpermute(a, unpermute_heads) for a in (blocks.q, blocks.d, blocks.m)))
+    return BlockMatrix.from_blocks(blocks)
 
 
 @dataclass

@@ -214,3 +214,79 @@ def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tm
     assert fallback.core.runner.native is None and "decoding through PyTorch" in caplog.text
     out = fallback.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert len(out.token_ids) == 2
+
+
+def test_mixed_formats_and_biases_match_float32():
+    """A small random Qwen2 (q|k|v biases) whose fused outputs mix formats as Qwen2.5-1.5B's
+    repacked ones do (q, k Q4_1 and v Q8_0; gate Q8_0 and up Q4_1; a Q8_0 head): the native step
+    fed token by token against HF float32 on the same (dequantized) weights."""
+    import gguf
+
+    from engine.config import ModelConfig, default_cache_dir
+    from engine.bench.hf_reference import build_hf_model
+    from engine.gguf_blocks import q4_1_blocks, q8_0_blocks
+    from engine.model import LlamaForCausalLM
+    from engine.native_decode import BlockMatrix, NativeLayer, NativeWeights
+
+    Q = gguf.GGMLQuantizationType
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64,
+                      architecture="qwen2", attention_bias=True, name="tiny-qwen2")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, max_positions=64).float().eval().requires_grad_(False)
+
+    def quantized(w: torch.Tensor, fmt) -> BlockMatrix:
+        """Random weights quantized to ``fmt``; the model keeps the dequantized values."""
+        w.copy_(torch.randn_like(w) / w.shape[1] ** 0.5)
+        raw = gguf.quants.quantize(w.numpy(), fmt)
+        blocks = (q4_1_blocks if fmt == Q.Q4_1 else q8_0_blocks)(raw, *w.shape)
+        w.copy_(torch.from_numpy(blocks.dequantize()))
+        return BlockMatrix.from_blocks(blocks)
+
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    model.embed_tokens.weight.copy_(torch.randn(cfg.vocab_size, cfg.hidden_size).bfloat16().float())  # the C step reads it as bf16
+    layers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, gate_up_w = attn.qkv_proj.weight, mlp.gate_up_proj.weight
+        attn.qkv_proj.bias.copy_(torch.randn(q + 2 * kv))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+        layers.append(NativeLayer([quantized(qkv_w[:q], Q.Q4_1), quantized(qkv_w[q : q + kv], Q.Q4_1), quantized(qkv_w[q + kv :], Q.Q8_0)],
+                                  attn.qkv_proj.bias.numpy().copy(), quantized(attn.o_proj.weight, Q.Q8_0),
+                                  [quantized(gate_up_w[:inter], Q.Q8_0), quantized(gate_up_w[inter:], Q.Q4_1)],
+                                  quantized(mlp.down_proj.weight, Q.Q4_1)))
+    weights = NativeWeights(layers, quantized(model.lm_head.weight, Q.Q8_0))
+    kv_cache = torch.zeros(cfg.num_hidden_layers, 2, 8, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
+    kernel = NativeDecodeStep(build_library(default_cache_dir()), model, weights, kv_cache, 16)
+    ids = torch.randint(0, cfg.vocab_size, (40,)).tolist()
+    ours = feed(kernel, [(ids, [5, 2, 7])])[0]
+    hf = build_hf_model(model)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+    assert ours.argmax() == ref.argmax()
+    kl = float((ref.exp() * (ref - torch.log_softmax(ours, -1))).sum())
+    assert kl < 0.01, f"KL(float32 || native) = {kl:.4f}"
+
+
+@pytest.fixture(scope="module")
+def qwen_int4(qwen_0_5b_gguf) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), quantization="int4"))
+
+
+def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_0_5b_gguf):
+    """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0 and Q4_K repacked exactly, Q6_K requantized, float32
+    q|k|v biases) on the int4 path, decoding natively and through PyTorch's int4 kernel: the
+    greedy tokens of the dense float32 path."""
+    path = str(qwen_0_5b_gguf)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    native = LLM(path, quantization="int4", native_decode_step="on", max_model_len=256, num_kv_blocks=32, loaded=qwen_int4)
+    prompts = [prompt_ids(native, q) for q in ("What is the capital of France? Answer in one word.",
+                                                 "Write a Python function that adds two numbers.")]
+    native.core.step_times.native_steps = 0
+    ours = [o.token_ids for o in native.generate(prompts, params)]
+    assert native.core.step_times.native_steps >= 15
+    torch_int4 = [o.token_ids for o in LLM(path, quantization="int4", native_decode_step="off", max_model_len=256,
+                                           num_kv_blocks=32, loaded=qwen_int4).generate(prompts, params)]
+    dense = [o.token_ids for o in LLM(path, max_model_len=256, num_kv_blocks=32).generate(prompts, params)]
+    assert len(dense[1]) == 16 and ours == dense and torch_int4 == dense
