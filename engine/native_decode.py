@@ -1,13 +1,18 @@
-"""The native CPU decode step: decode-only steps run as one C call (the CPU's "CUDA graph").
+"""The native CPU decode step: decode-only (and short) steps run as one C call (the CPU's "CUDA graph").
 
 At batch 1 on a 2-core CPU the eager PyTorch step of SmolLM2-135M spends more time dispatching
 ~900 small ops than multiplying (see docs/performance.md). ``engine/kernels/native_decode.c`` runs
 the whole step (embedding to logits) over the GGUF's own Q4_1/Q8_0 blocks (other types repacked
-into those by engine/gguf_blocks.py) with integer dot products, Qwen2's q|k|v biases added, reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
+into those by engine/gguf_blocks.py) with integer dot products, Qwen2's q|k|v biases added,
+reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
-compiler (``-O3 -march=native -fopenmp``) into the engine cache; prefill and mixed steps stay on
-the PyTorch path. A decode step of any batch size runs here: each weight row is read from memory
-once per step and reused for every request's activations, so the aggregate rate grows with the
+compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
+:data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
+row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones):
+without hardware bf16 matmuls PyTorch's int4 kernel prefilled Qwen2.5-1.5B's 128-token prompt
+in 13-16 s on a shared 2-core Xeon (2026-12-01), far too slow for a question after a cached
+prefix. Longer prefills stay on the PyTorch path. A decode step of any batch size runs here:
+each weight row is read from memory once per step and reused for every request's activations, so the aggregate rate grows with the
 batch (engine.bench's ``decode-scaling`` suite shows 1 to 32 streams).
 """
 
@@ -31,6 +36,8 @@ from engine.gguf_blocks import Blocks, tensor_blocks
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 QK = 32
+NATIVE_MAX_TOKENS = 64  # a step of up to this many tokens runs natively: the activations of one
+# matrix pass (64 rows x up to 8960 int8) stay in L2 while each weight row is reused for all of them
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI"}
 

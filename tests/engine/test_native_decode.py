@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.native_decode import NativeDecodeStep, NativeDecodeError, build_library
+from engine.native_decode import NATIVE_MAX_TOKENS, NativeDecodeStep, NativeDecodeError, build_library
 from engine.execution_path import ExecutionPath
 from engine.sampling import SamplingParams
 
@@ -154,7 +154,9 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
                  "What is two plus two?", "Which planet is closest to the sun?", "What colour is the sky?",
                  "How many days are in a week?", "What do bees make?", "What is frozen water called?",
                  "Which animal says moo?")
-    prompts = [prompt_ids(native_llm, q) for q in questions]
+    preface = "Answer the question below briefly, in plain words, as a friendly assistant would, without any lists. " * 2
+    prompts = [prompt_ids(native_llm, preface + q) for q in questions]
+    assert min(map(len, prompts)) > NATIVE_MAX_TOKENS  # alone or together, each prefills through PyTorch
     steps: list[tuple[ExecutionPath, int]] = []
     prepare = core.runner.prepare
 
@@ -183,14 +185,42 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
 
 
 def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
-    """K/V written by native decode steps is read by a later request's PyTorch prefill: the
-    follow-up reuses the first answer's blocks and still answers as float32 would."""
+    """K/V written by native decode steps is read by a later request's PyTorch prefill (more than
+    NATIVE_MAX_TOKENS new tokens): the follow-up reuses the first answer's blocks and still
+    answers as float32 would."""
     first = prompt_ids(native_llm, "Tell me about annual leave.")
     reply = native_llm.generate([first], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-    follow = first + reply.token_ids + prompt_ids(native_llm, "And sick leave?")[1:]
+    question = prompt_ids(native_llm, "And sick leave? " + "Please explain who approves it, how many days there are and what the form is called. " * 2)[1:]
+    assert len(question) > NATIVE_MAX_TOKENS
+    follow = first + reply.token_ids + question
     second = native_llm.generate([follow], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert second.num_cached_tokens >= len(first) + 16  # blocks the native steps filled were reused
     assert_float32_ranks_first(hf_fp32, follow, second.token_ids)
+
+
+def test_a_short_prefill_runs_natively(native_llm):
+    """A prompt of at most NATIVE_MAX_TOKENS tokens (a question after a cached prefix) prefills in
+    one native call, one row per token: its first token is what the native step gives fed token
+    by token."""
+    core = native_llm.core
+    ids = prompt_ids(native_llm, "How many days of annual leave do employees get?")
+    assert len(ids) <= NATIVE_MAX_TOKENS
+    steps: list[ExecutionPath] = []
+    prepare = core.runner.prepare
+
+    def spy(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        steps.append(inputs.path)
+        return inputs
+
+    core.block_manager.reset_prefix_cache()
+    core.runner.prepare = spy
+    try:
+        out = native_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
+    finally:
+        core.runner.prepare = prepare
+    assert steps == [ExecutionPath.NATIVE]
+    assert out.token_ids[0] == int(feed(core.runner.native, [(ids, [60, 61, 62, 63])])[0].argmax())
 
 
 def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
