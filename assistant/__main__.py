@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serving {server.model_name}: ws://{config.host}:{config.port}/v1/realtime and http://{config.host}:{config.port}/v1",
               file=sys.stderr, flush=True)  # fmt: skip
         uvicorn.run(server.app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
-                    ws_max_size=max(16 << 20, 4 * config.max_message_bytes))  # fmt: skip
+                    **config.uvicorn_options())  # fmt: skip
     finally:
         server.close()
     return 0

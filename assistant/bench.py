@@ -104,6 +104,7 @@ class BenchConfig:
     plot_path: Path | None = None
     progress: bool = True
     server_args: tuple[str, ...] = ()
+    server_log_dir: Path | None = None  # keep every started server's log here (else only a failed run's)
 
 
 def machine() -> dict[str, Any]:
@@ -128,12 +129,16 @@ def machine() -> dict[str, Any]:
 class LocalServer:
     """``python -m assistant serve`` on a free port of 127.0.0.1, its output in a log file."""
 
-    def __init__(self, args: tuple[str, ...]) -> None:
+    def __init__(self, args: tuple[str, ...], log_dir: Path | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="assistant-serve-", suffix=".log", delete=False)
+        self.keep_log = log_dir is not None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="assistant-serve-", suffix=".log", delete=False,
+                                               dir=log_dir)  # fmt: skip
         if "--max-sessions-per-client" not in args:  # every caller of this server comes from 127.0.0.1
             sessions = args[args.index("--max-sessions") + 1] if "--max-sessions" in args else str(ServerConfig.max_sessions)
             args = (*args, "--max-sessions-per-client", sessions)
@@ -158,7 +163,7 @@ class LocalServer:
         return Path(self.log.name).read_text()[-3000:]
 
     def stop(self, keep_log: bool) -> None:
-        """Stop the server; its log is deleted unless ``keep_log`` (a failed run)."""
+        """Stop the server; its log is deleted unless ``keep_log`` (a failed run) or a log directory was given."""
         self.proc.terminate()
         try:
             self.proc.wait(30)
@@ -166,7 +171,7 @@ class LocalServer:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-        if keep_log:
+        if keep_log or self.keep_log:
             print(f"the server's log: {self.log.name}", file=sys.stderr)
         else:
             os.unlink(self.log.name)
@@ -200,7 +205,7 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
     url = cfg.url
     if url is None:
         print(f"Starting the server (python -m assistant serve {' '.join(args)})...", file=sys.stderr, flush=True)
-        server = LocalServer(args)
+        server = LocalServer(args, cfg.server_log_dir)
         url = server.url
     ok = False
     try:
@@ -209,6 +214,7 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         patterns = [cfg.pattern] + ([Pattern(**{**asdict(cfg.pattern), "burst": True})] if cfg.burst and not name else [])
         for pattern in patterns:
             for n in caller_counts:
+                await asyncio.to_thread(wait_sessions_closed, http_base(url))
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
@@ -223,6 +229,18 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
 def http_base(ws_url: str) -> str:
     """http://HOST:PORT of a ws://HOST:PORT/v1/realtime address."""
     return ws_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).split("/v1/", 1)[0]
+
+
+def wait_sessions_closed(http_url: str, timeout_s: float = 60.0) -> None:
+    """Until the server holds no Realtime session (the last phase's callers have all been let go), so
+    that a phase never meets the session limit because of the one before it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(http_url + "/metrics", timeout=30).text
+        if not any(s.name == "assistant_realtime_sessions" and s.value > 0
+                   for family in text_string_to_metric_families(text) for s in family.samples):  # fmt: skip
+            return
+        time.sleep(0.5)
 
 
 def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
@@ -275,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--json", type=Path, help="write the whole report here")
     p.add_argument("--plot", type=Path, help="write the waterfall PNG here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--server-log", type=Path, metavar="DIR", help="keep the log of every server the bench starts in DIR (default: only a failed run's)")
     add_server_options(p, "the bench")
     p.add_argument("--server-arg", action="append", default=[], metavar="=--FLAG[=VALUE]",
                    help="any other python -m assistant serve argument, passed on as given (repeatable; write --server-arg=--flag=value)")
@@ -297,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return BenchConfig(
         url=a.url, callers=callers, pattern=pattern, burst=a.burst, ab=tuple(a.ab), config_name=a.config or "custom",
         questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS, json_path=a.json, plot_path=a.plot,
-        progress=a.progress, server_args=server_args,
+        progress=a.progress, server_args=server_args, server_log_dir=a.server_log,
     )  # fmt: skip
 
 

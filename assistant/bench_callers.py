@@ -166,6 +166,9 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
             go.set()
     async with ws:
         session = json.loads(await ws.recv())
+        if session.get("type") != "session.created":  # refused (e.g. at the session limit): one lost turn, said why
+            await go.wait()
+            return [TurnResult(caller, 0, "", error=f"refused: {session.get('error', session)}")]
         hangover = session["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"]
         if pattern.max_output_tokens:
             await ws.send(json.dumps({"type": "session.update", "session": {"max_output_tokens": pattern.max_output_tokens}}))

@@ -139,8 +139,16 @@ class ServerConfig:
     send_timeout_s: float = 10.0  # a client that reads nothing for this long is closed (1008) and released
     max_item_chars: int = 32_768  # text of one conversation.item.create
     max_conversation_chars: int = 131_072  # text a session's conversation keeps (oldest answered turns go first)
+    # permessage-deflate on the WebSockets: off. The Realtime API's traffic is base64 audio, which
+    # barely compresses, and zlib runs on the event loop: on the H200 at 128 callers it was the
+    # largest share of the loop's time, and late pings closed sessions.
+    ws_compression: bool = False
     assistant: AssistantConfig = field(default_factory=AssistantConfig)
     voice: VoiceConfig = field(default_factory=VoiceConfig)
+
+    def uvicorn_options(self) -> dict[str, object]:
+        """The uvicorn settings this config implies: the WebSocket frame limit and compression."""
+        return {"ws_max_size": max(16 << 20, 4 * self.max_message_bytes), "ws_per_message_deflate": self.ws_compression}
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting out of range (the speech configs check theirs)."""

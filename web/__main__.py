@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
         print(f"Web UI: http://{config.host}:{port}/", flush=True)
         uvicorn_config = uvicorn.Config(server.app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
-                                        ws_max_size=max(16 << 20, 4 * config.max_message_bytes))  # fmt: skip
+                                        **config.uvicorn_options())  # fmt: skip
         uvicorn.Server(uvicorn_config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         pass

@@ -1,4 +1,4 @@
-"""Model definitions (Llama architecture)."""
+"""Model definitions (the Llama architecture, which also runs Qwen2: Llama with q/k/v biases)."""
 
 from engine.model.llama import LlamaForCausalLM
 

@@ -414,11 +414,12 @@ class BackgroundServer:
     The socket is bound at construction, so ``port=0`` picks a free port and :attr:`url` is known
     before the server starts."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **options: Any) -> None:
+        """``options``: further ``uvicorn.Config`` settings (e.g. ``ws_per_message_deflate``)."""
         self._socket = socket.create_server((host, port))
         bound_host, bound_port = self._socket.getsockname()[:2]
         self.url = f"http://{bound_host}:{bound_port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, name="uvicorn", daemon=True)
 
     def __enter__(self) -> "BackgroundServer":

@@ -68,10 +68,12 @@ def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_of
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out = tmp_path / "bench.json"
     r = bench("--callers", "1", "--ab", "1", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
-              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--server-log", str(tmp_path / "logs"))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert set(results["callers"]) == set(results["coscheduler_off"]) == {"1"}
+    logs = sorted((tmp_path / "logs").glob("assistant-serve-*.log"))  # --server-log keeps both servers' logs
+    assert len(logs) == 2 and all("Traceback" not in log.read_text() for log in logs)
     assert results["coscheduler_off"]["1"]["lost_turns"] == 0 and results["coscheduler_off"]["1"]["endpoint_to_first_audio_ms"]["p50"] > 0
 
 
@@ -114,3 +116,19 @@ def test_paused_questions_have_the_pause_they_say() -> None:
         longest = max((b - a for a, b in zip(runs[::2], runs[1::2])), default=0) / RATE
         assert q.pause_ms == pause and abs(longest - pause / 1000) <= 0.03, (q.text, longest)
         assert q.speech_end_s == len(audio) / RATE
+
+
+def test_a_refused_caller_is_a_lost_turn_with_the_reason(tmp_path, whisper_tiny_path) -> None:
+    """A caller the server turns away (its session limit) counts as a lost turn that says why; the
+    other caller's turn is measured and the run exits 1."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
+    out = tmp_path / "bench.json"
+    r = bench("--callers", "2", "--turns", "1", "--max-sessions", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path),
+              "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+    assert r.returncode == 1 and "1 turn(s) lost" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    turns = json.loads(out.read_text())["phases"][0]["turns"]
+    refused = [t for t in turns if t["error"]]
+    assert len(turns) == 2 and len(refused) == 1 and refused[0]["error"].startswith("refused:")
+    assert "session_limit_reached" in refused[0]["error"]

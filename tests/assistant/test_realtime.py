@@ -84,7 +84,7 @@ def server(tmp_path_factory, whisper_tiny_path):
     )  # fmt: skip
     assistant = AssistantServer(config)
     assistant.warm_up()
-    with BackgroundServer(assistant.app) as http:
+    with BackgroundServer(assistant.app, **config.uvicorn_options()) as http:
         assistant.url = http.url  # type: ignore[attr-defined]
         yield assistant
     assistant.close()
@@ -566,6 +566,15 @@ def test_chat_completions_are_grounded_in_the_documents(server) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=server.model_name, max_tokens=4,
                                        messages=[{"role": "assistant", "content": "Hello"}])  # fmt: skip
+
+
+async def test_the_realtime_socket_declines_compression(server) -> None:
+    """A client that offers permessage-deflate (websockets does by default) gets none: base64 audio
+    barely compresses and zlib would run on the server's event loop."""
+    async with ws_connect(raw_url(server)) as conn:
+        assert conn.response.status_code == 101 and conn.protocol.extensions == []
+        assert "permessage-deflate" not in conn.response.headers.get("Sec-WebSocket-Extensions", "")
+        assert json.loads(await conn.recv())["type"] == "session.created"
 
 
 def test_health_and_the_engine_metrics_are_served_beside_ours(server) -> None:

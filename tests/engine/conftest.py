@@ -1,4 +1,4 @@
-"""Engine fixtures: the embedded SmolLM2 loaded once, and tiny random Llamas in HF format."""
+"""Engine fixtures: the embedded SmolLM2 loaded once, and tiny random Llamas (and a Qwen2) in HF format."""
 
 from __future__ import annotations
 
@@ -26,17 +26,22 @@ TINY = dict(
 )
 
 
-def save_tiny_llama(path: Path, seed: int, **overrides) -> Path:
-    """A random HF LlamaForCausalLM with odd sizes and GQA, saved as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_tiny_llama(path: Path, seed: int, architecture: str = "llama", **overrides) -> Path:
+    """A random HF LlamaForCausalLM (or ``architecture="qwen2"``: Qwen2ForCausalLM, q/k/v with
+    biases) with odd sizes and GQA, saved as safetensors."""
+    import transformers
+
+    from engine.config import ARCHITECTURES
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(config).float()
-    with torch.no_grad():  # HF inits norms to 1; perturb them so a wrong norm weight is visible
+    model_class = getattr(transformers, ARCHITECTURES[architecture])
+    model = model_class(model_class.config_class(**{**TINY, **overrides})).float()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so a wrong one is visible
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -54,6 +59,12 @@ def tiny_llama3_tied_dir(tmp_path_factory) -> Path:
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64},
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2: Llama with q/k/v biases (random, not HF's zeros), rope base 1e6, eps 1e-6."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-qwen2"), seed=2, architecture="qwen2", rope_theta=1e6, rms_norm_eps=1e-6)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine import LLM, SamplingParams
 from tests.engine.helpers import generate_staggered
 
@@ -27,21 +29,28 @@ def staggered(model_dir, **options) -> tuple[list[list[int]], LLM]:
     return tokens, llm
 
 
-def test_mixed_step_graphs_match_the_piecewise_path(tiny_llama_dir):
-    reference, off = staggered(tiny_llama_dir, mixed_cuda_graph_max_chunk=0)
+TINY_MODELS = ["tiny_llama_dir", "tiny_qwen2_dir"]  # Qwen2: q|k|v biases in cuBLAS's and the GEMV's epilogues, captured
+
+
+@pytest.mark.parametrize("fixture", TINY_MODELS)
+def test_mixed_step_graphs_match_the_piecewise_path(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    reference, off = staggered(model_dir, mixed_cuda_graph_max_chunk=0)
     assert off.core.runner.mixed is None and off.core.step_times.piecewise_steps > 0
-    got, llm = staggered(tiny_llama_dir)
+    got, llm = staggered(model_dir)
     mixed = llm.core.runner.mixed
     assert got == reference
     assert mixed.captures > 0 and llm.core.step_times.mixed_steps > mixed.captures and mixed.padding_rows > 0
     assert dict(llm.core.memory_rows())["cuda_graphs (mixed steps, captured while serving)"] == mixed.pool_bytes > 0
 
 
-def test_decode_graphs_match_the_eager_engine(tiny_llama_dir):
+@pytest.mark.parametrize("fixture", TINY_MODELS)
+def test_decode_graphs_match_the_eager_engine(fixture, request):
     """Decode graphs (packed inputs scattered in the graph, pending tokens read from the graph's
     argmax, padding rows) with async scheduling, against the engine with no graph at all."""
-    reference, _ = staggered(tiny_llama_dir, enable_cuda_graphs=False)
-    got, llm = staggered(tiny_llama_dir)
+    model_dir = request.getfixturevalue(fixture)
+    reference, _ = staggered(model_dir, enable_cuda_graphs=False)
+    got, llm = staggered(model_dir)
     assert got == reference
     graphs = llm.core.runner.graphs
     assert llm.core.async_scheduling and llm.core.step_times.graph_steps > 0 and graphs.padding_rows > 0
@@ -85,7 +94,7 @@ def test_every_capture_holds_the_capture_lock(tiny_llama_dir):
     lock = CountingLock()
     core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_blocks=256,
                                      long_prefill_token_threshold=16), capture_lock=lock)  # fmt: skip
-    assert lock.entries == 1  # the start-up captures, as one
+    assert lock.entries == 1 + core.runner.mixed.captures  # the start-up captures as one, then each warm-up mixed capture
     rng = random.Random(0)
     generate_staggered(core, [[rng.randrange(301) for _ in range(n)] for n in (40, 90, 130, 160)], PARAMS, steps_between=6)
     assert core.runner.mixed.captures > 0 and lock.entries == 1 + core.runner.mixed.captures

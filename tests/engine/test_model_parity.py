@@ -1,4 +1,4 @@
-"""The engine's Llama matches transformers: logits of random tiny models, the GGUF loader, greedy text."""
+"""The engine's Llama (and Qwen2) matches transformers: logits of random tiny models, the GGUF loader, greedy text."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_tied_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_tied_dir", "tiny_qwen2_dir"])
 def test_tiny_llama_logits_match_transformers(fixture, request):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(fixture)
     core = build_engine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=8, num_kv_blocks=64))
-    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
     for length in (1, 9, 37, 100):  # odd lengths, partial last blocks
         ids = torch.randint(0, 301, (length,), generator=gen).tolist()

@@ -303,11 +303,43 @@ def test_a_gated_gemv_needs_gate_and_up_halves():
         decode_linear(torch.randn(1, 64, device=DEVICE, dtype=DTYPE), torch.randn(33, 64, device=DEVICE, dtype=DTYPE), gated=True)
 
 
-def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_dir):
-    """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs give the same tokens and
-    log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU)."""
+@pytest.mark.parametrize("pdl", PDL_CASES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_decode_gemv_adds_a_bias_in_its_epilogue(rows, pdl):
+    """Qwen2's q|k|v bias: x @ w^T + b in x's dtype and in float32; odd widths (masked K and N),
+    a program owning fewer columns than its tile, the 0.5B's and 1.5B's q|k|v shapes. The bias is
+    as large as the product, so leaving it out or adding it to the wrong columns fails."""
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
+
+    for k, n, config in ((200, 300, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2, columns=23)), (896, 1152, None), (1536, 2048, None)):
+        x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+        w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        b = torch.randn(n, device=DEVICE, dtype=DTYPE)
+        assert rel(decode_linear(x, w, config=config, pdl=pdl, bias=b), decode_linear_ref(x, w, bias=b)) < TOL
+        logits = decode_linear(x, w, torch.float32, config, pdl=pdl, bias=b)
+        assert logits.dtype == torch.float32 and rel(logits, decode_linear_ref(x, w, torch.float32, b)) < TOL
+
+
+def test_a_gemv_bias_must_fit_its_output():
+    """A bias is one per output column, and not for a gated or split-K GEMV (neither has one in a model)."""
+    from engine.kernels.linear import decode_linear
+
+    x, w = torch.randn(1, 512, device=DEVICE, dtype=DTYPE), torch.randn(64, 512, device=DEVICE, dtype=DTYPE)
+    for b, kwargs in ((torch.randn(63, device=DEVICE, dtype=DTYPE), {}), (torch.randn(64, device=DEVICE, dtype=DTYPE), {"gated": True}),
+                      (torch.randn(64, device=DEVICE, dtype=DTYPE), {"split_k": 2})):
+        with pytest.raises(ValueError, match="bias"):
+            decode_linear(x, w, bias=b, **kwargs)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, request):
+    """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs (Qwen2's q|k|v bias in the
+    GEMV's epilogue) give the same tokens and log-probs as torch's linear (the GEMVs run in
+    Triton's interpreter on the CPU)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.llm import make_config
+
+    model_dir = request.getfixturevalue(fixture)
 
     prompt = [5, 17, 33, 2, 90, 41, 7]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -317,11 +349,11 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(tiny_llama_d
     if PDL:
         paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
     for name, path in paths.items():
-        config = make_config(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+        config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
         llm = LLM(core=build_engine(config, gemv=path))
         outputs[name] = llm.generate([prompt], params)[0]
     if PDL:  # as the engine runs it: its own path (PDL on), captured in CUDA graphs
-        llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
+        llm = LLM(str(model_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
         assert llm.core.runner.gemv.pdl
         outputs["engine, graphs"] = llm.generate([prompt], params)[0]
     plain = outputs.pop("plain")
