@@ -24,7 +24,6 @@ from assistant.prompt import ContextBudget, Message, PromptBuilder
 from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loaded_model import resolve_device
-from engine.loader import gguf_architecture
 from engine.quantization import gguf_supports_int4
 from engine.scheduler import StepBoundPolicy
 
@@ -63,16 +62,12 @@ def dummy_tokenizer_path() -> str:
 
 
 def resolve_quantization(opts: EngineOptions, model: str) -> str:
-    """``auto``: int4 when a Q4_1/Q8_0 llama GGUF runs on the CPU in bf16 (or auto) precision."""
+    """``auto``: int4 when a GGUF whose matrices the int4 path runs (Q4_1, Q8_0, Q4_K, Q5_0, Q6_K:
+    engine/gguf_blocks.py) runs on the CPU in bf16 (or auto) precision."""
     if opts.quantization != "auto":
         return opts.quantization
     on_cpu = resolve_device(opts.device).type == "cpu"
     if not (on_cpu and opts.dtype in ("auto", "bfloat16") and model.endswith(".gguf")):
-        return "none"
-    arch = gguf_architecture(model)
-    if arch != "llama":
-        log.info("%s is a %s GGUF: the int4 path runs llama GGUFs only so far, so it runs dense (quantization='none')",
-                 Path(model).name, arch)
         return "none"
     return "int4" if gguf_supports_int4(model) else "none"
 

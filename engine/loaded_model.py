@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.loader import gguf_architecture, has_tokenizer, load_model, model_kind
+from engine.loader import has_tokenizer, load_model, model_kind
 from engine.model import LlamaForCausalLM
 from engine.native_decode import NativeWeights
 from engine.quantization import gguf_tensors, quantize_from_gguf
@@ -50,9 +50,6 @@ class LoadedModel:
         if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
             raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
                               f"(got {model_kind(config)} weights on {device.type})")
-        if config.quantization == "int4" and (arch := gguf_architecture(config.model)) != "llama":
-            raise ConfigError(f"quantization='int4' runs llama GGUFs only so far; {config.model} is {arch}: "
-                              "use quantization='none' (dense weights)")
         model, model_config = load_model(config, device, dtype)
         native = None
         if config.quantization == "int4":

@@ -23,7 +23,7 @@ from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
-from engine.native_decode import NativeDecodeStep
+from engine.native_decode import NATIVE_MAX_TOKENS, NativeDecodeStep
 from engine.scheduler import ScheduledChunk
 from engine.transfer import to_device
 
@@ -209,11 +209,11 @@ class ModelRunner:
 
     def _choose_path(self, meta: AttentionMetadata, num_tokens: int) -> tuple[ExecutionPath, int | None, tuple[int, int] | None]:
         """The path of a step that is not a decode graph's (``_graph_bucket`` took those), with
-        its piecewise token bucket or mixed-step key: the native CPU step for a decode-only step,
-        else a mixed-step graph whose shape is ready (this counts the shape's sighting),
+        its piecewise token bucket or mixed-step key: the native CPU step for a decode-only step or
+        a step of at most NATIVE_MAX_TOKENS tokens (a question after a cached prefix), else a mixed-step graph whose shape is ready (this counts the shape's sighting),
         else piecewise graphs where a token bucket holds the step, else eager."""
         decode_only = meta.num_decodes == meta.num_requests
-        if self.native is not None and decode_only:
+        if self.native is not None and (decode_only or num_tokens <= NATIVE_MAX_TOKENS):
             return ExecutionPath.NATIVE, None, None
         mixed = self.mixed.key(meta, num_tokens) if self.mixed and not decode_only else None
         if mixed is not None and self.mixed.ready(mixed):
@@ -237,8 +237,10 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         meta, path = inputs.meta, inputs.path
-        if path is ExecutionPath.NATIVE:
-            return self.native.run(inputs.input_ids, inputs.positions, meta.block_tables)[inputs.sample_rows]
+        if path is ExecutionPath.NATIVE:  # one row per token, each with its request's block table
+            lens = torch.tensor(meta.query_lens_host, device=meta.block_tables.device)
+            tables = meta.block_tables if len(inputs.input_ids) == len(lens) else meta.block_tables.repeat_interleave(lens, dim=0)
+            return self.native.run(inputs.input_ids, inputs.positions, tables)[inputs.sample_rows]
         if path is ExecutionPath.MIXED:
             hidden = self.mixed.run(inputs.input_ids, inputs.positions, meta, inputs.mixed_key, inputs.sample_rows)
             return self.model.compute_logits(hidden, self.gemv)

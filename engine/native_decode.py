@@ -1,13 +1,18 @@
-"""The native CPU decode step: decode-only steps run as one C call (the CPU's "CUDA graph").
+"""The native CPU decode step: decode-only (and short) steps run as one C call (the CPU's "CUDA graph").
 
 At batch 1 on a 2-core CPU the eager PyTorch step of SmolLM2-135M spends more time dispatching
 ~900 small ops than multiplying (see docs/performance.md). ``engine/kernels/native_decode.c`` runs
-the whole step (embedding to logits) over the GGUF's own Q4_1/Q8_0 blocks with integer dot
-products, reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
+the whole step (embedding to logits) over the GGUF's own Q4_1/Q8_0 blocks (other types repacked
+into those by engine/gguf_blocks.py) with integer dot products, Qwen2's q|k|v biases added,
+reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
-compiler (``-O3 -march=native -fopenmp``) into the engine cache; prefill and mixed steps stay on
-the PyTorch path. A decode step of any batch size runs here: each weight row is read from memory
-once per step and reused for every request's activations, so the aggregate rate grows with the
+compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
+:data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
+row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones):
+without hardware bf16 matmuls PyTorch's int4 kernel prefilled Qwen2.5-1.5B's 128-token prompt
+in 13-16 s on a shared 2-core Xeon (2026-12-01), far too slow for a question after a cached
+prefix. Longer prefills stay on the PyTorch path. A decode step of any batch size runs here:
+each weight row is read from memory once per step and reused for every request's activations, so the aggregate rate grows with the
 batch (engine.bench's ``decode-scaling`` suite shows 1 to 32 streams).
 """
 
@@ -26,11 +31,13 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.quantization import q4_1_blocks, q8_0_blocks
+from engine.gguf_blocks import Blocks, tensor_blocks
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 QK = 32
+NATIVE_MAX_TOKENS = 64  # a step of up to this many tokens runs natively: the activations of one
+# matrix pass (64 rows x up to 8960 int8) stay in L2 while each weight row is reused for all of them
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI"}
 
@@ -85,16 +92,30 @@ class _Matrix(ctypes.Structure):
                 ("type", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32)]
 
 
+MAX_PARTS = 3  # row blocks of one fused output: q|k|v
+
+
+class _Fused(ctypes.Structure):
+    _fields_ = [("part", _Matrix * MAX_PARTS), ("parts", ctypes.c_int32)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+                ("qkv", _Fused), ("qkv_bias", ctypes.c_void_p), ("o", _Fused), ("gate_up", _Fused), ("down", _Fused)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in
                   ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "vocab", "page", "rope_len")),
                 ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("head", _Matrix), ("layer", ctypes.c_void_p)]
+                ("final_norm", ctypes.c_void_p), ("head", _Fused), ("layer", ctypes.c_void_p)]
+
+
+def _fused(matrices: list["BlockMatrix"]) -> _Fused:
+    """Row blocks of one output (q|k|v, gate|up, or a single matrix), each in its own format."""
+    if not 1 <= len(matrices) <= MAX_PARTS or len({m.shape[1] for m in matrices}) != 1:
+        raise NativeDecodeError(f"a fused projection takes 1 to {MAX_PARTS} matrices of one width")
+    return _Fused((_Matrix * MAX_PARTS)(*(m.struct() for m in matrices)), len(matrices))
 
 
 # ---- weights in the C layout --------------------------------------------------------------------
@@ -115,67 +136,77 @@ class BlockMatrix:
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
 
+    @classmethod
+    def from_blocks(cls, blocks: Blocks) -> "BlockMatrix":
+        """Q4_1 or Q8_0 :class:`~engine.gguf_blocks.Blocks` in the C layout."""
+        q = blocks.q
+        if blocks.is_q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
+            rows, cols = q.shape
+            grouped = q.reshape(rows, cols // QK, QK).astype(np.uint8)
+            q = grouped[..., :16] | (grouped[..., 16:] << 4)
+        return cls(Q4_1 if blocks.is_q4_1 else Q8_0, *(None if a is None else np.ascontiguousarray(a) for a in (q, blocks.d, blocks.m)))
+
     def struct(self) -> _Matrix:
         n, k = self.shape
         return _Matrix(self.qs.ctypes.data, self.d.ctypes.data, self.m.ctypes.data if self.m is not None else None, self.type, n, k)
 
 
 def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
-    """A GGUF Q4_1 or Q8_0 tensor as a :class:`BlockMatrix`; Q/K rows un-permuted like the loader."""
-    from gguf import GGMLQuantizationType as Q
-
+    """A GGUF matrix of a type :func:`~engine.gguf_blocks.tensor_blocks` reads (Q4_1, Q8_0, Q4_K,
+    Q5_0, Q6_K) as a :class:`BlockMatrix`; Q/K rows un-permuted like the loader does for llama files."""
     from engine.loader import _unpermute
 
-    cols, rows = (int(x) for x in tensor.shape)
-    raw = np.asarray(tensor.data)
-    if tensor.tensor_type == Q.Q4_1:
-        q, d, m = q4_1_blocks(raw, rows, cols)
-        kind = Q4_1
-    elif tensor.tensor_type == Q.Q8_0:
-        (q, d), m = q8_0_blocks(raw, rows, cols), None
-        kind = Q8_0
-    else:
-        raise NativeDecodeError(f"{tensor.name}: {tensor.tensor_type.name} weights are not supported (Q4_1, Q8_0)")
+    blocks = tensor_blocks(tensor)
     if unpermute_heads is not None:
-        q, d, m = (None if a is None else _unpermute(a, unpermute_heads) for a in (q, d, m))
-    if kind == Q4_1:  # back to GGUF's nibble packing: weight j and j + 16 of a block share byte j
-        blocks = q.reshape(rows, cols // QK, QK).astype(np.uint8)
-        q = blocks[..., :16] | (blocks[..., 16:] << 4)
-    return BlockMatrix(kind, *(None if a is None else np.ascontiguousarray(a) for a in (q, d, m)))
+        blocks = Blocks(*(None if a is None else _unpermute(a, unpermute_heads) for a in (blocks.q, blocks.d, blocks.m)))
+    return BlockMatrix.from_blocks(blocks)
 
 
-def concat_block_rows(matrices: list[BlockMatrix]) -> BlockMatrix:
-    """Fuse q|k|v or gate|up into one matrix (one pass over the activations)."""
-    if len({m.type for m in matrices}) != 1:
-        raise NativeDecodeError("fused projections mix Q4_1 and Q8_0 weights")
-    m0 = matrices[0]
-    return BlockMatrix(m0.type, *(None if getattr(m0, f) is None else np.concatenate([getattr(m, f) for m in matrices])
-                                  for f in ("qs", "d", "m")))
+@dataclass
+class NativeLayer:
+    """One layer's matrices in the C layout; q|k|v and gate|up stay separate matrices (each may
+    be Q4_1 or Q8_0) that the C step fills one output from."""
+
+    qkv: list[BlockMatrix]
+    qkv_bias: np.ndarray | None  # float32 q|k|v biases (Qwen2), None without
+    o: BlockMatrix
+    gate_up: list[BlockMatrix]
+    down: BlockMatrix
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(m.nbytes for m in (*self.qkv, self.o, *self.gate_up, self.down))
+                + (self.qkv_bias.nbytes if self.qkv_bias is not None else 0))
 
 
 @dataclass
 class NativeWeights:
-    """Every matrix of a Q4_1/Q8_0 GGUF in the C layout: per layer q|k|v, o, gate|up, down; the head."""
+    """Every matrix of a GGUF in the C layout (Q4_1/Q8_0 blocks): per layer q|k|v (+ biases), o,
+    gate|up, down; the head."""
 
-    layers: list[tuple[BlockMatrix, BlockMatrix, BlockMatrix, BlockMatrix]]
+    layers: list[NativeLayer]
     head: BlockMatrix
 
     @classmethod
     def from_gguf(cls, tensors: dict, cfg: ModelConfig) -> "NativeWeights":
         """From :func:`engine.quantization.gguf_tensors` of the model's file."""
         mat = lambda name, heads=None: block_matrix(tensors[name], heads)  # noqa: E731
+        permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
         layers = []
         for i in range(cfg.num_hidden_layers):
             b = f"blk.{i}."
-            qkv = concat_block_rows([mat(b + "attn_q.weight", cfg.num_attention_heads),
-                                     mat(b + "attn_k.weight", cfg.num_key_value_heads), mat(b + "attn_v.weight")])
-            gate_up = concat_block_rows([mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")])
-            layers.append((qkv, mat(b + "attn_output.weight"), gate_up, mat(b + "ffn_down.weight")))
+            qkv = [mat(b + "attn_q.weight", cfg.num_attention_heads if permuted else None),
+                   mat(b + "attn_k.weight", cfg.num_key_value_heads if permuted else None), mat(b + "attn_v.weight")]
+            bias = None
+            if cfg.attention_bias:  # the file's float32 values, not the bf16 model's copy
+                bias = np.concatenate([np.asarray(tensors[f"{b}attn_{x}.bias"].data, dtype=np.float32) for x in "qkv"])
+            layers.append(NativeLayer(qkv, bias, mat(b + "attn_output.weight"),
+                                      [mat(b + "ffn_gate.weight"), mat(b + "ffn_up.weight")], mat(b + "ffn_down.weight")))
         return cls(layers, mat("output.weight" if "output.weight" in tensors else "token_embd.weight"))
 
     @property
     def nbytes(self) -> int:
-        return self.head.nbytes + sum(m.nbytes for layer in self.layers for m in layer)
+        return self.head.nbytes + sum(layer.nbytes for layer in self.layers)
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -198,12 +229,13 @@ class NativeDecodeStep:
         self.final_norm = fp32(model.norm.weight)
         self.norms = [fp32(w) for layer in model.layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
         self.layers = (_Layer * len(weights.layers))(*(
-            _Layer(self.norms[2 * i].data_ptr(), self.norms[2 * i + 1].data_ptr(), *(m.struct() for m in mats))
-            for i, mats in enumerate(weights.layers)))
+            _Layer(self.norms[2 * i].data_ptr(), self.norms[2 * i + 1].data_ptr(), _fused(w.qkv),
+                   None if w.qkv_bias is None else w.qkv_bias.ctypes.data, _fused([w.o]), _fused(w.gate_up), _fused([w.down]))
+            for i, w in enumerate(weights.layers)))
         self.struct = _Model(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, block_size,
                              self.cos_sin.shape[0], cfg.rms_norm_eps, self.embed.data_ptr(), self.cos_sin.data_ptr(),
-                             self.final_norm.data_ptr(), weights.head.struct(), ctypes.addressof(self.layers))
+                             self.final_norm.data_ptr(), _fused([weights.head]), ctypes.addressof(self.layers))
 
     @property
     def weight_bytes_per_step(self) -> int:

@@ -11,6 +11,8 @@ one (scale, zero) per group of 32 along K, exactly the Q4_1 layout:
 Q8_0 (the tied embedding / LM head) is 8-bit, w = d * q with q in -128..127. Write
 q = 16 * hi + lo (lo in 0..15, hi in -8..7): the head is the sum of two exact 4-bit matrices,
 ``16 d * hi`` and ``d * lo``, i.e. two int4 matmuls, still half the bytes of bf16.
+Other GGUF types (Qwen2.5's Q4_K, Q5_0, Q6_K) arrive repacked as Q4_1 or Q8_0 by
+engine/gguf_blocks.py; a fused q|k|v whose parts come in both formats runs as row segments.
 
 On a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16) the kernel wins only for a few
 rows (decode); for a prefill chunk or a big batch the dense bf16 matmul is faster, so each
@@ -30,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GROUP = 32  # weights per GGUF block, and the kernel's group size along K
+from engine.gguf_blocks import GROUP, SUPPORTED, Blocks, tensor_blocks
+
 INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
 BF16_MATMUL_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of hardware bf16 matmuls
 
@@ -53,24 +56,6 @@ def int4_max_rows(flags: frozenset[str] | None) -> int:
     without them (2026-12-01) a [512, 576] x [576, 1536] product took 160-170 ms dense bf16 and
     87-94 ms int4, 2048 rows 610-680 ms and 300 ms."""
     return INT4_MAX_ROWS if flags is None or flags & BF16_MATMUL_FLAGS else sys.maxsize
-
-
-def q4_1_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q uint8 [rows, cols] in 0..15, d float32 [rows, cols/32], m float32 [rows, cols/32])."""
-    b = raw.reshape(rows, cols // GROUP, 20)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = b[..., 4:20]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are weights 0..15, high 16..31
-    return q.reshape(rows, cols), d, m
-
-
-def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """(q int8 [rows, cols], d float32 [rows, cols/32])."""
-    b = raw.reshape(rows, cols // GROUP, 34)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = b[..., 2:34].copy().view(np.int8)
-    return q.reshape(rows, cols), d
 
 
 class PackedInt4(nn.Module):
@@ -96,23 +81,32 @@ class PackedInt4(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """A bias-free linear layer with int4 weights for small batches and dense bf16 for large ones.
+    """A linear layer with int4 weights for small batches and dense bf16 for large ones.
 
-    ``parts`` are summed (one part for Q4_1, two for Q8_0's hi/lo split)."""
+    ``segments`` are row ranges of the output, concatenated: fused q|k|v or gate|up whose parts come
+    in different formats (a Q4_1 q and a Q8_0 v) are one segment each. Each segment's ``parts`` are
+    summed (one part for Q4_1, two for Q8_0's hi/lo split). ``bias`` (Qwen2's q|k|v) is added to
+    either path's output."""
 
-    def __init__(self, parts: list[PackedInt4], dense: torch.Tensor, max_rows: int = INT4_MAX_ROWS) -> None:
+    def __init__(self, segments: list[list[PackedInt4]], dense: torch.Tensor, bias: torch.Tensor | None = None,
+                 max_rows: int = INT4_MAX_ROWS) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(parts)
+        self.segments = nn.ModuleList(nn.ModuleList(parts) for parts in segments)
         self.weight = nn.Parameter(dense, requires_grad=False)  # same name as nn.Linear's: HF export, memory ledger
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight)
-        out = self.parts[0](x)
-        for part in self.parts[1:]:
-            out = out + part(x)
-        return out
+            return F.linear(x, self.weight, self.bias)
+        outs = []
+        for parts in self.segments:
+            out = parts[0](x)
+            for part in parts[1:]:
+                out = out + part(x)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
 
 
 Int4Parts = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -131,45 +125,46 @@ def int4_parts_q8_0(q: np.ndarray, d: np.ndarray) -> Int4Parts:
     return [(hi + 8, 16 * d, np.zeros_like(d)), (lo, d, 8 * d)]
 
 
+def int4_parts(blocks: Blocks) -> Int4Parts:
+    """Q4_1 or Q8_0 :class:`~engine.gguf_blocks.Blocks` as exact int4 parts."""
+    return int4_parts_q4_1(blocks.q, blocks.d, blocks.m) if blocks.is_q4_1 else int4_parts_q8_0(blocks.q, blocks.d)
+
+
 def pack(parts: Int4Parts) -> list[PackedInt4]:
     return [PackedInt4(torch.from_numpy(np.ascontiguousarray(q, dtype=np.int32)), torch.from_numpy(s), torch.from_numpy(z))
             for q, s, z in parts]
 
 
-def concat_rows(matrices: list[Int4Parts]) -> Int4Parts:
-    """Fuse q|k|v or gate|up: concatenate rows part by part (groups run along K)."""
-    if len({len(m) for m in matrices}) != 1:
-        raise ValueError("fused projections mix Q4_1 and Q8_0 weights")
-    return [tuple(np.concatenate([m[i][j] for m in matrices]) for j in range(3)) for i in range(len(matrices[0]))]
+def fuse_rows(matrices: list[Int4Parts]) -> list[Int4Parts]:
+    """Fuse q|k|v or gate|up into row segments: neighbours with the same number of parts (both Q4_1
+    or both Q8_0) are concatenated part by part (groups run along K) into one segment, one kernel
+    call per part; a change of format starts the next segment."""
+    segments: list[Int4Parts] = []
+    for m in matrices:
+        if segments and len(segments[-1]) == len(m):
+            segments[-1] = [tuple(np.concatenate([a, b]) for a, b in zip(p, q)) for p, q in zip(segments[-1], m)]
+        else:
+            segments.append(m)
+    return segments
 
 
 # ---- from a GGUF file ---------------------------------------------------------------------------
 def gguf_int4_parts(tensor, unpermute_heads: int | None = None) -> Int4Parts:
-    """The int4 parts of one GGUF tensor; Q/K rows are un-permuted like the dense loader does."""
-    from gguf import GGMLQuantizationType as Q
-
+    """The int4 parts of one GGUF matrix of a type :func:`~engine.gguf_blocks.tensor_blocks`
+    reads (Q4_1, Q8_0, Q4_K, Q5_0, Q6_K); Q/K rows are un-permuted like the dense loader does for
+    llama files."""
     from engine.loader import _unpermute
 
-    if tensor.tensor_type not in (Q.Q4_1, Q.Q8_0):
-        raise ValueError(f"{tensor.name}: {tensor.tensor_type.name} weights cannot run as int4 (supported: Q4_1, Q8_0)")
-    cols, rows = (int(x) for x in tensor.shape)
-    raw = np.asarray(tensor.data)
-    if tensor.tensor_type == Q.Q4_1:
-        parts = int4_parts_q4_1(*q4_1_blocks(raw, rows, cols))
-    else:
-        parts = int4_parts_q8_0(*q8_0_blocks(raw, rows, cols))
+    parts = int4_parts(tensor_blocks(tensor))
     if unpermute_heads is not None:
         parts = [tuple(_unpermute(a, unpermute_heads) for a in p) for p in parts]
     return parts
 
 
 def gguf_supports_int4(path: str) -> bool:
-    """Whether every matrix of a llama GGUF is Q4_1 or Q8_0 (what :func:`quantize_from_gguf` runs)."""
-    import gguf
-
-    ok = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0}
+    """Whether every matrix of the GGUF file is of a type :func:`quantize_from_gguf` runs."""
     matrices = [t for t in gguf_tensors(path).values() if len(t.shape) == 2]
-    return bool(matrices) and all(t.tensor_type in ok for t in matrices)
+    return bool(matrices) and all(t.tensor_type in SUPPORTED for t in matrices)
 
 
 def gguf_tensors(path: str) -> dict:
@@ -190,18 +185,20 @@ def quantize_from_gguf(model: nn.Module, tensors: dict, max_rows: int | None = N
     def parts(name: str, heads: int | None = None) -> Int4Parts:
         return gguf_int4_parts(tensors[name], heads)
 
-    def swap(owner: nn.Module, attr: str, matrix: Int4Parts) -> None:
-        dense = getattr(owner, attr).weight
-        setattr(owner, attr, Int4Linear(pack(matrix), dense.data, max_rows))
+    def swap(owner: nn.Module, attr: str, matrices: list[Int4Parts]) -> None:
+        linear = getattr(owner, attr)
+        bias = None if linear.bias is None else linear.bias.data
+        setattr(owner, attr, Int4Linear([pack(m) for m in fuse_rows(matrices)], linear.weight.data, bias, max_rows))
 
+    permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        swap(attn, "qkv_proj", concat_rows([parts(b + "attn_q.weight", cfg.num_attention_heads),
-                                             parts(b + "attn_k.weight", cfg.num_key_value_heads), parts(b + "attn_v.weight")]))
-        swap(attn, "o_proj", parts(b + "attn_output.weight"))
-        swap(mlp, "gate_up_proj", concat_rows([parts(b + "ffn_gate.weight"), parts(b + "ffn_up.weight")]))
-        swap(mlp, "down_proj", parts(b + "ffn_down.weight"))
+        swap(attn, "qkv_proj", [parts(b + "attn_q.weight", cfg.num_attention_heads if permuted else None),
+                                parts(b + "attn_k.weight", cfg.num_key_value_heads if permuted else None), parts(b + "attn_v.weight")])
+        swap(attn, "o_proj", [parts(b + "attn_output.weight")])
+        swap(mlp, "gate_up_proj", [parts(b + "ffn_gate.weight"), parts(b + "ffn_up.weight")])
+        swap(mlp, "down_proj", [parts(b + "ffn_down.weight")])
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     dense = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int4Linear(pack(parts(head)), dense.data, max_rows)
+    model.lm_head = Int4Linear([pack(parts(head))], dense.data, None, max_rows)

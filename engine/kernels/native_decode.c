@@ -1,9 +1,11 @@
-/* One decode step (any batch size) of a Llama model on the CPU, weights in a GGUF's own 4/8-bit blocks.
+/* One decode step (any batch size) of a Llama or Qwen2 model on the CPU, weights in 4/8-bit GGUF blocks.
 
    Why native: at batch 1 the 135M model's step is ~120 matrix-vector products plus ~800 small
    tensor ops; eager PyTorch pays microseconds of dispatch for each, more than the arithmetic.
    Here the whole step is one call: embedding, 30 layers (RMSNorm, q|k|v, RoPE, paged KV write,
    attention over the block table, o, gate|up, SiLU-mul, down), final norm and the LM head.
+   Qwen2 adds q|k|v biases; its K-quant files arrive repacked as Q4_1/Q8_0 (engine/gguf_blocks.py),
+   so a fused output (q|k|v, gate|up) may be row blocks of both formats.
 
    Numerics follow llama.cpp's CPU path: activations are quantized per block of 32 to int8 with
    one float scale (Q8), and each weight block is multiplied as integers, 32 products in one
@@ -36,9 +38,18 @@ typedef struct { /* one weight matrix [n, k] in blocks of 32 along k */
     int32_t type, n, k;
 } matrix_t;
 
+#define MAX_PARTS 3
+
+typedef struct { /* one output's rows as consecutive row blocks (q|k|v, gate|up), each in its own format */
+    matrix_t part[MAX_PARTS];
+    int32_t parts;
+} fused_t;
+
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    matrix_t qkv, o, gate_up, down;      /* q|k|v rows fused; gate|up rows fused */
+    fused_t qkv;                         /* q|k|v rows */
+    const float *qkv_bias;               /* [q + 2 kv] or NULL */
+    fused_t o, gate_up, down;            /* gate|up rows */
 } layer_t;
 
 typedef struct {
@@ -47,7 +58,7 @@ typedef struct {
     const uint16_t *embed;  /* [vocab, hidden] bf16 */
     const float *cos_sin;   /* [rope_len, head_dim]: cos in the first half, sin in the second */
     const float *final_norm;
-    matrix_t head;          /* [vocab, hidden] */
+    fused_t head;           /* [vocab, hidden] */
     const layer_t *layer;   /* [layers] */
 } model_t;
 
@@ -187,28 +198,42 @@ static float dot_q8_0(const int8_t *qs, const float *d, const int8_t *xq, const 
 }
 #endif
 
-/* y[b, row] = W[row, :] . x[b, :] for rows [r0, r1). A row's blocks (<= 1 KiB) stay in L1
+/* y[b * ldy + row] = W[row, :] . x[b, :] for rows [r0, r1). A row's blocks (<= 1 KiB) stay in L1
    while the B activation rows pass over them, so each weight byte comes from memory once. */
-static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int r0, int r1) {
+static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int ldy, int r0, int r1) {
     const int nb = w->k / QK;
     for (int r = r0; r < r1; r++) {
         const size_t o = (size_t)r * nb;
         for (int b = 0; b < B; b++) {
             const int8_t *xq = a->q + (size_t)b * w->k;
             const float *xd = a->d + (size_t)b * nb;
-            y[(size_t)b * w->n + r] = w->type == Q4_1 ? dot_q4_1(w->qs + o * 16, w->d + o, w->m + o, xq, xd, a->s + (size_t)b * nb, nb)
+            y[(size_t)b * ldy + r] = w->type == Q4_1 ? dot_q4_1(w->qs + o * 16, w->d + o, w->m + o, xq, xd, a->s + (size_t)b * nb, nb)
                                                       : dot_q8_0((const int8_t *)w->qs + o * QK, w->d + o, xq, xd, nb);
         }
     }
 }
 
-/* Rows split evenly over the team, in chunks of 16 so threads do not share cache lines of y. */
-static void matvec(const matrix_t *w, const qact_t *a, int B, float *y) {
-    const int chunks = (w->n + 15) / 16;
+static inline int chunks_of(const matrix_t *w) { return (w->n + 15) / 16; }
+
+/* y [B, total rows] = the fused rows . x. Rows of all parts split evenly over the team, in chunks
+   of 16 (within one part) so threads do not share cache lines of y. */
+static void matvec(const fused_t *w, const qact_t *a, int B, float *y) {
+    int n = 0, chunks = 0;
+    for (int p = 0; p < w->parts; p++) {
+        n += w->part[p].n;
+        chunks += chunks_of(&w->part[p]);
+    }
 #pragma omp for schedule(static)
     for (int c = 0; c < chunks; c++) {
-        int r1 = (c + 1) * 16 < w->n ? (c + 1) * 16 : w->n;
-        matvec_rows(w, a, B, y, c * 16, r1);
+        int p = 0, local = c, row0 = 0;
+        while (local >= chunks_of(&w->part[p])) {
+            local -= chunks_of(&w->part[p]);
+            row0 += w->part[p].n;
+            p++;
+        }
+        const matrix_t *m = &w->part[p];
+        const int r1 = (local + 1) * 16 < m->n ? (local + 1) * 16 : m->n;
+        matvec_rows(m, a, B, y + row0, n, local * 16, r1);
     }
 }
 
@@ -408,8 +433,10 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
             }
             matvec(&L->qkv, &act, B, qkv); /* implicit barrier */
 #pragma omp single
-            for (int b = 0; b < B; b++) { /* RoPE on q and k, then K/V into the request's slot */
+            for (int b = 0; b < B; b++) { /* biases, RoPE on q and k, then K/V into the request's slot */
                 float *row = qkv + (size_t)b * qkv_n;
+                if (L->qkv_bias)
+                    for (int i = 0; i < qkv_n; i++) row[i] += L->qkv_bias[i];
                 const float *cs = m->cos_sin + (size_t)positions[b] * hd;
                 for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, cs, hd);
                 const int64_t pos = positions[b];

@@ -138,10 +138,8 @@ def test_quantization_auto_runs_the_embedded_gguf_as_int4(small):
     assert resolve_quantization(EngineOptions(), "/models/llama-dir") == "none"  # not a GGUF
 
 
-def test_quantization_auto_runs_a_qwen2_gguf_dense_and_says_so(qwen_0_5b_gguf, caplog):
-    """The int4 path runs llama GGUFs only so far: a qwen2 file falls back to dense weights, logged."""
+def test_quantization_auto_runs_a_qwen2_k_quant_gguf_as_int4(qwen_0_5b_gguf):
+    """Qwen2.5's Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 matrices, repacked by engine/gguf_blocks.py) runs int4."""
     from assistant.answerer import resolve_quantization
 
-    with caplog.at_level("INFO", logger="assistant.answerer"):
-        assert resolve_quantization(EngineOptions(device="cpu"), str(qwen_0_5b_gguf)) == "none"
-    assert "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf is a qwen2 GGUF: the int4 path runs llama GGUFs only so far" in caplog.text
+    assert resolve_quantization(EngineOptions(device="cpu"), str(qwen_0_5b_gguf)) == "int4"

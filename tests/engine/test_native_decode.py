@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.native_decode import NativeDecodeStep, NativeDecodeError, build_library
+from engine.native_decode import NATIVE_MAX_TOKENS, NativeDecodeStep, NativeDecodeError, build_library
 from engine.execution_path import ExecutionPath
 from engine.sampling import SamplingParams
 
@@ -154,7 +154,9 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
                  "What is two plus two?", "Which planet is closest to the sun?", "What colour is the sky?",
                  "How many days are in a week?", "What do bees make?", "What is frozen water called?",
                  "Which animal says moo?")
-    prompts = [prompt_ids(native_llm, q) for q in questions]
+    preface = "Answer the question below briefly, in plain words, as a friendly assistant would, without any lists. " * 2
+    prompts = [prompt_ids(native_llm, preface + q) for q in questions]
+    assert min(map(len, prompts)) > NATIVE_MAX_TOKENS  # alone or together, each prefills through PyTorch
     steps: list[tuple[ExecutionPath, int]] = []
     prepare = core.runner.prepare
 
@@ -183,14 +185,42 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
 
 
 def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
-    """K/V written by native decode steps is read by a later request's PyTorch prefill: the
-    follow-up reuses the first answer's blocks and still answers as float32 would."""
+    """K/V written by native decode steps is read by a later request's PyTorch prefill (more than
+    NATIVE_MAX_TOKENS new tokens): the follow-up reuses the first answer's blocks and still
+    answers as float32 would."""
     first = prompt_ids(native_llm, "Tell me about annual leave.")
     reply = native_llm.generate([first], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-    follow = first + reply.token_ids + prompt_ids(native_llm, "And sick leave?")[1:]
+    question = prompt_ids(native_llm, "And sick leave? " + "Please explain who approves it, how many days there are and what the form is called. " * 2)[1:]
+    assert len(question) > NATIVE_MAX_TOKENS
+    follow = first + reply.token_ids + question
     second = native_llm.generate([follow], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert second.num_cached_tokens >= len(first) + 16  # blocks the native steps filled were reused
     assert_float32_ranks_first(hf_fp32, follow, second.token_ids)
+
+
+def test_a_short_prefill_runs_natively(native_llm):
+    """A prompt of at most NATIVE_MAX_TOKENS tokens (a question after a cached prefix) prefills in
+    one native call, one row per token: its first token is what the native step gives fed token
+    by token."""
+    core = native_llm.core
+    ids = prompt_ids(native_llm, "How many days of annual leave do employees get?")
+    assert len(ids) <= NATIVE_MAX_TOKENS
+    steps: list[ExecutionPath] = []
+    prepare = core.runner.prepare
+
+    def spy(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        steps.append(inputs.path)
+        return inputs
+
+    core.block_manager.reset_prefix_cache()
+    core.runner.prepare = spy
+    try:
+        out = native_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
+    finally:
+        core.runner.prepare = prepare
+    assert steps == [ExecutionPath.NATIVE]
+    assert out.token_ids[0] == int(feed(core.runner.native, [(ids, [60, 61, 62, 63])])[0].argmax())
 
 
 def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
@@ -214,3 +244,79 @@ def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tm
     assert fallback.core.runner.native is None and "decoding through PyTorch" in caplog.text
     out = fallback.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert len(out.token_ids) == 2
+
+
+def test_mixed_formats_and_biases_match_float32():
+    """A small random Qwen2 (q|k|v biases) whose fused outputs mix formats as Qwen2.5-1.5B's
+    repacked ones do (q, k Q4_1 and v Q8_0; gate Q8_0 and up Q4_1; a Q8_0 head): the native step
+    fed token by token against HF float32 on the same (dequantized) weights."""
+    import gguf
+
+    from engine.config import ModelConfig, default_cache_dir
+    from engine.bench.hf_reference import build_hf_model
+    from engine.gguf_blocks import q4_1_blocks, q8_0_blocks
+    from engine.model import LlamaForCausalLM
+    from engine.native_decode import BlockMatrix, NativeLayer, NativeWeights
+
+    Q = gguf.GGMLQuantizationType
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64,
+                      architecture="qwen2", attention_bias=True, name="tiny-qwen2")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, max_positions=64).float().eval().requires_grad_(False)
+
+    def quantized(w: torch.Tensor, fmt) -> BlockMatrix:
+        """Random weights quantized to ``fmt``; the model keeps the dequantized values."""
+        w.copy_(torch.randn_like(w) / w.shape[1] ** 0.5)
+        raw = gguf.quants.quantize(w.numpy(), fmt)
+        blocks = (q4_1_blocks if fmt == Q.Q4_1 else q8_0_blocks)(raw, *w.shape)
+        w.copy_(torch.from_numpy(blocks.dequantize()))
+        return BlockMatrix.from_blocks(blocks)
+
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    model.embed_tokens.weight.copy_(torch.randn(cfg.vocab_size, cfg.hidden_size).bfloat16().float())  # the C step reads it as bf16
+    layers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, gate_up_w = attn.qkv_proj.weight, mlp.gate_up_proj.weight
+        attn.qkv_proj.bias.copy_(torch.randn(q + 2 * kv))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+        layers.append(NativeLayer([quantized(qkv_w[:q], Q.Q4_1), quantized(qkv_w[q : q + kv], Q.Q4_1), quantized(qkv_w[q + kv :], Q.Q8_0)],
+                                  attn.qkv_proj.bias.numpy().copy(), quantized(attn.o_proj.weight, Q.Q8_0),
+                                  [quantized(gate_up_w[:inter], Q.Q8_0), quantized(gate_up_w[inter:], Q.Q4_1)],
+                                  quantized(mlp.down_proj.weight, Q.Q4_1)))
+    weights = NativeWeights(layers, quantized(model.lm_head.weight, Q.Q8_0))
+    kv_cache = torch.zeros(cfg.num_hidden_layers, 2, 8, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
+    kernel = NativeDecodeStep(build_library(default_cache_dir()), model, weights, kv_cache, 16)
+    ids = torch.randint(0, cfg.vocab_size, (40,)).tolist()
+    ours = feed(kernel, [(ids, [5, 2, 7])])[0]
+    hf = build_hf_model(model)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+    assert ours.argmax() == ref.argmax()
+    kl = float((ref.exp() * (ref - torch.log_softmax(ours, -1))).sum())
+    assert kl < 0.01, f"KL(float32 || native) = {kl:.4f}"
+
+
+@pytest.fixture(scope="module")
+def qwen_int4(qwen_0_5b_gguf) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), quantization="int4"))
+
+
+def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_0_5b_gguf):
+    """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0 and Q4_K repacked exactly, Q6_K requantized, float32
+    q|k|v biases) on the int4 path, decoding natively and through PyTorch's int4 kernel: the
+    greedy tokens of the dense float32 path."""
+    path = str(qwen_0_5b_gguf)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    native = LLM(path, quantization="int4", native_decode_step="on", max_model_len=256, num_kv_blocks=32, loaded=qwen_int4)
+    prompts = [prompt_ids(native, q) for q in ("What is the capital of France? Answer in one word.",
+                                                 "Write a Python function that adds two numbers.")]
+    native.core.step_times.native_steps = 0
+    ours = [o.token_ids for o in native.generate(prompts, params)]
+    assert native.core.step_times.native_steps >= 15
+    torch_int4 = [o.token_ids for o in LLM(path, quantization="int4", native_decode_step="off", max_model_len=256,
+                                           num_kv_blocks=32, loaded=qwen_int4).generate(prompts, params)]
+    dense = [o.token_ids for o in LLM(path, max_model_len=256, num_kv_blocks=32).generate(prompts, params)]
+    assert len(dense[1]) == 16 and ours == dense and torch_int4 == dense

@@ -7,6 +7,8 @@ int4 mode is checked against a float32 forward of the same file.
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -14,17 +16,17 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
+from engine.gguf_blocks import q4_1_blocks, q8_0_blocks
 from engine.quantization import (
     INT4_MAX_ROWS,
     Int4Linear,
-    concat_rows,
+    fuse_rows,
     gguf_int4_parts,
-    int4_parts_q4_1,
     int4_max_rows,
+    int4_parts,
+    int4_parts_q4_1,
     int4_parts_q8_0,
     pack,
-    q4_1_blocks,
-    q8_0_blocks,
 )
 from engine.sampling import SamplingParams
 
@@ -32,11 +34,7 @@ Q = gguf.GGMLQuantizationType
 
 
 def kernel_matmul(parts, x: torch.Tensor) -> torch.Tensor:
-    packed = pack(parts)
-    out = packed[0](x)
-    for p in packed[1:]:
-        out = out + p(x)
-    return out.float()
+    return Int4Linear([pack(parts)], torch.zeros(0))(x).float()
 
 
 def reference(w: np.ndarray, x: torch.Tensor) -> torch.Tensor:
@@ -56,14 +54,14 @@ def test_synthetic_blocks_match_gguf_dequantize(qtype):
     raw = gguf.quants.quantize(w, qtype)
     exact = gguf.quants.dequantize(raw, qtype).reshape(40, 96)
     if qtype == Q.Q4_1:
-        q, d, m = q4_1_blocks(raw, 40, 96)
-        assert q.min() >= 0 and q.max() <= 15
-        np.testing.assert_allclose(np.repeat(d, 32, 1) * q + np.repeat(m, 32, 1), exact, rtol=1e-6, atol=1e-6)
-        parts = int4_parts_q4_1(q, d, m)
+        b = q4_1_blocks(raw, 40, 96)
+        assert b.q.min() >= 0 and b.q.max() <= 15
+        np.testing.assert_allclose(np.repeat(b.d, 32, 1) * b.q + np.repeat(b.m, 32, 1), exact, rtol=1e-6, atol=1e-6)
+        parts = int4_parts_q4_1(b.q, b.d, b.m)
     else:
-        q, d = q8_0_blocks(raw, 40, 96)
-        np.testing.assert_allclose(np.repeat(d, 32, 1) * q, exact, rtol=1e-6, atol=1e-6)
-        parts = int4_parts_q8_0(q, d)
+        b = q8_0_blocks(raw, 40, 96)
+        np.testing.assert_allclose(np.repeat(b.d, 32, 1) * b.q, exact, rtol=1e-6, atol=1e-6)
+        parts = int4_parts_q8_0(b.q, b.d)
         assert len(parts) == 2  # 16 hi + lo
         for qp, _, _ in parts:
             assert qp.min() >= 0 and qp.max() <= 15
@@ -72,16 +70,25 @@ def test_synthetic_blocks_match_gguf_dequantize(qtype):
         assert_close_bf16(kernel_matmul(parts, x), reference(exact, x))
 
 
-def test_fused_rows_are_the_row_concatenation():
+@pytest.mark.parametrize("formats, segments", [((Q.Q4_1, Q.Q4_1, Q.Q4_1), 1), ((Q.Q4_1, Q.Q4_1, Q.Q8_0), 2),
+                                               ((Q.Q8_0, Q.Q4_1, Q.Q8_0), 3)])
+def test_fused_rows_are_the_row_concatenation(formats, segments):
+    """q|k|v fused: one segment where the formats agree, row segments where they change (Qwen2.5
+    1.5B: Q4_K q and k repacked to Q4_1, a Q6_K v to Q8_0); with the bias added."""
     rng = np.random.default_rng(1)
     mats = [rng.standard_normal((n, 64)).astype(np.float32) for n in (24, 8, 8)]
-    raws = [gguf.quants.quantize(w, Q.Q4_1) for w in mats]
-    parts = [int4_parts_q4_1(*q4_1_blocks(r, w.shape[0], 64)) for r, w in zip(raws, mats)]
-    exact = np.concatenate([gguf.quants.dequantize(r, Q.Q4_1).reshape(w.shape) for r, w in zip(raws, mats)])
+    raws = [gguf.quants.quantize(w, f) for w, f in zip(mats, formats)]
+    blocks = [(q4_1_blocks if f == Q.Q4_1 else q8_0_blocks)(r, w.shape[0], 64) for r, w, f in zip(raws, mats, formats)]
+    fused = fuse_rows([int4_parts(b) for b in blocks])
+    assert len(fused) == segments
+    exact = np.concatenate([b.dequantize() for b in blocks])
+    bias = torch.randn(40).to(torch.bfloat16)
+    layer = Int4Linear([pack(s) for s in fused], torch.from_numpy(exact).to(torch.bfloat16), bias)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert_close_bf16(kernel_matmul(concat_rows(parts), x), reference(exact, x))
-    with pytest.raises(ValueError, match="mix"):
-        concat_rows([parts[0], int4_parts_q8_0(*q8_0_blocks(gguf.quants.quantize(mats[1], Q.Q8_0), 8, 64))])
+    assert_close_bf16(layer(x).float(), reference(exact, x) + bias.float())
+    many = torch.randn(3, 64, dtype=torch.bfloat16)  # above max_rows: the dense weights, with the bias
+    layer.max_rows = 2
+    assert_close_bf16(layer(many).float(), reference(exact, many) + bias.float())
 
 
 def test_real_tensors_of_the_embedded_model(llm_gguf_path):
@@ -93,7 +100,7 @@ def test_real_tensors_of_the_embedded_model(llm_gguf_path):
         exact = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
         x = torch.randn(1, cols, dtype=torch.bfloat16)
         assert_close_bf16(kernel_matmul(gguf_int4_parts(t), x), reference(exact, x))
-    with pytest.raises(ValueError, match="F32 weights cannot run as int4"):
+    with pytest.raises(ValueError, match=re.escape(f"{llm_gguf_path.name}: tensor blk.0.attn_norm.weight is F32")):
         gguf_int4_parts(tensors["blk.0.attn_norm.weight"])
 
 
@@ -102,7 +109,7 @@ def test_int4_linear_uses_dense_weights_for_many_rows():
     w = rng.standard_normal((16, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, Q.Q4_1)
     exact = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1).reshape(16, 64))
-    layer = Int4Linear(pack(int4_parts_q4_1(*q4_1_blocks(raw, 16, 64))), exact.to(torch.bfloat16), max_rows=4)
+    layer = Int4Linear([pack(int4_parts(q4_1_blocks(raw, 16, 64)))], exact.to(torch.bfloat16), max_rows=4)
     dense = torch.zeros(16, 64, dtype=torch.bfloat16)  # a different dense copy shows which path ran
     layer.weight.data = dense
     small, big = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)

@@ -165,12 +165,6 @@ def test_an_hf_checkpoint_of_another_model_type_is_refused(tiny_qwen2_dir, tmp_p
         load_model(EngineConfig(model=str(other)), CPU, torch.float32)
 
 
-def test_int4_refuses_a_qwen2_gguf_before_loading_it(qwen_0_5b_gguf):
-    """The int4 path (engine/quantization.py) knows llama files only (un-permuted Q/K, no biases)."""
-    with pytest.raises(ConfigError, match=r"quantization='int4' runs llama GGUFs only so far; .*qwen2.5-coder-0.5b.* is qwen2"):
-        LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), device="cpu", quantization="int4"))
-
-
 # ---- the real Qwen2.5-Coder-0.5B GGUF --------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen(qwen_0_5b_gguf) -> LoadedModel:
