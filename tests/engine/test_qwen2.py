@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel, SamplingParams, build_engine
 from engine.config import ConfigError
-from engine.loader import GGUF_LAYER_NAMES, GGUF_NAMES, gguf_architecture, load_model
+from engine.loader import GGUF_LAYER_NAMES, GGUF_NAMES, load_model
 
 from tests.engine.helpers import prompt_logits
 
@@ -26,11 +26,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray],
                raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
-               tokens: list[tuple[str, gguf.TokenType]] | None = None, eos: int | None = None,
-               architecture_key_last: bool | None = False) -> Path:
+               tokens: list[tuple[str, gguf.TokenType]] | None = None, eos: int | None = None) -> Path:
     """A GGUF file of ``arch`` with the ``<arch>.*`` hyperparameters of a HF-style ``config``,
-    float32 ``tensors`` (GGUF names, numpy shapes) and ``raw`` blocks of a given type;
-    ``general.architecture`` first (as llama.cpp writes it), last, or (None) left out."""
+    float32 ``tensors`` (GGUF names, numpy shapes) and ``raw`` blocks of a given type."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -46,11 +44,6 @@ def write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarra
         w.add_token_types([int(k) for _, k in tokens])
     if eos is not None:
         w.add_eos_token_id(eos)
-    if architecture_key_last is not False:
-        kv = w.kv_data[0]
-        value = kv.pop("general.architecture")
-        if architecture_key_last:
-            kv["general.architecture"] = value
     for name, t in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
     for name, (blocks, qtype) in (raw or {}).items():
@@ -124,21 +117,6 @@ def test_the_hf_reference_of_a_qwen2_model_is_transformers_qwen2(tiny_qwen2_dir)
         assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-6
 
 
-def test_gguf_architecture_reads_the_header_alone(tmp_path, qwen_0_5b_gguf, llm_gguf_path):
-    """The key found after string, string-array and number values (it is first in llama.cpp's
-    files), and None for a file without one."""
-    tokens = [(f"t{i}", gguf.TokenType.NORMAL) for i in range(301)]
-    path = write_gguf(tmp_path / "late.gguf", "qwen2", TINY_CONFIG, {"output_norm.weight": np.ones(72)}, tokens=tokens, eos=3,
-                      architecture_key_last=True)
-    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "qwen2"
-    assert list(gguf.GGUFReader(path).fields)[-1] == "general.architecture"
-    assert gguf_architecture(path) == "qwen2"
-    assert gguf_architecture(qwen_0_5b_gguf) == "qwen2" and gguf_architecture(llm_gguf_path) == "llama"
-    none = write_gguf(tmp_path / "none.gguf", "qwen2", TINY_CONFIG, {}, tokens=tokens, architecture_key_last=None)
-    assert gguf_architecture(none) is None
-
-
-# ---- errors ----------------------------------------------------------------------------------
 def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "tiny-gemma.gguf", "gemma", TINY_CONFIG, {"output_norm.weight": np.ones(72)})
     with pytest.raises(ConfigError, match=r"tiny-gemma\.gguf: GGUF architecture 'gemma' is not supported \(supported: llama, qwen2\)"):
