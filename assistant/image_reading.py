@@ -227,6 +227,18 @@ class ImageReading:
         """Count an image refused before reading (the caller raised its ImageError)."""
         self._images.labels("refused").inc()
 
+    def check(self, data: bytes) -> None:
+        """Raise :class:`ImageError` now for bytes :meth:`read` would refuse (blocking: decodes
+        them), so a bad image is refused when it arrives, not when the answer needs it."""
+        with self._lock:
+            if hashlib.sha256(data).hexdigest() in self._cache:
+                return
+        try:
+            open_image(data)
+        except ImageError:
+            self.refused()
+            raise
+
     def read(self, data: bytes) -> ImageText:
         """The text of an encoded image; raises :class:`ImageError` for one that cannot be read."""
         digest = hashlib.sha256(data).hexdigest()
