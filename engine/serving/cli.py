@@ -71,7 +71,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     default model: the assistant's embedded one is ``python -m assistant.models path llm``)."""
     p = argparse.ArgumentParser(prog="python -m engine.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="HF directory or .gguf file (the embedded SmolLM2-135M-Instruct: $(python -m assistant.models path llm))")
+                   help="HF directory or .gguf file (the assistant's embedded LLM: $(python -m assistant.models path llm))")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's file stem)")

