@@ -45,15 +45,18 @@ class LibraryDefaults(OcrReader):
         return RapidOCR(**{f"{part}_intra_op_num_threads": self.threads or -1 for part in ("det", "cls", "rec")})
 
 
-def time_reader(reader: OcrReader, data: bytes, runs: int) -> tuple[list[float], list[TextLine]]:
-    """ms per read (decode, check and scale included, as the stage does it), after one warm-up read."""
-    lines = reader.read(open_image(data))
-    times = []
+def time_readers(readers: list[OcrReader], data: bytes, runs: int) -> list[tuple[list[float], list[TextLine]]]:
+    """Per reader, ms per read (decode, check and scale included, as the stage does it) and the
+    lines of its last read, after one warm-up read each. The readers take turns, run by run, so
+    a change in the machine's load falls on all of them alike."""
+    lines = [reader.read(open_image(data)) for reader in readers]
+    times: list[list[float]] = [[] for _ in readers]
     for _ in range(runs):
-        start = time.perf_counter()
-        lines = reader.read(open_image(data))
-        times.append((time.perf_counter() - start) * 1000)
-    return times, lines
+        for i, reader in enumerate(readers):
+            start = time.perf_counter()
+            lines[i] = reader.read(open_image(data))
+            times[i].append((time.perf_counter() - start) * 1000)
+    return list(zip(times, lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"picture: {size[0]}x{size[1]} px, {len(PICTURE.rows)} lines, {len(data) / 1024:.0f} KiB PNG; "
           f"{os.cpu_count()} CPUs, {a.runs} runs each", flush=True)  # fmt: skip
     rows = []
-    for reader in (OcrReader(a.threads), LibraryDefaults(a.threads)):
-        times, lines = time_reader(reader, data, a.runs)
+    readers = [OcrReader(a.threads), LibraryDefaults(a.threads)]
+    for reader, (times, lines) in zip(readers, time_readers(readers, data, a.runs)):
         text = ImageText("", size, tuple(lines), 0.0)
         cer = character_error_rate(PICTURE.reference, text.text)
         rows.append({"reader": reader.name, "p50_ms": statistics.median(times), "p90_ms": float(np.percentile(times, 90)),

@@ -130,9 +130,10 @@ class OcrReader:
         from rapidocr_onnxruntime import RapidOCR  # heavy (onnxruntime sessions): only when first needed
 
         threads = {f"{part}_intra_op_num_threads": self.threads or -1 for part in ("det", "cls", "rec")}
-        # The longer side at most 960 px for detection: a phone-sized image keeps legible text and
-        # detection stays well under a second on two cores. Receipts and screenshots are upright: no
-        # angle classifier.
+        # Detection on the longer side scaled down to at most 960 px (the library's default only
+        # scales the shorter side up to 736 px, never down: a 1,600 px picture would be detected at
+        # full size); text of a phone-sized picture stays legible. Receipts, forms and screenshots
+        # are upright: no angle classifier.
         return RapidOCR(det_limit_side_len=960, det_limit_type="max", use_cls=False, text_score=self.min_score, **threads)
 
     def read(self, image: Image.Image) -> list[TextLine]:
@@ -272,9 +273,10 @@ def image_prompt(texts: Sequence[ImageText], question: str) -> str:
     (so the answer can say "the receipt shows ..." and then what the handbook says)."""
     blocks = []
     for i, text in enumerate(texts, 1):
+        which = f" {i} of {len(texts)}" if len(texts) > 1 else ""
         body = text.text if text.lines else "(no text could be read)"
-        blocks.append(f"[The user's image {i}: its text, line by line]\n{body}\n[End of image {i}]")
-    return "\n\n".join([*blocks, question.strip() or "What does this image show, and what does the handbook say about it?"])
+        blocks.append(f'Text read from the picture{which} the user sent:\n"""\n{body}\n"""')
+    return "\n\n".join([*blocks, question.strip() or "What does this picture say, and what does the handbook say about it?"])
 
 
 def check_count(count: int) -> None:
