@@ -200,6 +200,7 @@ class VoicePipeline:
                 raise TurnError("unsupported_value", "an assistant item must answer a user item")
             self.conversation.add("\n".join(self._pending), text)
             self._pending.clear()
+            self._pending_images.clear()  # answered by the client's own assistant item
             self._heard = None
         elif text.strip() or images:
             if text.strip():
@@ -514,9 +515,8 @@ class VoicePipeline:
         finish_reason: str | None = None
         try:
             if reply.images and not await self._read_images(reply):
-                finish_reason = "stop"
                 self._say(reply, NO_TEXT, chunker)
-                return await self._end_reply(reply, speaker, chunker, finish_reason)
+                return await self._end_reply(reply, speaker, chunker, "stop")
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
                 request_id=reply.request_id, max_tokens=reply.max_output_tokens,
