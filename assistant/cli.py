@@ -3,6 +3,7 @@
     python -m assistant.cli -q "How do I apply for annual leave?"
     python -m assistant.cli                      # interactive, multi-turn
     python -m assistant.cli --audio question.wav --voice answer.wav
+    python -m assistant.cli --image receipt.jpg -q "Can I claim this?"
     python -m assistant.cli --docs DIR --model PATH --timings
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +29,7 @@ if TYPE_CHECKING:  # imported when used: the engine pulls in torch, which --help
     import sounddevice
 
     from assistant.answerer import Answerer
+    from assistant.image_reading import ImageText
     from speech.tts.base import TTSBackend
 
 SPEAKERS = ""  # the value of a bare --voice
@@ -47,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--voice", nargs="?", const=SPEAKERS, metavar="OUT.wav",
         help="also speak the answer: to the speakers, or into OUT.wav if given (hibari voice; espeak-ng for Chinese)",
     )
+    p.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+                   help="a picture (PNG, JPEG, WebP, ...) the question is about; its text is read (OCR) and goes with "
+                        "the question (-q, --audio, or the first one typed); repeatable")  # fmt: skip
     p.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
     p.add_argument("--model", type=Path, help="HF model directory or llama/qwen2 .gguf file (default: the embedded LLM, SmolLM2-135M, or the role in $ASSISTANT_LLM, e.g. llm-qwen-1.5b)")
     p.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
@@ -77,6 +83,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "the question is empty"
     if args.audio is not None and not args.audio.is_file():
         return f"--audio {args.audio}: no such file"
+    for image in args.image:
+        if not image.is_file():
+            return f"--image {image}: no such file"
     if args.voice and not Path(args.voice).resolve().parent.is_dir():
         return f"--voice {args.voice}: no such directory"
     if args.max_tokens < 1:
@@ -86,6 +95,26 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.temperature < 0:
         return f"--temperature must be >= 0, got {args.temperature}"
     return None
+
+
+def read_images(paths: list[Path]) -> list[ImageText]:
+    """The text of each picture, shown on stderr as read; ImageError (naming the file) if one
+    cannot be taken or none has any text."""
+    from assistant.image_reading import NO_TEXT, ImageError, ImageReading, check_count
+
+    check_count(len(paths))
+    reading, texts = ImageReading(), []
+    for path in paths:
+        try:
+            text = reading.read(path.read_bytes())
+        except ImageError as e:
+            raise ImageError(e.code, f"--image {path}: {e}") from e
+        print(f"[image {path.name}: {len(text.lines)} lines read in {text.read_ms:.0f} ms]", file=sys.stderr, flush=True)
+        print("\n".join(f"  | {row}" for row in text.rows), file=sys.stderr, flush=True)
+        texts.append(text)
+    if not any(t.lines for t in texts):
+        raise ImageError("image_no_text", f"--image: {NO_TEXT}")
+    return texts
 
 
 def read_question_audio(path: Path) -> np.ndarray:
@@ -217,6 +246,7 @@ async def ask(answerer: Answerer, question: str, conversation: Conversation, tim
 async def run(args: argparse.Namespace) -> int:
     from assistant.answerer import Answerer
     from assistant.docs import DocumentError
+    from assistant.image_reading import ImageError
     from assistant.models import ModelNotAvailable
     from assistant.prompt import PromptTooLong
     from engine import ConfigError
@@ -225,6 +255,10 @@ async def run(args: argparse.Namespace) -> int:
     from speech.tts.base import TTSUnavailable
 
     question = args.question
+    try:
+        images = read_images(args.image) if args.image else []
+    except ImageError as e:
+        return fail(str(e))
     if args.audio is not None:
         try:
             samples = read_question_audio(args.audio)
@@ -250,7 +284,7 @@ async def run(args: argparse.Namespace) -> int:
         except (DocumentError, FileNotFoundError, ConfigError) as e:
             return fail(str(e))
         try:
-            return await converse(answerer, question, args.timings, voice, Conversation())
+            return await converse(answerer, question, args.timings, voice, Conversation(), images)
         except PromptTooLong as e:
             return fail(str(e))
         finally:
@@ -265,15 +299,18 @@ async def run(args: argparse.Namespace) -> int:
             voice.close()
 
 
-async def converse(answerer: Answerer, question: str | None, timings: bool, voice: Voice | None, conversation: Conversation) -> int:
-    """Answer ``question`` and return, or (None) read questions from stdin until an empty line or EOF."""
+async def converse(answerer: Answerer, question: str | None, timings: bool, voice: Voice | None, conversation: Conversation,
+                   images: Sequence[ImageText] = ()) -> int:  # fmt: skip
+    """Answer ``question`` and return, or (None) read questions from stdin until an empty line or EOF.
+    The text of ``images`` goes with the first question."""
+    from assistant.image_reading import image_prompt
     from assistant.prompt import PromptTooLong
 
     if timings:
         for lang, builder in answerer.builders.items():
             print(f"[handbook {lang}: {builder.summary()}]", file=sys.stderr, flush=True)
     if question is not None:
-        await ask(answerer, question, conversation, timings, voice)
+        await ask(answerer, image_prompt(images, question) if images else question, conversation, timings, voice)
         return 0
     print("Ask a question about the handbook (empty line or Ctrl-D to quit).", file=sys.stderr)
     while True:
@@ -284,6 +321,8 @@ async def converse(answerer: Answerer, question: str | None, timings: bool, voic
             return 0
         if not question.strip():
             return 0
+        if images:
+            question, images = image_prompt(images, question), ()
         try:
             await ask(answerer, question, conversation, timings, voice)
         except PromptTooLong as e:

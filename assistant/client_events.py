@@ -109,12 +109,28 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImagePart(_Strict):
+    """An image in a user item, as OpenAI's Realtime API takes it: a data URL (never fetched)."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ItemIn(_Strict):
     id: str | None = None
     type: Literal["message"]
     role: Literal["user", "assistant"]
     status: Literal["completed"] | None = None
-    content: Annotated[list[ContentPart], Field(min_length=1)]
+    content: Annotated[list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content if isinstance(part, ContentPart))
+
+    @property
+    def image_urls(self) -> list[str]:
+        return [part.image_url for part in self.content if isinstance(part, ImagePart)]
 
 
 class ResponseParams(_Strict):

@@ -12,6 +12,11 @@ model or ``--model``) and grades the answers (:func:`grade`):
 - a refusal is right when the answer says plainly that the handbook does not say, names the
   contact the handbook gives for the topic, and states no number beyond the contacts'.
 
+With ``--images with`` (or ``only``), the picture questions of :mod:`assistant.eval_images` too:
+a receipt, a form or an error screenshot rendered from the handbook's facts, read by the image
+stage (its character error rate printed per picture), its text put before the question as in a
+turn with an image, the answer graded as a fact (numbers the picture shows count as stated).
+
 Several engine variants (``--quantization``) run one after the other on the same questions, so
 what an optimization costs in answers is measured next to what it buys in speed.
 """
@@ -31,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from assistant.config import HANDBOOK_DIR
+from assistant.eval_images import PICTURES
 
 FACTS_FILE = Path(__file__).resolve().parent / "eval_facts.json"
 CONTACTS_FILE = "12-who-to-contact.md"  # the handbook's contacts: any answer may quote their numbers
@@ -127,6 +133,7 @@ class Graded:
     ttft_s: float | None
     decode_tokens_per_s: float | None
     seconds: float
+    ocr_cer: float | None = None  # a picture question: the character error rate of the text read from it
 
 
 def load_facts(path: Path = FACTS_FILE) -> list[dict]:
@@ -147,10 +154,12 @@ def kind_of(item: dict) -> str:
 
 
 async def grade_variant(variant: str, items: list[dict], langs: list[str], max_tokens: int, model: Path | None,
-                        progress: bool) -> list[Graded]:  # fmt: skip
-    """Every question in every language through one Answerer built with ``quantization=variant``."""
+                        progress: bool, pictures: tuple = ()) -> list[Graded]:  # fmt: skip
+    """Every question (and picture question) in every language through one Answerer built with ``quantization=variant``."""
     from assistant.answerer import Answerer
     from assistant.config import AssistantConfig, EngineOptions
+    from assistant.eval_images import character_error_rate, render
+    from assistant.image_reading import ImageReading, image_prompt
 
     answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=EngineOptions(model=model, quantization=variant)))
     out: list[Graded] = []
@@ -173,6 +182,27 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
                 if progress:
                     mark = "ok  " if graded.correct else "MISS"
                     print(f"[{variant} {lang} {i + 1}/{len(items)}] {mark} {question} -> {text.strip()[:90]!r}", file=sys.stderr, flush=True)
+            reading = ImageReading()
+            for picture in (p for p in pictures if p.lang == lang):
+                read = reading.read(render(picture))
+                cer = character_error_rate(picture.reference, read.text)
+                item = {f"question_{lang}": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file}
+                start = time.perf_counter()
+                text, final = "", None
+                async for delta in answerer.answer(image_prompt([read], picture.question)):
+                    text += delta.text
+                    final = delta if delta.finished else final
+                source = source_text(item, lang) + "\n" + picture.reference  # the picture's own numbers are stated too
+                graded = Graded(
+                    variant, lang, "image", picture.question, list(picture.answer_contains), text, grade(text, item, lang, source),
+                    final.generated_tokens if final else 0, final.ttft_s if final else None,
+                    final.decode_tokens_per_s if final else None, time.perf_counter() - start, round(cer, 4),
+                )  # fmt: skip
+                out.append(graded)
+                if progress:
+                    mark = "ok  " if graded.correct else "MISS"
+                    print(f"[{variant} {lang} image {picture.name}: OCR CER {100 * cer:.1f}% in {read.read_ms:.0f} ms] {mark} "
+                          f"{picture.question} -> {text.strip()[:90]!r}", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         answerer.shutdown()
     return out
@@ -188,12 +218,15 @@ def summarize(graded: list[Graded]) -> list[dict]:
                 continue
             facts = [g for g in part if g.kind == "fact"]
             refusals = [g for g in part if g.kind == "refusal"]
+            images = [g for g in part if g.kind == "image"]
             rates = [g.decode_tokens_per_s for g in part if g.decode_tokens_per_s]
             ttfts = [g.ttft_s for g in part if g.ttft_s is not None]
             rows.append({
                 "variant": variant, "lang": lang, "correct": sum(g.correct for g in facts), "questions": len(facts),
                 "accuracy": sum(g.correct for g in facts) / len(facts) if facts else None,
                 "refusals_correct": sum(g.correct for g in refusals), "refusals": len(refusals),
+                "images_correct": sum(g.correct for g in images), "images": len(images),
+                "ocr_cer_mean": statistics.mean(g.ocr_cer for g in images) if images else None,  # type: ignore[misc]
                 "answer_tokens_mean": statistics.mean(g.generated_tokens for g in part),
                 "ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
                 "decode_tok_s_p50": statistics.median(rates) if rates else None,
@@ -210,6 +243,10 @@ def format_table(rows: list[dict]) -> str:
         rate = f"{r['decode_tok_s_p50']:.1f}" if r["decode_tok_s_p50"] is not None else "n/a"
         lines.append(f"| {r['variant']} | {r['lang']} | {r['correct']}/{r['questions']} | {accuracy} | "
                      f"{r['refusals_correct']}/{r['refusals']} | {r['answer_tokens_mean']:.0f} | {ttft} | {rate} |")
+    if any(r["images"] for r in rows):
+        lines += ["", "| variant | lang | picture questions correct | OCR character error rate (mean) |", "|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['lang']} | {r['images_correct']}/{r['images']} | {100 * r['ocr_cer_mean']:.1f}% |"
+                  for r in rows if r["images"]]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -223,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--facts", type=Path, default=FACTS_FILE,
                    help="a JSON list of {question_en, question_zh, file, answer_contains} or {..., refusal: true, contact_any}")
+    p.add_argument("--images", choices=("off", "with", "only"), default="off",
+                   help="the picture questions (assistant/eval_images.py): off (default), with the text questions, or only them")
     p.add_argument("--json", type=Path, help="write every answer and the summary here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
@@ -235,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     graded: list[Graded] = []
+    pictures = () if a.images == "off" else PICTURES
+    if a.images == "only":
+        facts = []
     for variant in a.quantization:
-        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress))
+        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress, pictures))
     rows = summarize(graded)
     print(format_table(rows))
     if a.json:

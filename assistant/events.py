@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from assistant.image_reading import ImageText
 from assistant.timeline import Timeline
 from speech.cancel import CancelToken
 
@@ -106,6 +107,7 @@ class Reply:
     held: bool = False  # a speculative answer: generated, but nothing is sent until the turn is confirmed
     discarded: bool = False  # a speculation the user talked over: none of its events is ever sent
     task: asyncio.Task[None] | None = None
+    images: list[asyncio.Future[ImageText]] = field(default_factory=list)  # being read; their text goes before the question
     pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
 
     @property

@@ -31,6 +31,12 @@ ended there); the final transcript is the pause's decode and the held answer is 
 user goes on first, the answer is discarded: engine request aborted, TTS stopped, no event of it
 sent (the client never sees its ``response.created``), and the utterance continues as one turn.
 
+Images (:mod:`assistant.image_reading`): a user item's images are read in a worker thread from
+the moment the item arrives, so the reading overlaps the user's typing or speaking. The reply
+waits for them, marks ``image_read`` and puts their text before the question (the question,
+text included, is then the turn in the conversation). If none of them has any text, the answer
+is :data:`~assistant.image_reading.NO_TEXT`, spoken or written like any other.
+
 The conversation (:class:`~assistant.conversation.Conversation`) is handed to the answerer, which
 trims it to the context budget and adds each finished turn; an interrupted turn keeps what the
 user heard of the answer. With ``max_conversation_chars``, adding a typed item first drops the
@@ -43,11 +49,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from assistant.conversation import Conversation
 from assistant.coscheduler import Wait
+from assistant.image_reading import NO_TEXT, ImageText, check_count, image_prompt
 from assistant.events import (
     Reply, ResponseAudioDelta, ResponseFinished, ResponseStarted, ResponseTextDelta, SessionSettings, TurnDetection,
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
@@ -110,6 +117,7 @@ class VoicePipeline:
         self._item_ids: list[str] = []  # every conversation item, in order (the protocol's view)
         self.conversation = Conversation()  # answered turns (the answerer's view)
         self._pending: list[str] = []  # user text not answered yet
+        self._pending_images: list[asyncio.Future[ImageText]] = []  # the unanswered items' images, being read
         self._heard: Timeline | None = None  # voice timeline of the last utterance in _pending, if it is the newest input
         self._utterances: dict[int, _Utterance] = {}
         self._speaking = False
@@ -171,10 +179,14 @@ class VoicePipeline:
         """Forget buffered input audio (an utterance in progress is dropped)."""
         self._open_asr()
 
-    def add_item(self, role: str, text: str, item_id: str | None = None) -> str:
-        """Add a typed message to the conversation; returns its item id."""
+    def add_item(self, role: str, text: str, item_id: str | None = None, images: Sequence[bytes] = ()) -> str:
+        """Add a typed message to the conversation, and the user's images (encoded, checked by
+        :meth:`~assistant.image_reading.ImageReading.check`), whose reading starts now; returns its item id."""
         if role not in ("user", "assistant"):
             raise TurnError("unsupported_value", f"items with role {role!r} are not supported (user, assistant)")
+        if images and role != "user":
+            raise TurnError("invalid_value", "only user items may hold images")
+        check_count(len(self._pending_images) + len(images))
         if item_id is not None and item_id in self._item_ids:
             raise TurnError("item_id_in_use", f"the conversation already has an item {item_id!r}")
         limit = self.max_conversation_chars
@@ -188,10 +200,13 @@ class VoicePipeline:
                 raise TurnError("unsupported_value", "an assistant item must answer a user item")
             self.conversation.add("\n".join(self._pending), text)
             self._pending.clear()
+            self._pending_images.clear()  # answered by the client's own assistant item
             self._heard = None
-        elif text.strip():
-            self._pending.append(text)
+        elif text.strip() or images:
+            if text.strip():
+                self._pending.append(text)
             self._heard = None  # typed after any speech: answering it is a text turn
+            self._pending_images += [asyncio.ensure_future(asyncio.to_thread(self.services.images.read, data)) for data in images]
         self._item_ids.append(item_id or new_id("item"))
         return self._item_ids[-1]
 
@@ -359,6 +374,7 @@ class VoicePipeline:
         if speculation is not None:
             if speculation is self._reply and event.text == utterance.speculative_text:
                 self._pending.clear()  # the held answer's question holds them
+                self._pending_images.clear()
                 self._release(speculation)
                 return
             self._discard(speculation)
@@ -469,19 +485,21 @@ class VoicePipeline:
     ) -> Reply:  # fmt: skip
         """Answer the pending text; or, held, the pending text and ``speculative_text`` (the
         utterance at a pause: the pending text stays until the turn is confirmed)."""
+        images = list(self._pending_images)
         if speculative_text is not None:
             question = "\n".join([*self._pending, speculative_text])
-        elif not self._pending:
+        elif not self._pending and not images:
             raise TurnError("no_user_input", "there is no user message to answer; add one with conversation.item.create")
         else:
             question = "\n".join(self._pending)
             self._pending.clear()
+            self._pending_images.clear()
             self._heard = None
         rid = new_id("resp")
         reply = Reply(
             rid, new_id("item"), f"{self.id}-{rid}", question, self._generation.advance(), timeline,
             modalities or self.settings.output_modalities, max_output_tokens or self.settings.max_output_tokens, metadata,
-            held=speculative_text is not None,
+            held=speculative_text is not None, images=images,
         )  # fmt: skip
         self._reply = reply
         self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_TOKEN)
@@ -496,6 +514,9 @@ class VoicePipeline:
         chunker = Chunker()
         finish_reason: str | None = None
         try:
+            if reply.images and not await self._read_images(reply):
+                self._say(reply, NO_TEXT, chunker)
+                return await self._end_reply(reply, speaker, chunker, "stop")
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
                 request_id=reply.request_id, max_tokens=reply.max_output_tokens,
@@ -519,16 +540,8 @@ class VoicePipeline:
                         break
             finally:
                 await answer.aclose()
-            for piece in chunker.flush():
-                reply.pieces.put_nowait(piece)
-            reply.pieces.put_nowait(None)
-            if speaker is not None:
-                await speaker
-            reply.status, reply.reason = {
-                "stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
-            }.get(finish_reason or "", ("failed", None))  # fmt: skip
-            if reply.status == "failed":
-                reply.error = f"the engine ended the answer with finish_reason={finish_reason!r}"
+            await self._end_reply(reply, speaker, chunker, finish_reason)
+            return
         except asyncio.CancelledError:
             if speaker is not None:
                 speaker.cancel()
@@ -540,6 +553,43 @@ class VoicePipeline:
             reply.token.cancel()
             reply.status, reply.error = "failed", f"{type(exc).__name__}: {exc}"
         self._finish(reply)
+
+    async def _end_reply(self, reply: Reply, speaker: asyncio.Task[None] | None, chunker: Chunker,
+                         finish_reason: str | None) -> None:  # fmt: skip
+        """The answer's text is all out: flush the chunker, wait for the voice, set the status, finish."""
+        for piece in chunker.flush():
+            reply.pieces.put_nowait(piece)
+        reply.pieces.put_nowait(None)
+        if speaker is not None:
+            await speaker
+        reply.status, reply.reason = {
+            "stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
+        }.get(finish_reason or "", ("failed", None))  # fmt: skip
+        if reply.status == "failed":
+            reply.error = f"the engine ended the answer with finish_reason={finish_reason!r}"
+        self._finish(reply)
+
+    async def _read_images(self, reply: Reply) -> bool:
+        """Wait for the turn's images, mark ``image_read`` and put their text before the question;
+        False if none of them has any text."""
+        texts = await asyncio.gather(*reply.images)
+        reply.timeline.mark("image_read")
+        reply.timeline.images = len(texts)
+        reply.timeline.image_read_ms = round(sum(t.read_ms for t in texts), 3)
+        reply.images = []
+        if not any(t.lines for t in texts):
+            return False
+        reply.question = image_prompt(texts, reply.question)
+        return True
+
+    def _say(self, reply: Reply, text: str, chunker: Chunker) -> None:
+        """A fixed answer (not the model's): sent and spoken as the model's would be."""
+        if reply.timeline.mark("llm_first_token"):
+            self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_AUDIO if reply.audio else None)
+        reply.text += text
+        self.outbox.put(ResponseTextDelta(reply, text))
+        for piece in chunker.push(text):
+            reply.pieces.put_nowait(piece)
 
     async def _speak(self, reply: Reply) -> None:
         """Chunker pieces -> TTS -> PCM16 slices of ``output_chunk_ms`` into the outbox."""
@@ -573,6 +623,7 @@ class VoicePipeline:
                 self.conversation.add(reply.question, reply.sent_text)
             else:
                 self._pending.insert(0, reply.question)
+                self._pending_images[:0] = reply.images  # not read into the question yet
         if reply.finish_queued:
             return
         reply.finish_queued = True

@@ -32,6 +32,7 @@ from assistant.events import (
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
     UserTranscriptFailed,
 )  # fmt: skip
+from assistant.image_reading import ImageError, check_count, image_bytes
 from assistant.pipeline import VoicePipeline
 from assistant.timeline import TimelineMetrics
 from assistant.token_bucket import TokenBucket
@@ -130,6 +131,8 @@ class RealtimeSession:
             self._refuse(exc.code, str(exc), exc.event_id or event_id, exc.param)
         except TurnError as exc:
             self._refuse(exc.code, str(exc), event_id)
+        except ImageError as exc:
+            self._refuse(exc.code, str(exc), event_id, "item.content")
         except AudioFormatError as exc:
             self._refuse("invalid_audio_format", f"{exc} (expected PCM16 mono at {self.services.config.sample_rate} Hz)",
                          event_id, "audio")  # fmt: skip
@@ -156,12 +159,15 @@ class RealtimeSession:
                                   f"(previous_item_id {pipeline.last_item_id!r})", "previous_item_id")  # fmt: skip
             previous = pipeline.last_item_id
             item = event.item
-            text = "".join(part.text for part in item.content)
+            text = item.text
             if len(text) > self.config.max_item_chars:
                 raise ClientError("item_too_large", f"the item's text is {len(text)} characters; the limit is "
                                   f"{self.config.max_item_chars}", "item.content")  # fmt: skip
-            item_id = pipeline.add_item(item.role, text, item.id)
-            view = _message_item(item_id, item.role, [p.model_dump() for p in item.content])
+            images = await self._images(item.image_urls)
+            item_id = pipeline.add_item(item.role, text, item.id, images)
+            # An image part is echoed without its data (the client has it; a megabyte back is waste).
+            view = _message_item(item_id, item.role, [
+                {**p.model_dump(), "image_url": None} if p.type == "input_image" else p.model_dump() for p in item.content])
             pipeline.outbox.put(self._event("conversation.item.added", previous_item_id=previous, item=view))
             pipeline.outbox.put(self._event("conversation.item.done", previous_item_id=previous, item=view))
         elif isinstance(event, ResponseCreate):
@@ -173,6 +179,21 @@ class RealtimeSession:
             )  # fmt: skip
         elif isinstance(event, ResponseCancel):
             pipeline.cancel_response(event.response_id)
+
+    async def _images(self, urls: list[str]) -> list[bytes]:
+        """The encoded images of an item's data URLs, each checked (decoded in a worker thread);
+        raises ImageError for the first that cannot be taken."""
+        check_count(len(urls))
+        images = []
+        for url in urls:
+            try:
+                data = image_bytes(url)
+            except ImageError:
+                self.services.images.refused()
+                raise
+            await asyncio.to_thread(self.services.images.check, data)
+            images.append(data)
+        return images
 
     # ---- session settings ----------------------------------------------------------------------
     def _apply(self, patch: SessionPatch) -> SessionSettings:

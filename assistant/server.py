@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, WebSocket
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -22,6 +23,7 @@ from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
 from assistant.device_memory import MemoryCollector, ServerModels
 from assistant.coscheduler import CoScheduler
+from assistant.image_reading import NO_TEXT, ImageError, check_count, image_bytes, image_prompt
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
@@ -58,12 +60,13 @@ class AssistantServer:
         registry.register(MemoryCollector(self.models))
         self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
-            engine, self.model_name, chat_prompt=self.grounded_prompt, collectors=[self.timelines.registry, registry, coscheduler.registry],
+            engine, self.model_name, chat_prompt=self.grounded_prompt,
+            collectors=[self.timelines.registry, registry, coscheduler.registry, self.services.images.registry],
             max_body_bytes=config.max_body_bytes, metrics=self.engine_metrics, api_key=config.api_key,
         )  # fmt: skip
         self.app.add_api_websocket_route("/v1/realtime", self.realtime)
 
-    def grounded_prompt(self, messages: list[dict[str, str]]) -> ChatPrompt:
+    def grounded_prompt(self, messages: list[dict[str, Any]]) -> ChatPrompt:
         """A chat's prompt: the documents prefix, the earlier turns, then the last user message,
         with the documents' version as prefix-cache key, as the answerer's own requests have it
         (so HTTP chats and voice turns share the cached prefix). The answer is capped at the
@@ -71,8 +74,13 @@ class AssistantServer:
         (the CLI's line; the Realtime API sends it as the timeline's ``citation``).
 
         The handbook's system prompt takes the place of the client's system messages; an earlier
-        answer's source line is left out of the history, as the voice turns' history has none."""
-        turns = [m for m in messages if m["role"] in ("user", "assistant")]
+        answer's source line is left out of the history, as the voice turns' history has none.
+
+        A user message's images (data URLs only; a remote URL is refused: the server fetches
+        nothing) are read by the image stage, in this worker thread, and their text put before the
+        message's text, as in a Realtime turn; identical images are read once. A bad image, more
+        than ``MAX_IMAGES``, or a last message whose images hold no text is a 400."""
+        turns = [self._with_images(m) for m in messages if m["role"] in ("user", "assistant")]
         if not turns or turns[-1]["role"] != "user":
             raise ValueError("the last message must be the user's question")
         history: list[dict[str, str]] = []
@@ -95,6 +103,29 @@ class AssistantServer:
             return f"\n\nSource: {citation}" if citation is not None else ""
 
         return ChatPrompt(ids, (builder.docs.version,), max_tokens=self.config.assistant.max_tokens, footer=footer)
+
+    def _with_images(self, message: dict[str, Any]) -> dict[str, str]:
+        """The message with its images' text before its own (see :meth:`grounded_prompt`)."""
+        urls = message.get("images") or []
+        if not urls:
+            return {"role": message["role"], "content": message["content"]}
+        try:
+            if message["role"] != "user":
+                raise ImageError("invalid_value", "only user messages may hold images")
+            check_count(len(urls))
+            texts = []
+            for url in urls:
+                try:
+                    data = image_bytes(url)
+                except ImageError:
+                    self.services.images.refused()
+                    raise
+                texts.append(self.services.images.read(data))
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages", code=e.code) from e
+        if not any(t.lines for t in texts):
+            raise APIError(400, NO_TEXT, param="messages", code="image_no_text")
+        return {"role": "user", "content": image_prompt(texts, message["content"])}
 
     async def realtime(self, ws: WebSocket) -> None:
         """One Realtime session, or a refusal (close 1013) when ``max_sessions`` are open, or

@@ -4,7 +4,9 @@ The stages, in order: ``speech_end`` (the user's last voiced frame), ``endpoint`
 decided the turn is over: with speculative endpointing, when the turn was confirmed, by the
 hangover or by the turn-completion rule), ``asr_final``, ``response_requested`` (the client's
 ``response.create`` arrived; only in a spoken turn the server did not answer on its own, as with
-push to talk: see :data:`OPTIONAL_STAGES`), ``llm_first_token``, ``first_chunk`` (first
+push to talk: see :data:`OPTIONAL_STAGES`), ``image_read`` (the text of the turn's images is ready:
+its share is what reading them added to the turn, 0 when they were read while the user was still
+typing or speaking; only in a turn with an image), ``llm_first_token``, ``first_chunk`` (first
 speakable text handed to TTS), ``tts_first_audio``, ``first_audio_sent``.
 Stages are reported in the order they happened (a speculative answer's LLM and TTS stages may
 come before its ``endpoint``: its audio waits for the confirmation), in the order above for ties.
@@ -37,14 +39,16 @@ STAGES = (
     "endpoint",
     "asr_final",
     "response_requested",
+    "image_read",
     "llm_first_token",
     "first_chunk",
     "tts_first_audio",
     "first_audio_sent",
 )
 # Recorded only in some complete turns: ``response_requested`` only in a spoken turn answered on the
-# client's ``response.create`` (push to talk, or server VAD with ``create_response`` off).
-OPTIONAL_STAGES = ("response_requested",)
+# client's ``response.create`` (push to talk, or server VAD with ``create_response`` off);
+# ``image_read`` only in a turn with an image.
+OPTIONAL_STAGES = ("response_requested", "image_read")
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -82,6 +86,8 @@ class Timeline:
     endpointing: str = "fixed"  # fixed | speculative (VoiceConfig.endpointing)
     endpoint_by: str | None = None  # hangover | completion (the turn-completion rule) | commit (the client)
     pause: float | None = None  # speculative endpointing: when the short pause was heard (the answer then starts)
+    images: int = 0  # images in the turn (read by the image stage)
+    image_read_ms: float = 0.0  # the image reader's own time for them (cache hits: 0), wherever it overlapped
 
     def mark(self, stage: str, at: float | None = None) -> bool:
         """Record ``stage`` at ``at`` (default: now) unless already recorded; True if recorded."""
@@ -144,6 +150,8 @@ class Timeline:
             "endpointing": self.endpointing,
             "endpoint_by": self.endpoint_by,
             "pause_ms": self._after_first(self.pause),
+            "images": self.images,
+            "image_read_ms": self.image_read_ms,
         }
 
     def _after_first(self, instant: float | None) -> float | None:

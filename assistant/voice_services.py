@@ -17,13 +17,14 @@ import asyncio
 import threading
 import uuid
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from assistant.answerer import INTERACTIVE, Answerer
 from assistant.config import VoiceConfig
 from assistant.coscheduler import CoScheduler
+from assistant.image_reading import ImageReading
 from assistant.models import resolve
 from speech.asr.backend import Decoded
 from speech.asr.worker import ASRJob, ASRWorker
@@ -43,6 +44,7 @@ class VoiceServices:
     tts: TTSWorker
     config: VoiceConfig
     coscheduler: CoScheduler
+    images: ImageReading = field(default_factory=ImageReading)  # the image stage (OCR), shared like the others
 
     @classmethod
     def load(cls, answerer: Answerer, config: VoiceConfig, coscheduler: CoScheduler,

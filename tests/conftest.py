@@ -45,3 +45,11 @@ def whisper_tiny_path() -> Path:
     from assistant.models import resolve
 
     return resolve("asr-tiny")
+
+
+@pytest.fixture(scope="session")
+def image_reading():
+    """One OCR image stage for the session (its ONNX models load once)."""
+    from assistant.image_reading import ImageReading
+
+    return ImageReading()

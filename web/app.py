@@ -36,11 +36,13 @@ from typing import Any
 import gradio as gr
 
 from assistant.docs import DocumentError
+from assistant.image_reading import ImageError
 from assistant.server import AssistantServer
 from web import waterfall
 from web.audio import NotAudioError, StreamResampler, read_audio_file, to_mono_float, to_pcm16_bytes, wav_bytes
 from web.client import RealtimeClient, SessionError
 from web.documents import DOCUMENT_SUFFIXES, DocumentLibrary
+from web.picture import picture_url
 from web.stats import ServerSnapshot
 
 HANDS_FREE = "Hands-free (the assistant hears when you stop)"
@@ -100,6 +102,9 @@ class WebApp:
                                               show_label=False, scale=5, elem_id="question", submit_btn=False)  # fmt: skip
                         ask = gr.Button("Ask", variant="primary", scale=1, elem_id="ask")
                         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                    picture = gr.Image(sources=["upload", "clipboard", "webcam"], type="filepath", height=180,
+                                       label="Ask about a picture: upload, paste or take a photo (a receipt, a form, "
+                                             "a screenshot), then type the question", elem_id="picture")  # fmt: skip
                 with gr.Column(scale=2):
                     live = gr.Markdown("Connecting to the assistant...", elem_id="live")
                     mic = gr.Audio(sources=["microphone"], streaming=True, type="numpy", label="Microphone", elem_id="mic")
@@ -149,7 +154,7 @@ class WebApp:
             mic.stop_recording(self.stop_talking, None, None, **hidden)
             reply.change(self.speak, [reply], [speaker], trigger_mode="always_last", **hidden)
             for event in (question.submit, ask.click):
-                event(self.ask, [question], [question], **hidden)
+                event(self.ask, [question, picture], [question, picture], **hidden)
             stop.click(self.stop, None, None, js=STOP_PLAYER_JS, **hidden)
             recording.upload(self.ask_recording, [recording], [recording], **hidden)
             settings = [mode, language, reply_as, hangover]
@@ -247,9 +252,11 @@ class WebApp:
             line += f"\n\nYou said: *{spoken[-1].question}{'' if spoken[-1].heard else ' ...'}*"
         return line
 
-    def _chat(self, page: Page) -> list[dict[str, str]]:
+    def _chat(self, page: Page) -> list[dict[str, Any]]:
         messages = []
         for turn in page.client.turns:
+            if turn.picture:
+                messages.append({"role": "user", "content": {"path": turn.picture}})
             if turn.question:
                 said = turn.question + ("" if turn.heard else " ...")
                 messages.append({"role": "user", "content": f"{said} *(spoken)*" if turn.spoken else said})
@@ -349,18 +356,26 @@ class WebApp:
             return None
 
     # ---- type ------------------------------------------------------------------------------------
-    async def ask(self, text: str | None, request: gr.Request) -> str:
-        """A typed question: answered in text, streamed into the conversation."""
+    async def ask(self, text: str | None, picture: str | None, request: gr.Request) -> tuple[str, str | None]:
+        """A typed question, about the picture if there is one: answered in text, streamed into the
+        conversation (the picture is cleared once sent; a picture the server would refuse stays, with why)."""
         page = self.pages.get(request.session_hash)
         text = (text or "").strip()
-        if not text:
+        if not text and not picture:
             gr.Warning("Type a question first.")
-            return ""
+            return "", None
         if page is None:
             gr.Warning("Not connected to the assistant. Reload the page.")
-            return text
-        await self._guard(page.client.ask(text))
-        return ""
+            return text, picture
+        url = None
+        if picture:
+            try:
+                url = await asyncio.to_thread(picture_url, picture)
+            except ImageError as exc:
+                gr.Warning(f"That picture cannot be used: {exc}")
+                return text, None
+        await self._guard(page.client.ask(text, url, picture))
+        return "", None
 
     async def stop(self, request: gr.Request) -> None:
         page = self.pages.get(request.session_hash)

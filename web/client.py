@@ -47,6 +47,7 @@ class Turn:
     detail: str | None = None  # why it was cancelled/cut, or what failed
     timeline: dict[str, Any] | None = None  # the ``response.timeline`` report
     citation: str | None = None  # the handbook section the answer is attributed to (same event)
+    picture: str | None = None  # the file of the picture asked about, shown in the conversation
 
 
 @dataclass
@@ -170,13 +171,17 @@ class RealtimeClient:
         """Microphone audio: PCM16 mono at the session rate."""
         await self._send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()})
 
-    async def ask(self, text: str) -> None:
-        """A typed question, answered in text; an answer still in progress is stopped first."""
+    async def ask(self, text: str, image_url: str | None = None, picture: str | None = None) -> None:
+        """A typed question, answered in text, about a picture if ``image_url`` (a data URL; ``picture``
+        is its file, for the conversation); an answer still in progress is stopped first."""
         await self.interrupt()
-        self.turns.append(Turn(spoken=False, question=text, heard=True))
+        self.turns.append(Turn(spoken=False, question=text, heard=True, picture=picture))
         await self._touch()
+        content: list[dict[str, str]] = [{"type": "input_text", "text": text}] if text else []
+        if image_url is not None:
+            content.append({"type": "input_image", "image_url": image_url})
         await self._send({"type": "conversation.item.create",
-                          "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})  # fmt: skip
+                          "item": {"type": "message", "role": "user", "content": content}})  # fmt: skip
         await self._send({"type": "response.create", "response": {"output_modalities": ["text"]}})
 
     async def interrupt(self) -> None:

@@ -14,7 +14,7 @@ JSON but not text: no tokenizer or UTF-8 encoder accepts it).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -95,9 +95,22 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """OpenAI's image content part. The engine takes no images: a chat hook may (it gets the URLs
+    as the message's ``images``); without one a chat with an image is refused."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None  # accepted, ignored (the chat template has no place for it)
 
     def text(self) -> str:
@@ -105,7 +118,10 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content or () if isinstance(p, ImagePart)]
 
 
 class GenerationRequest(_Strict):
@@ -206,9 +222,16 @@ class ChatCompletionRequest(GenerationRequest):
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for the chat template (``developer`` is the newer name of ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for the chat template (``developer`` is the newer name of ``system``); a
+        message with image parts also has ``images``, their URLs (for a chat hook that reads them)."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.image_urls():
+                message["images"] = m.image_urls()
+            out.append(message)
+        return out
 
 
 class CompletionRequest(GenerationRequest):

@@ -63,7 +63,7 @@ class ChatPrompt:
     footer: Callable[[str], str] | None = None  # the whole answer -> text sent after it (e.g. its source)
 
 
-ChatHook = Callable[[list[dict[str, str]]], ChatPrompt]
+ChatHook = Callable[[list[dict[str, Any]]], ChatPrompt]  # messages: role, content (text), images (URLs, if any)
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -162,6 +162,8 @@ class OpenAIServer:
         if isinstance(body, ChatCompletionRequest):
             if self.chat_prompt is not None:
                 return self.chat_prompt(body.conversation())
+            if any("images" in m for m in body.conversation()):
+                raise APIError(400, "this server's model takes no images", param="messages", code="unsupported_content")
             return ChatPrompt(tokenizer.apply_chat_template(body.conversation()))
         return ChatPrompt(tokenizer.encode(prompt or ""))
 

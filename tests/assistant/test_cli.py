@@ -160,3 +160,32 @@ async def test_voice_speaks_english_and_chinese_pieces_and_appends_every_answer_
         voice.close()
     assert rate == OUTPUT_RATE and len(english) > rate  # hibari: over a second of speech
     assert len(both) > len(english) + rate and np.abs(both[len(english) :]).max() > 0.05  # espeak-ng's Mandarin, appended
+
+
+def test_a_question_about_a_picture_reads_it_and_answers_from_both(tmp_path):
+    from assistant.eval_images import PICTURES, render
+
+    picture = tmp_path / "locked.png"
+    picture.write_bytes(render(next(p for p in PICTURES if p.name == "account-locked")))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "accounts.md").write_text("# Locked out\nAfter 5 failed sign-in attempts your account is locked for 15 minutes.\n")
+    r = cli("--image", str(picture), "-q", "How long does this lock last?", "--docs", str(docs), "--max-tokens", "12", "--timings")
+    assert r.returncode == 0, r.stderr
+    assert "[image locked.png: 4 lines read in" in r.stderr and "| Your account has been locked" in r.stderr
+    prompt = int(re.search(r"prompt (\d+) tokens", r.stderr).group(1))
+    assert prompt > 60  # the picture's four lines went with the seven-word question
+    assert r.stdout.strip()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"GIF89a not really", "--image {path}: this is not an image"),
+    (None, "--image {path}: no such file"),
+])  # fmt: skip
+def test_a_bad_picture_is_a_one_line_error_with_exit_code_2(tmp_path, content, message):
+    path = tmp_path / "receipt.png"
+    if content is not None:
+        path.write_bytes(content)
+    r = cli("--image", str(path), "-q", "Can I claim this?", "--docs", str(small_docs(tmp_path)))
+    assert r.returncode == 2 and r.stderr.startswith("error: " + message.format(path=path)), r.stderr
+    assert "Loading the model" not in r.stderr  # refused before the model is loaded

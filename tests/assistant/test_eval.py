@@ -107,3 +107,24 @@ def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys):
         (lang, 2, sum(a["correct"] for a in answers if a["lang"] == lang)) for lang in ("en", "zh")
     ]
     assert "| int4 | en | " in capsys.readouterr().out
+
+
+def test_picture_questions_are_grounded_in_the_handbook_and_in_both_languages():
+    from assistant.eval_images import PICTURES
+
+    assert len(PICTURES) >= 8 and {p.lang for p in PICTURES} == {"en", "zh"}
+    assert {p.kind for p in PICTURES} == {"receipt", "form", "error"}
+    for picture in PICTURES:
+        item = {"file": picture.file}
+        assert all(contains_fact(source_text(item, picture.lang), fact) for fact in picture.answer_contains), picture.name
+
+
+def test_a_picture_answer_may_quote_the_pictures_numbers_but_not_invent_others():
+    from assistant.eval_images import PICTURES
+
+    picture = next(p for p in PICTURES if p.name == "hotel-receipt-manchester")
+    item = {"question_en": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file}
+    source = source_text(item, "en") + "\n" + picture.reference
+    assert grade("The receipt shows GBP 187.40 for one night; outside London the limit is £150 per night.", item, "en", source)
+    assert not grade("The receipt shows GBP 187.40; the limit is £175 per night.", item, "en", source)
+    assert not grade("The receipt shows GBP 187.40 for one night; the limit is £150.", item, "en", source_text(item, "en"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import shutil
 import time
@@ -19,12 +20,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
 from assistant.eval import FACTS_FILE
+from assistant.eval_images import PICTURES, render
+from assistant.image_reading import MAX_IMAGES, NO_TEXT, data_url
 from assistant.server import AssistantServer
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 from engine.serving.server import BackgroundServer
@@ -147,7 +151,8 @@ def check_timeline(timeline: dict, source: str = "voice", requested: bool = Fals
     """Every stage, in order (``response_requested`` only if the client asked for the answer), and
     the shares add up to the totals."""
     instants = timeline["instants_ms"]
-    assert list(instants) == [s for s in STAGES if requested or s not in OPTIONAL_STAGES], instants
+    wanted = [s for s in STAGES if s not in OPTIONAL_STAGES or (requested and s == "response_requested")]
+    assert list(instants) == wanted, instants
     values = list(instants.values())
     assert values == sorted(values), instants
     assert timeline["source"] == source
@@ -566,6 +571,89 @@ def test_chat_completions_are_grounded_in_the_documents(server) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=server.model_name, max_tokens=4,
                                        messages=[{"role": "assistant", "content": "Hello"}])  # fmt: skip
+
+
+def image_url(name: str) -> str:
+    return data_url(render(next(p for p in PICTURES if p.name == name)))
+
+
+def blank_image_url() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (640, 480), "#dde6ee").save(out, "PNG")
+    return data_url(out.getvalue())
+
+
+async def ask_with_image(ws, text: str, url: str) -> tuple[dict, dict, list[dict]]:
+    """One typed turn with an image: (the item as echoed, response.timeline, every event)."""
+    content = [{"type": "input_text", "text": text}, {"type": "input_image", "image_url": url}]
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": content}}))
+    await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 6}}))
+    events = []
+    while (event := json.loads(await ws.recv()))["type"] != "response.timeline":
+        assert event["type"] != "error", event
+        events.append(event)
+    return first_raw(events, "conversation.item.added")["item"], event["timeline"], events
+
+
+def first_raw(events: list[dict], kind: str) -> dict:
+    return next(e for e in events if e["type"] == kind)
+
+
+async def test_a_typed_question_about_an_image_reads_it_once_and_times_it(server) -> None:
+    async with ws_connect(raw_url(server), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        url = image_url("account-locked")
+        item, timeline, _ = await ask_with_image(ws, "My account is locked, what now?", url)
+        assert item["content"] == [{"type": "input_text", "text": "My account is locked, what now?"},
+                                   {"type": "input_image", "image_url": None, "detail": None}]  # fmt: skip
+        stages = list(timeline["instants_ms"])
+        assert stages.index("asr_final") < stages.index("image_read") < stages.index("llm_first_token"), stages
+        assert timeline["images"] == 1 and timeline["image_read_ms"] > 0
+        session = next(s for s in server.sessions if s.pipeline.last_item_id)
+        question = session.pipeline.conversation.turns[-1].question
+        assert "Your account has been locked" in question and question.endswith("My account is locked, what now?")
+        # The same picture again: read from the cache, no reader time.
+        _, timeline, _ = await ask_with_image(ws, "And how many attempts lock it?", url)
+        assert timeline["images"] == 1 and timeline["image_read_ms"] == 0
+        assert metric(server, "assistant_images_total", outcome="cached") >= 1
+        assert metric(server, "assistant_turn_stage_seconds_count", stage="image_read") >= 2
+        # A picture without text gets the fixed answer, not the model's.
+        _, _, events = await ask_with_image(ws, "What does this say?", blank_image_url())
+        assert first_raw(events, "response.output_text.done")["text"] == NO_TEXT
+
+
+@pytest.mark.parametrize("content, code", [
+    ([{"type": "input_image", "image_url": "https://example.com/receipt.png"}], "remote_image_url"),
+    ([{"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}], "invalid_image"),
+    ([{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}] * (MAX_IMAGES + 1), "too_many_images"),
+    ([{"type": "input_image", "image_url": 7}], "invalid_value"),
+])  # fmt: skip
+async def test_bad_images_get_an_error_and_the_session_lives_on(server, content, code) -> None:
+    async with ws_connect(raw_url(server), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(json.dumps({"type": "conversation.item.create", "event_id": "evt_img",
+                                  "item": {"type": "message", "role": "user", "content": content}}))  # fmt: skip
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["error"]["code"] == code, error
+        await ws.send(json.dumps({"type": "response.create"}))  # nothing was added: nothing to answer
+        assert json.loads(await ws.recv())["error"]["code"] == "no_user_input"
+
+
+def test_chat_completions_take_image_url_parts(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)  # type: ignore[attr-defined]
+
+    def chat(*parts: dict):
+        content = [{"type": "text", "text": "How long does the lock last?"}, *parts]
+        return client.chat.completions.create(model=server.model_name, max_tokens=4, temperature=0,
+                                              messages=[{"role": "user", "content": content}])  # fmt: skip
+
+    plain = chat().usage.prompt_tokens
+    with_image = chat({"type": "image_url", "image_url": {"url": image_url("account-locked")}}).usage.prompt_tokens
+    assert with_image > plain + 20  # the picture's text is in the prompt
+    for url, code in (("https://example.com/locked.png", "remote_image_url"), (blank_image_url(), "image_no_text")):
+        with pytest.raises(openai.BadRequestError) as info:
+            chat({"type": "image_url", "image_url": {"url": url}})
+        assert info.value.code == code, info.value
 
 
 async def test_the_realtime_socket_declines_compression(server) -> None:

@@ -282,7 +282,9 @@ async def test_non_streaming_client_that_times_out_aborts_its_request(server, en
         (CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 2}, 400, None, "top_logprobs", "requires logprobs"),
         (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400, None, "stream_options", "only allowed when stream"),
         (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_type", "messages", "role"),
-        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_type", "messages", "content"),
+        # the engine alone takes no images (the assistant's server reads them: tests/assistant/test_realtime.py)
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "unsupported_content", "messages", "takes no images"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400, "invalid_type", "messages", "content"),
         # a lone surrogate is valid JSON but not text: the tokenizer (and the UTF-8 encoder) refuse it
         (CHAT, {"model": MODEL, "messages": user("\ud800")}, 400, "invalid_value", "messages", "'messages.0.content'"),
         (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]}, 400, "invalid_value", "messages", "lone UTF-16 surrogate"),

@@ -164,3 +164,19 @@ def test_an_uploaded_recording_is_asked_like_speech(page, question_wav) -> None:
     expect()(page.locator("#chat")).to_contain_text("apply for annual leave? (spoken)", timeout=60_000)
     expect()(page.locator("#chat")).to_contain_text("Source: 01-annual-leave.md", timeout=60_000)
     expect()(page.locator("#turns")).to_contain_text("voice", timeout=30_000)
+
+
+def test_a_question_about_an_uploaded_picture_shows_it_and_answers_from_its_text(page, tmp_path) -> None:
+    from assistant.eval_images import PICTURES, render
+
+    picture = tmp_path / "locked.png"
+    picture.write_bytes(render(next(p for p in PICTURES if p.name == "account-locked")))
+    page.locator("#picture input[type=file]").set_input_files(str(picture))
+    expect()(page.locator("#picture img")).to_have_count(1, timeout=30_000)
+    page.locator("#question textarea").fill("How long will my account stay locked?")
+    page.locator("#ask").click()
+    expect()(page.locator("#chat img")).to_have_count(1, timeout=30_000)  # the picture is in the conversation
+    expect()(page.locator("#chat")).to_contain_text("Source: 05-it-accounts-and-passwords.md", timeout=90_000)
+    expect()(page.locator("#turns")).to_contain_text("image read", timeout=30_000)
+    assert page.locator("#picture img").count() == 0  # sent: the picture box is clear for the next one
+    screenshot(page, "picture-question")
