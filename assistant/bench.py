@@ -233,10 +233,13 @@ def http_base(ws_url: str) -> str:
 
 def wait_sessions_closed(http_url: str, timeout_s: float = 60.0) -> None:
     """Until the server holds no Realtime session (the last phase's callers have all been let go), so
-    that a phase never meets the session limit because of the one before it."""
+    that a phase never meets the session limit because of the one before it; at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(http_url + "/metrics", timeout=30).text
+        try:
+            text = httpx.get(http_url + "/metrics", timeout=30).text
+        except httpx.HTTPError:  # no server there, or not ours: the phase's callers say so
+            return
         if not any(s.name == "assistant_realtime_sessions" and s.value > 0
                    for family in text_string_to_metric_families(text) for s in family.samples):  # fmt: skip
             return
