@@ -184,8 +184,9 @@ async def wait_idle(server: AssistantServer, timeout: float = 30.0) -> None:
 
 
 def prefix_tokens(server: AssistantServer) -> int:
-    """Tokens of the documents prefix (the prompt of a one-word question, less its own few)."""
-    return len(server.answerer.prompt_ids("Hi", [])) - 8
+    """Tokens of the documents prefix, the part of every prompt the KV cache shares."""
+    (builder,) = server.answerer.builders.values()  # one handbook language in these tests
+    return len(builder.prefix.token_ids)
 
 
 # ---- the acceptance conversation -------------------------------------------------------------------
@@ -232,8 +233,10 @@ async def test_sdk_holds_a_spoken_and_a_typed_conversation(server, clips, hearin
         assert text.strip() and text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert not any(e.type == "response.output_audio.delta" for e in events)
         done = first(events, "response.done").response
-        # the second turn's prompt starts with the first: documents and the spoken turn are cached
-        assert done.usage.input_token_details.cached_tokens > prefix_tokens(server) + 16
+        # the documents prefix is cached (the spoken turn is not: its prompt carried its document
+        # before the question, and the history keeps the question alone; from the third turn on the
+        # earlier turns are shared too)
+        assert done.usage.input_token_details.cached_tokens >= prefix_tokens(server) - 16
         assert events[-1].timeline["source"] == "text"
         # the cited handbook section travels with the timeline (sick leave is 02-sick-leave.md)
         assert events[-1].citation["path"].endswith("02-sick-leave.md")
@@ -423,9 +426,11 @@ async def test_eight_concurrent_sessions_share_the_documents_prefix(server, clip
         assert done.status in ("completed", "incomplete") and done.output[0].content[0].transcript.strip()
         assert done.usage.input_token_details.cached_tokens >= prefix - 16
         check_timeline(events[-1].timeline)
-    # the eight prompts together computed fewer tokens than one documents prefix: it was computed once
+    # the eight prompts computed their own parts (the question and its document) and not the documents
+    # prefix again: the warm-up computed it once for all
     computed = server.answerer.engine.stats().prompt_tokens - computed_before
-    assert computed < prefix, (computed, prefix)
+    own = sum(first(events, "response.done").response.usage.input_token_details.text_tokens - prefix for events in results)
+    assert computed < own + prefix // 2, (computed, own, prefix)
     # every stage of those turns is on /metrics, as histograms and as recent p50/p90/p99
     for stage in STAGES[1:]:
         if stage in OPTIONAL_STAGES:  # hands-free turns: the server answered, nobody asked
