@@ -224,9 +224,13 @@ class ImageReading:
             "no_text, refused (not an image, too large, a remote URL, ...).", ("outcome",), registry=self.registry,
         )  # fmt: skip
 
-    def refused(self) -> None:
-        """Count an image refused before reading (the caller raised its ImageError)."""
-        self._images.labels("refused").inc()
+    def image_bytes(self, url: str) -> bytes:
+        """:func:`image_bytes` of ``url``, counting a refused one before its ImageError goes on."""
+        try:
+            return image_bytes(url)
+        except ImageError:
+            self._images.labels("refused").inc()
+            raise
 
     def check(self, data: bytes) -> None:
         """Raise :class:`ImageError` now for bytes :meth:`read` would refuse (blocking: decodes
@@ -237,7 +241,7 @@ class ImageReading:
         try:
             open_image(data)
         except ImageError:
-            self.refused()
+            self._images.labels("refused").inc()
             raise
 
     def read(self, data: bytes) -> ImageText:
@@ -253,7 +257,7 @@ class ImageReading:
         try:
             image = open_image(data)
         except ImageError:
-            self.refused()
+            self._images.labels("refused").inc()
             raise
         start = time.perf_counter()
         lines = tuple(self.reader.read(image))

@@ -32,7 +32,7 @@ from assistant.events import (
     TurnError, UserAudioCommitted, UserSpeechStarted, UserSpeechStopped, UserTranscriptDelta, UserTranscriptDone,
     UserTranscriptFailed,
 )  # fmt: skip
-from assistant.image_reading import ImageError, check_count, image_bytes
+from assistant.image_reading import ImageError, check_count
 from assistant.pipeline import VoicePipeline
 from assistant.timeline import TimelineMetrics
 from assistant.token_bucket import TokenBucket
@@ -186,11 +186,7 @@ class RealtimeSession:
         check_count(len(urls))
         images = []
         for url in urls:
-            try:
-                data = image_bytes(url)
-            except ImageError:
-                self.services.images.refused()
-                raise
+            data = self.services.images.image_bytes(url)
             await asyncio.to_thread(self.services.images.check, data)
             images.append(data)
         return images

@@ -23,7 +23,7 @@ from assistant.answerer import Answerer, default_model_path
 from assistant.config import ServerConfig
 from assistant.device_memory import MemoryCollector, ServerModels
 from assistant.coscheduler import CoScheduler
-from assistant.image_reading import NO_TEXT, ImageError, check_count, image_bytes, image_prompt
+from assistant.image_reading import NO_TEXT, ImageError, check_count, image_prompt
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
@@ -115,11 +115,7 @@ class AssistantServer:
             check_count(len(urls))
             texts = []
             for url in urls:
-                try:
-                    data = image_bytes(url)
-                except ImageError:
-                    self.services.images.refused()
-                    raise
+                data = self.services.images.image_bytes(url)
                 texts.append(self.services.images.read(data))
         except ImageError as e:
             raise APIError(400, str(e), param="messages", code=e.code) from e
