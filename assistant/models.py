@@ -113,8 +113,11 @@ class SplitFile:
     name: str  # the joined file's name under the cache directory
     title: str  # for the progress bar
     parts: tuple[FilePart, ...]
-    size: int
     sha256: str
+
+    @property
+    def size(self) -> int:
+        return sum(part.size for part in self.parts)
 
 
 def _parts(distribution: str, version: str, module: str, sizes_and_digests: list[tuple[int, str]]) -> tuple[FilePart, ...]:
@@ -137,7 +140,6 @@ QWEN_0_5B = SplitFile(
         (89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
         (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
     ]),
-    491_400_064,
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 # Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (Q4_K/Q6_K tensors), in 22 packages.
@@ -168,7 +170,6 @@ QWEN_1_5B = SplitFile(
         (52_428_800, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
         (16_315_968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
     ]),
-    1_117_320_768,
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
 
