@@ -144,8 +144,9 @@ def test_push_to_talk_then_the_stop_button_interrupts_the_answer(page) -> None:
     page.get_by_label("Push to talk (stop recording to ask)").check()
     expect()(page.locator("#in-effect")).to_contain_text("push to talk", timeout=30_000)
     record(page)
-    # with no server VAD ending the turn, nothing is answered until the recording stops
-    expect()(page.locator("#live")).to_contain_text("apply for annual leave", timeout=30_000)
+    # with no server VAD ending the turn, nothing is answered until the recording stops; the live
+    # line shows a partial transcript, which Whisper tiny may still mishear at the end of the clip
+    expect()(page.locator("#live")).to_contain_text("You said: How do I apply for", timeout=30_000)
     page.wait_for_timeout(1500)
     expect()(page.locator("#chat")).not_to_contain_text("▌")
     page.locator("#mic").get_by_role("button", name="Stop").click()
