@@ -5,8 +5,9 @@ bullets, quotes, code fences, links -> their text), then ``Chunker`` cuts the cl
 sentence ends, line breaks and (once a piece is ``min_chars`` long) clause punctuation, English
 or Chinese (。！？，；：、). It never cuts inside a number ("3.5", "1,250", "10:30") or after an
 abbreviation ("e.g.", "Dr.", "U.S.") or a list number ("1."); a piece longer than ``max_chars``
-is cut at its last space. Each stage decides only once it has seen enough of the text, so the
-pieces do not depend on how the text was split into deltas, and joined they give the clean text.
+(``first_max_chars`` for an answer's first piece, so that first audio comes early) is cut at its
+last space. Each stage decides only once it has seen enough of the text, so the pieces do not
+depend on how the text was split into deltas, and joined they give the clean text.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Chunker:
         self._stripper = MarkdownStripper()
         self._buffer = ""
         self._line_start = True  # the buffer begins at the start of a line
+        self._limit = self.config.first_limit  # max_chars once the first piece is out
 
     def push(self, delta: str) -> list[str]:
         self._buffer += self._stripper.push(delta)
@@ -134,6 +136,7 @@ class Chunker:
             pieces.append(self._buffer)
         self._buffer = ""
         self._line_start = True
+        self._limit = self.config.first_limit
         return pieces
 
     def _cut(self, final: bool) -> list[str]:
@@ -141,17 +144,18 @@ class Chunker:
         while (cut := self._next_cut(final)) is not None:
             piece, self._buffer = self._buffer[:cut], self._buffer[cut:]
             self._line_start = "\n" in piece[len(piece.rstrip()) :]
+            self._limit = self.config.max_chars
             pieces.append(piece)
         return pieces
 
     def _next_cut(self, final: bool) -> int | None:
         """Where the next piece ends, or None if that is not decided yet."""
-        buf, config = self._buffer, self.config
-        over = weight(buf, config) > config.max_chars
+        buf, config, limit = self._buffer, self.config, self._limit
+        over = weight(buf, config) > limit
         so_far = 0
         for i, ch in enumerate(buf):
             so_far += config.cjk_weight if _CJK.match(ch) else 1
-            if so_far > config.max_chars:
+            if so_far > limit:
                 break
             cut = self._boundary(buf, i, final)
             if cut is _WAIT:
@@ -159,7 +163,7 @@ class Chunker:
             if (
                 cut is not None
                 and _SPEAKABLE.search(buf[:cut])
-                and weight(buf[:cut].rstrip(), config) <= config.max_chars
+                and weight(buf[:cut].rstrip(), config) <= limit
             ):
                 return cut
         return self._forced_cut(buf) if over else None
@@ -222,12 +226,12 @@ class Chunker:
         return False
 
     def _forced_cut(self, buf: str) -> int | None:
-        """The last place within ``max_chars`` between words (or CJK characters), preferably not
+        """The last place within the length limit between words (or CJK characters), preferably not
         right after an abbreviation; None if there is none yet."""
         best = fallback = None
         so_far = weight(buf[:1], self.config)
         for p in range(1, len(buf)):
-            if so_far > self.config.max_chars:
+            if so_far > self._limit:
                 break
             so_far += weight(buf[p], self.config)
             between_words = buf[p - 1].isspace() and not buf[p].isspace()
@@ -237,7 +241,7 @@ class Chunker:
                 end = len(buf[:p].rstrip())
                 if not (buf[end - 1] == "." and self._no_break_after(buf, end - 1)):
                     best = p
-        if best is None and fallback is None:  # a token longer than max_chars: cut after it
+        if best is None and fallback is None:  # a token longer than the limit: cut after it
             return next(
                 (
                     p

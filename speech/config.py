@@ -219,11 +219,22 @@ class ChunkerConfig:
     syllable is worth about three letters of speech). A clause boundary (comma, semicolon, colon,
     ，；：、) is used only once the piece reaches ``min_chars``; sentence ends and line breaks always
     cut. A piece longer than ``max_chars`` is cut at the last space (or between CJK characters).
+
+    The first piece of an answer has a lower limit, ``first_max_chars`` (never below ``2 *
+    min_chars`` nor above ``max_chars``): the voice synthesizes a whole piece before any of it is
+    heard, so a short first piece is what brings first audio forward; later pieces are synthesized
+    while earlier ones play.
     """
 
     min_chars: int = 16
     max_chars: int = 160
+    first_max_chars: int = 48
     cjk_weight: int = 3
+
+    @property
+    def first_limit(self) -> int:
+        """The length limit in effect for an answer's first piece."""
+        return min(self.max_chars, max(self.first_max_chars, 2 * self.min_chars))
 
     def __post_init__(self) -> None:
         _check(self.min_chars >= 1, f"ChunkerConfig.min_chars={self.min_chars}: must be >= 1")
@@ -231,5 +242,9 @@ class ChunkerConfig:
             self.max_chars >= 2 * self.min_chars,
             f"ChunkerConfig.max_chars={self.max_chars}: must be >= 2 * min_chars "
             f"({self.min_chars})",
+        )
+        _check(
+            self.first_max_chars >= 1,
+            f"ChunkerConfig.first_max_chars={self.first_max_chars}: must be >= 1",
         )
         _check(self.cjk_weight >= 1, f"ChunkerConfig.cjk_weight={self.cjk_weight}: must be >= 1")

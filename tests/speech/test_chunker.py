@@ -42,6 +42,23 @@ def test_a_piece_is_released_as_soon_as_the_next_sentence_begins() -> None:
     assert chunker.flush() == ["You"]
 
 
+def test_the_first_piece_of_an_answer_is_short_so_that_first_audio_comes_early() -> None:
+    text = (
+        "You get twenty-five days of annual leave per calendar year and apply for them in the HR "
+        "portal at least two weeks before the first day of your leave."
+    )
+    config = ChunkerConfig(min_chars=16, max_chars=160, first_max_chars=42)
+    pieces = chunk_text(text, config)
+    assert pieces[0] == "You get twenty-five days of annual leave "  # cut at its last space
+    assert "".join(pieces) == text and len(pieces) == 2  # the rest is one piece up to max_chars
+    assert chunk_text(text, ChunkerConfig(first_max_chars=160)) == [text]
+    assert ChunkerConfig(min_chars=30, first_max_chars=40).first_limit == 60  # never below 2 * min
+    chunker = Chunker(config)  # after a flush the next answer's first piece is short again
+    assert chunker.push(text + " ")[0] == pieces[0]
+    chunker.flush()
+    assert chunker.push(text + " ")[0] == pieces[0]
+
+
 def test_clauses_are_cut_only_once_long_enough() -> None:
     text = "Yes, you can, but only if your manager agrees, in writing."
     assert chunk_text(text, ChunkerConfig(min_chars=16)) == [
@@ -181,9 +198,10 @@ texts = st.lists(st.tuples(token, st.sampled_from(SEPARATORS)), max_size=60).map
 )
 splits = st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=8)
 configs = st.builds(
-    lambda lo, extra: ChunkerConfig(min_chars=lo, max_chars=2 * lo + extra),
+    lambda lo, extra, first: ChunkerConfig(min_chars=lo, max_chars=2 * lo + extra, first_max_chars=first),
     st.integers(min_value=1, max_value=30),
     st.integers(min_value=20, max_value=100),
+    st.integers(min_value=20, max_value=200),  # first_max_chars, as low as max_chars can be
 )
 
 
@@ -228,14 +246,16 @@ def test_no_piece_breaks_a_number_or_an_abbreviation(parts, sizes, config) -> No
 @settings(max_examples=300, deadline=None)
 @given(text=texts, config=configs)
 def test_pieces_respect_max_chars_unless_nothing_can_be_cut(text, config) -> None:
-    """A piece is longer than max_chars only if it has no place within max_chars to cut at
-    (between words or CJK characters, with something speakable before it)."""
-    for piece in chunk_text(text, config):
+    """A piece is longer than its limit (max_chars; the lower first_limit for the first piece)
+    only if it has no place within the limit to cut at (between words or CJK characters, with
+    something speakable before it)."""
+    for index, piece in enumerate(chunk_text(text, config)):
+        limit = config.first_limit if index == 0 else config.max_chars
         body = piece.rstrip()
-        if weight(body, config) <= config.max_chars:
+        if weight(body, config) <= limit:
             continue
         for p in range(1, len(body)):
-            if weight(body[:p], config) > config.max_chars:
+            if weight(body[:p], config) > limit:
                 break
             between_words = body[p - 1].isspace() and not body[p].isspace()
             between_cjk = bool(re.match(r"[\u3400-\u9fff]{2}", body[p - 1 : p + 1]))
