@@ -97,6 +97,6 @@ def test_pool_timing_program_reports_first_audio_and_throughput(tmp_path, capsys
     from speech.tts.bench import main
 
     rows = main(["--workers", "2", "--answers", "2", "--json", str(tmp_path / "tts.json")])
-    assert [(r["workers"], r["answers"]) for r in rows] == [(2, 2)]
+    assert [(r["workers"], r["first_max_chars"], r["answers"]) for r in rows] == [(2, 48, 2), (2, 160, 2)]  # the baseline too
     assert 0 < rows[0]["first_audio_ms"]["p50"] <= rows[0]["first_audio_ms"]["p99"] and rows[0]["audio_s_per_s"] > 0
     assert "first audio p50/p95/p99 ms" in capsys.readouterr().out and (tmp_path / "tts.json").is_file()
