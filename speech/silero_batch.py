@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,17 +81,18 @@ class ScorerStats:
     largest_batch: int  # most streams in one call
 
 
-@dataclass(eq=False)
 class _Request:
     """One stream's windows waiting to be scored, and their result once scored."""
 
-    rows: np.ndarray
-    h: np.ndarray
-    c: np.ndarray
-    ready: threading.Event = field(default_factory=threading.Event)  # scored, failed or handed the lead
-    lead: bool = False
-    probs: np.ndarray | None = None
-    error: BaseException | None = None
+    __slots__ = ("rows", "h", "c", "ready", "lead", "probs", "error")
+
+    def __init__(self, rows: np.ndarray, h: np.ndarray, c: np.ndarray) -> None:
+        self.rows, self.h, self.c = rows, h, c
+        self.ready = threading.Lock()  # held until scored, failed or handed the lead (a cheap one-shot event)
+        self.ready.acquire()
+        self.lead = False
+        self.probs: np.ndarray | None = None
+        self.error: BaseException | None = None
 
 
 class SileroScorer:
@@ -148,7 +149,7 @@ class SileroScorer:
             else:
                 self._running = request.lead = True
         if not request.lead:
-            request.ready.wait()
+            request.ready.acquire()
         if request.lead and request.probs is None and request.error is None:
             self._lead()
         if request.error is not None:
@@ -164,8 +165,9 @@ class SileroScorer:
             while len(self._queue) < self._open and (left := deadline - time.monotonic()) > 0:
                 self._arrived.wait(left)
             batch, self._queue = self._queue, []
+        lengths = [len(request.rows) for request in batch]
         try:
-            self._run(batch)
+            self._run(batch, lengths)
         except Exception as exc:  # every caller of the batch raises it
             for request in batch:
                 request.error = exc
@@ -175,32 +177,37 @@ class SileroScorer:
                     request.error = RuntimeError("the batched Silero call was interrupted")
             with self._lock:
                 self._calls += 1
-                self._windows += sum(len(request.rows) for request in batch)
+                self._windows += sum(lengths)
                 self._largest = max(self._largest, len(batch))
                 successor = self._queue[0] if self._queue else None
                 self._running = successor is not None
                 if successor is not None:
                     successor.lead = True
             if successor is not None:
-                successor.ready.set()
-            for request in batch:
-                request.ready.set()
+                successor.ready.release()
+            for request in batch:  # each held: from creation, or again by its caller's acquire
+                request.ready.release()
 
-    def _run(self, batch: list[_Request]) -> None:
-        lengths = np.array([len(request.rows) for request in batch], np.int32)
-        starts = np.cumsum(lengths) - lengths
-        steps = starts + np.minimum(np.arange(lengths.max())[:, None], lengths - 1)
-        probs, h, c = self._session.run(None, {
-            "input": np.concatenate([request.rows for request in batch]),
-            "h": np.concatenate([request.h for request in batch], axis=1),
-            "c": np.concatenate([request.c for request in batch], axis=1),
-            "steps": steps.astype(np.int64),
-            "lengths": lengths,
-        })  # fmt: skip
+    def _run(self, batch: list[_Request], lengths: list[int]) -> None:
+        if len(batch) == 1:  # the inputs as they are: no copies
+            [request] = batch
+            rows, h, c = request.rows, request.h, request.c
+        else:
+            rows = np.concatenate([request.rows for request in batch])
+            h = np.concatenate([request.h for request in batch], axis=1)
+            c = np.concatenate([request.c for request in batch], axis=1)
+        if max(lengths) == 1:  # one window each, the usual case: row i is stream i's
+            steps = np.arange(len(batch), dtype=np.int64).reshape(1, -1)
+        else:  # stream i's t-th window (its last one past its length)
+            n = np.array(lengths)
+            steps = (np.cumsum(n) - n + np.minimum(np.arange(n.max())[:, None], n - 1)).astype(np.int64)
+        probs, h, c = self._session.run(
+            None, {"input": rows, "h": h, "c": c, "steps": steps, "lengths": np.array(lengths, np.int32)}
+        )
         probs = np.asarray(probs, np.float32).reshape(len(batch), -1)
-        for i, request in enumerate(batch):
+        for i, (request, length) in enumerate(zip(batch, lengths)):
             request.h, request.c = h[:, i : i + 1], c[:, i : i + 1]
-            request.probs = probs[i, : lengths[i]]
+            request.probs = probs[i, :length]
 
 
 class SileroStream:
@@ -220,13 +227,12 @@ class SileroStream:
         self._pending = np.zeros(0, np.float32)
 
     def close(self) -> None:
-        """Leave the scorer; the stream cannot be used after this."""
+        """Leave the scorer's open streams: no call waits for this one any more (it can still be
+        fed, e.g. by a caller winding down, and is then scored without being waited for)."""
         self._leave()
 
     def process(self, samples: np.ndarray) -> np.ndarray:
         """Probabilities for the windows completed by these 16 kHz samples (maybe none)."""
-        if not self._leave.alive:
-            raise RuntimeError("the Silero stream is closed")
         rows, pending, context = silero_rows(np.concatenate([self._pending, samples]), self._context)
         if len(rows):
             probs, self._h, self._c = self._scorer._score(rows, self._h, self._c)

@@ -107,8 +107,6 @@ def test_a_stream_reset_or_closed_midway_leaves_the_others_alone(clips16k) -> No
         elif i == 1:  # leaves halfway
             feed(stream, audio[:half], seed=i)
             stream.close()
-            with pytest.raises(RuntimeError, match="closed"):
-                stream.process(audio[half:])
             return None
         return feed(stream, audio, seed=i)
 
@@ -126,8 +124,9 @@ def test_a_batch_never_waits_for_streams_that_left() -> None:
     closed.close()
     del dropped
     gc.collect()
-    [probs] = in_threads(lambda i: staying.process(np.zeros(16000, np.float32)), 1)
-    assert isinstance(probs, np.ndarray) and len(probs) == 16000 // SileroVAD.WINDOW
+    for stream in (staying, closed):  # a closed stream may still be fed (a caller winding down)
+        [probs] = in_threads(lambda i, stream=stream: stream.process(np.zeros(16000, np.float32)), 1)
+        assert isinstance(probs, np.ndarray) and len(probs) == 16000 // SileroVAD.WINDOW
 
 
 def test_an_error_in_the_batched_call_raises_in_every_caller_of_the_batch(clips16k) -> None:
