@@ -42,6 +42,12 @@ class VADConfig:
     paused (``SpeechEnded.cut``), so it is transcribed as a turn and one caller's endless speech
     cannot hold the shared ASR worker with ever longer decodes; speech going on starts the next
     utterance. None: no limit.
+    silero_batch_wait_ms: in a server, every session of an ASR worker scores Silero through one
+    shared scorer (:class:`~speech.silero_batch.SileroScorer`) that runs all sessions' pending
+    windows in one ONNX call; a call waits at most this long for the other open sessions' windows
+    (never when only one session is open), trading that much VAD latency for fewer, larger calls
+    and less GIL-held time per packet. 0: run at once (windows that arrive during a call are still
+    batched into the next).
     """
 
     sample_rate: int = 16000
@@ -54,6 +60,7 @@ class VADConfig:
     silero_model: Path | None = None  # None: faster_whisper/assets/silero_vad_v6.onnx
     max_utterance_s: float | None = 30.0
     pause_ms: int | None = None
+    silero_batch_wait_ms: float = 1.0
 
     def __post_init__(self) -> None:
         _check(
@@ -81,6 +88,10 @@ class VADConfig:
         _check(
             self.pause_ms is None or 0 < self.pause_ms < self.hangover_ms,
             f"VADConfig.pause_ms={self.pause_ms}: must be > 0 and shorter than hangover_ms={self.hangover_ms}, or None",
+        )
+        _check(
+            0 <= self.silero_batch_wait_ms <= 20,
+            f"VADConfig.silero_batch_wait_ms={self.silero_batch_wait_ms}: use 0 to 20 ms",
         )
 
     @property

@@ -11,12 +11,17 @@ With ``pause_ms`` (shorter than the hangover), ``pause_ms`` of silence inside an
 ``SpeechPaused`` (the turn may be over: a caller can start answering speculatively) and a voiced
 frame after it ``SpeechResumed`` (it was not: same utterance). ``end_turn()`` ends the utterance
 at once, for a caller that decided the turn is complete before the hangover.
+
+Silero runs either in the detector's own ONNX session (:class:`SileroVAD`) or, in a server, as a
+stream of a :class:`~speech.silero_batch.SileroScorer` shared by every caller, which scores all
+callers' windows in one ONNX call.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import webrtcvad
@@ -25,7 +30,31 @@ from speech.audio import Resampler, split_frames, to_float32, to_pcm16
 from speech.config import VADConfig
 from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted
 
+if TYPE_CHECKING:
+    from speech.silero_batch import SileroScorer, SileroStream
+
 VADEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded
+
+
+def silero_model_path(model_path: Path | None) -> Path:
+    """The Silero ONNX file to load: ``model_path``, or the v6 model shipped in faster-whisper."""
+    if model_path is not None:
+        return model_path
+    from faster_whisper.utils import get_assets_path
+
+    return Path(get_assets_path()) / "silero_vad_v6.onnx"
+
+
+def silero_rows(audio: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Silero's input rows for the whole windows of 16 kHz ``audio``: each window with the
+    ``CONTEXT`` samples before it (``context`` for the first). Returns (rows, leftover samples,
+    context for the next window)."""
+    windows, rest = split_frames(audio, SileroVAD.WINDOW)
+    if not len(windows):
+        return np.zeros((0, SileroVAD.CONTEXT + SileroVAD.WINDOW), np.float32), rest, context
+    contexts = np.vstack([context, windows[:-1, -SileroVAD.CONTEXT :]])
+    rows = np.ascontiguousarray(np.hstack([contexts, windows]), dtype=np.float32)
+    return rows, rest, windows[-1, -SileroVAD.CONTEXT :].copy()
 
 
 class SileroVAD:
@@ -38,15 +67,11 @@ class SileroVAD:
     def __init__(self, model_path: Path | None = None) -> None:
         import onnxruntime
 
-        if model_path is None:
-            from faster_whisper.utils import get_assets_path
-
-            model_path = Path(get_assets_path()) / "silero_vad_v6.onnx"
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         options.log_severity_level = 3
         self._session = onnxruntime.InferenceSession(
-            str(model_path), options, providers=["CPUExecutionProvider"]
+            str(silero_model_path(model_path)), options, providers=["CPUExecutionProvider"]
         )
         self.reset()
 
@@ -58,15 +83,11 @@ class SileroVAD:
 
     def process(self, samples: np.ndarray) -> np.ndarray:
         """Probabilities for the windows completed by these 16 kHz samples (maybe none)."""
-        windows, self._pending = split_frames(np.concatenate([self._pending, samples]), self.WINDOW)
-        if not len(windows):
+        rows, self._pending, context = silero_rows(np.concatenate([self._pending, samples]), self._context)
+        if not len(rows):
             return np.zeros(0, np.float32)
-        contexts = np.vstack([self._context, windows[:-1, -self.CONTEXT :]])
-        batch = np.ascontiguousarray(np.hstack([contexts, windows]), dtype=np.float32)
-        probs, self._h, self._c = self._session.run(
-            None, {"input": batch, "h": self._h, "c": self._c}
-        )
-        self._context = windows[-1, -self.CONTEXT :].copy()
+        probs, self._h, self._c = self._session.run(None, {"input": rows, "h": self._h, "c": self._c})
+        self._context = context
         return np.asarray(probs, np.float32).reshape(-1)
 
 
@@ -74,12 +95,16 @@ class VoiceActivityDetector:
     """Turns a stream of audio into ``SpeechStarted`` / ``SpeechEnded`` events with stream times.
 
     Feed any number of samples per call at ``config.sample_rate``; frames are cut internally, so
-    the events do not depend on how the stream was chunked.
+    the events do not depend on how the stream was chunked. With ``scorer`` (and
+    ``config.use_silero``), Silero scores through that shared scorer instead of a session of the
+    detector's own; :meth:`close` then leaves the scorer.
     """
 
-    def __init__(self, config: VADConfig | None = None) -> None:
+    def __init__(self, config: VADConfig | None = None, scorer: SileroScorer | None = None) -> None:
         self.config = config or VADConfig()
-        self._silero = SileroVAD(self.config.silero_model) if self.config.use_silero else None
+        self._silero: SileroVAD | SileroStream | None = None
+        if self.config.use_silero:
+            self._silero = scorer.stream() if scorer is not None else SileroVAD(self.config.silero_model)
         self._frame = self.config.frame_samples
         self._start_frames = -(-self.config.start_ms // self.config.frame_ms)
         self._hangover = self.config.hangover_ms * self.config.sample_rate // 1000
@@ -111,6 +136,11 @@ class VoiceActivityDetector:
         self._start = 0
         self._last_voiced_end = 0
         self._paused = False
+
+    def close(self) -> None:
+        """Leave the shared scorer, if any (its batches stop waiting for this stream)."""
+        if self._silero is not None and not isinstance(self._silero, SileroVAD):
+            self._silero.close()
 
     @property
     def in_speech(self) -> bool:

@@ -73,7 +73,7 @@ class ASRSession:
         self._worker = worker
         self._on_event = on_event
         self._resampler = Resampler(check_rate(input_rate), ASR_SAMPLE_RATE)
-        self._vad = VoiceActivityDetector(vad)
+        self._vad = VoiceActivityDetector(vad, worker.silero_scorer(vad) if vad.use_silero else None)
         self._lock = threading.Lock()
         self._audio = np.zeros(0, np.float32)
         self._audio_start = 0  # stream sample index of self._audio[0]
@@ -131,6 +131,8 @@ class ASRSession:
         with self._lock:
             self._closed = True
         self._worker.end_session(self.id)
+        with self._vad_lock:
+            self._vad.close()
 
     def _emit(self, event: ASREvent) -> None:
         if not self._closed:

@@ -14,23 +14,29 @@ round robin), and decodes them as one batch; every job's ``decode_s`` is then th
 An :class:`ASRQueuePolicy`, given at construction, can turn the ordering off (arrival order, for
 comparison) and make partials wait for spare capacity: a partial submitted, or reaching its turn,
 while ``spare_capacity()`` says no is skipped (the session's next partial catches up).
+
+The worker also owns the process's Silero scorer (:meth:`ASRWorker.silero_scorer`): every session
+of the worker runs its VAD's Silero through it, so all callers' windows are scored in one call.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from speech.asr.backend import ASRBackend, ASRError, Decoded
 from speech.asr.factory import load_backend
-from speech.config import ASRConfig, ConfigError
+from speech.config import ASRConfig, ConfigError, VADConfig
 from speech.priority_worker import PriorityWorker, arrival_order
+from speech.silero_batch import SileroScorer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +117,8 @@ class ASRWorker(PriorityWorker[ASRJob]):
         self._turns = itertools.count()
         self._last_turn: dict[int, int] = {}  # open session -> the turn it was last served in (-1: never)
         self.batch_limit = max(1, backend.max_batch)
+        self._scorers: dict[tuple[Path | None, float], SileroScorer] = {}
+        self._scorers_lock = threading.Lock()
         super().__init__("asr-worker", key=self._finals_first_then_round_robin if policy.urgent_first else arrival_order)
 
     @classmethod
@@ -125,6 +133,15 @@ class ASRWorker(PriorityWorker[ASRJob]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def silero_scorer(self, vad: VADConfig) -> SileroScorer:
+        """The Silero scorer every session with this model and batch wait shares (loaded on first
+        use), so one ONNX call scores all of the worker's sessions' windows."""
+        key = (vad.silero_model, vad.silero_batch_wait_ms)
+        with self._scorers_lock:
+            if key not in self._scorers:
+                self._scorers[key] = SileroScorer(vad.silero_model, vad.silero_batch_wait_ms)
+            return self._scorers[key]
 
     def new_session_id(self) -> int:
         """A new session's id; its jobs take round-robin turns until :meth:`end_session`."""

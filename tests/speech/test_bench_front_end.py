@@ -9,11 +9,21 @@ from speech.bench_front_end import main
 
 def test_front_end_bench_reports_gil_held_time_and_its_ceiling(tmp_path, capsys) -> None:
     out = tmp_path / "front_end.json"
-    assert main(["--seconds", "2", "--chunk-ms", "20", "--json", str(out)]) == 0
-    silero, baseline = json.loads(out.read_text())["results"]
+    assert main(["--seconds", "2", "--chunk-ms", "20", "--callers", "1,3", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    silero, baseline = figures["results"]
     assert silero["packets"] == baseline["packets"] == 100
     assert silero["onnx_us"] > 0 and baseline["onnx_us"] == 0  # only the Silero variant runs ONNX
     for r in (silero, baseline):
         assert abs(r["gil_us"] - (r["resample_us"] + r["vad_us"] - r["onnx_us"])) < 0.5
         assert abs(r["callers_per_gil"] - 20_000 / r["gil_us"]) < 0.5
-    assert "callers per GIL" in capsys.readouterr().out
+    rows = {(c["callers"], c["variant"].split()[0]): c for c in figures["callers"]}
+    assert sorted(rows) == [(1, "session"), (1, "shared"), (3, "session"), (3, "shared")]
+    for (callers, variant), c in rows.items():
+        assert c["packets"] == 100 * callers and c["gil_us"] > 0 and c["onnx_us"] > 0
+        assert abs(c["callers_per_core"] - 20_000 / (c["gil_us"] + c["onnx_us"])) < 0.5
+    windows_per_packet = [c["windows_per_call"] * c["onnx_calls_per_packet"] for c in rows.values()]
+    assert max(windows_per_packet) - min(windows_per_packet) < 0.02  # every variant scored the same windows
+    assert rows[(3, "shared")]["onnx_calls_per_packet"] < rows[(3, "session")]["onnx_calls_per_packet"]  # callers shared calls
+    out_text = capsys.readouterr().out
+    assert "callers per GIL" in out_text and "shared scorer (batched)" in out_text
