@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import webrtcvad
@@ -30,10 +30,23 @@ from speech.audio import Resampler, split_frames, to_float32, to_pcm16
 from speech.config import VADConfig
 from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted
 
-if TYPE_CHECKING:
-    from speech.silero_batch import SileroScorer, SileroStream
-
 VADEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded
+
+
+class ScoredStream(Protocol):
+    """One caller's stream of a shared Silero scorer (:class:`speech.silero_batch.SileroStream`)."""
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def process(self, samples: np.ndarray) -> np.ndarray: ...
+
+
+class SharedScorer(Protocol):
+    """A Silero scorer that many detectors share (:class:`speech.silero_batch.SileroScorer`)."""
+
+    def stream(self) -> ScoredStream: ...
 
 
 def silero_model_path(model_path: Path | None) -> Path:
@@ -100,9 +113,9 @@ class VoiceActivityDetector:
     detector's own; :meth:`close` then leaves the scorer.
     """
 
-    def __init__(self, config: VADConfig | None = None, scorer: SileroScorer | None = None) -> None:
+    def __init__(self, config: VADConfig | None = None, scorer: SharedScorer | None = None) -> None:
         self.config = config or VADConfig()
-        self._silero: SileroVAD | SileroStream | None = None
+        self._silero: SileroVAD | ScoredStream | None = None
         if self.config.use_silero:
             self._silero = scorer.stream() if scorer is not None else SileroVAD(self.config.silero_model)
         self._frame = self.config.frame_samples
