@@ -126,7 +126,8 @@ READERS = {Q.Q4_1: q4_1_blocks, Q.Q8_0: q8_0_blocks, Q.Q4_K: q4_k_blocks, Q.Q5_0
 
 
 def tensor_blocks(tensor) -> Blocks:
-    """One GGUF matrix (a ``gguf.ReaderTensor``) as Q4_1 or Q8_0 :class:`Blocks`; any other type
+    """One GGUF matrix (an :class:`engine.gguf_file.GGUFTensor`, or gguf's ``ReaderTensor``) as
+    Q4_1 or Q8_0 :class:`Blocks`; any other type
     raises :class:`UnsupportedTensorError` naming the file, the tensor and its type."""
     read = READERS.get(tensor.tensor_type)
     if read is None or len(tensor.shape) != 2:
@@ -156,11 +157,11 @@ def repack_error(tensor) -> tuple[float, float, float]:
 
 def main(argv: list[str]) -> int:
     """Print :func:`repack_error` of every non-exact (Q6_K) matrix of the GGUF files in ``argv``."""
-    import gguf
+    from engine.gguf_file import GGUFFile
 
     for path in argv:
         figures = []
-        for t in gguf.GGUFReader(path).tensors:
+        for t in GGUFFile.read(path).tensors:
             if t.tensor_type == Q.Q6_K:
                 figures.append(repack_error(t))
                 print(f"{t.name:28s} max {figures[-1][0]:.3%}  mean {figures[-1][1]:.3%}  rms {figures[-1][2]:.3%}", flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.config import ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
+from engine.gguf_file import GGUFFile
 from engine.model import LlamaForCausalLM
 
 GGUF_NAMES = {
@@ -66,39 +67,32 @@ turn ends, as llama.cpp's end-of-generation set): a file names one ``eos_token_i
 ``<|im_end|>`` (its EOS) and ``<|endoftext|>`` must both stop."""
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _stop_ids(reader) -> tuple[int, ...]:
+def _stop_ids(file: GGUFFile) -> tuple[int, ...]:
     """The file's EOS (and EOT) id, then its control tokens of :data:`END_OF_TURN_TOKENS`."""
     import gguf
 
-    ids = [int(v) for v in (_gguf_field(reader, "tokenizer.ggml.eos_token_id"), _gguf_field(reader, "tokenizer.ggml.eot_token_id"))
-           if v is not None]
-    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    ids = [int(v) for v in (file.get("tokenizer.ggml.eos_token_id"), file.get("tokenizer.ggml.eot_token_id")) if v is not None]
+    tokens, types = file.get("tokenizer.ggml.tokens"), file.get("tokenizer.ggml.token_type")
     if tokens is not None and types is not None:
         control = int(gguf.TokenType.CONTROL)
-        for i, text in enumerate(tokens.contents()):
-            if text in END_OF_TURN_TOKENS and int(types.contents(i)) == control:
-                ids.append(i)
+        ids += [i for i, text in enumerate(tokens) if text in END_OF_TURN_TOKENS and int(types[i]) == control]
     return tuple(dict.fromkeys(ids))
 
 
-def gguf_model_config(reader, path: Path) -> ModelConfig:
-    """The model config of a llama or qwen2 GGUF (``<arch>.*`` keys); ``path`` names the file in errors."""
-    arch = _gguf_field(reader, "general.architecture")
+def gguf_model_config(file: GGUFFile) -> ModelConfig:
+    """The model config of a llama or qwen2 GGUF (``<arch>.*`` keys)."""
+    path = file.path
+    arch = file.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 
     def field(key: str, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return file.get(f"{arch}.{key}", default)
 
     heads = int(field("attention.head_count"))
     hidden = int(field("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in file.tensors}
+    vocab = field("vocab_size") or len(file.metadata["tokenizer.ggml.tokens"])
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -111,9 +105,9 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         rope_theta=float(field("rope.freq_base", 10000.0)),
         max_position_embeddings=int(field("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_stop_ids(reader),
-        name=str(_gguf_field(reader, "general.name", "gguf")),
+        bos_token_id=file.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_stop_ids(file),
+        name=str(file.get("general.name", "gguf")),
         architecture=arch,
         attention_bias="blk.0.attn_q.bias" in names,
     )
@@ -142,11 +136,11 @@ def read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
     (any type it implements: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    config = gguf_model_config(reader, path)
+    file = GGUFFile.read(path)
+    config = gguf_model_config(file)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for t in reader.tensors:
+        for t in file.tensors:
             name = _hf_name(path, t.name)
             if name is None:
                 continue

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.gguf_blocks import GROUP, SUPPORTED, Blocks, tensor_blocks
+from engine.gguf_file import GGUFFile, GGUFTensor
 
 INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
 BF16_MATMUL_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of hardware bf16 matmuls
@@ -167,12 +168,9 @@ def gguf_supports_int4(path: str) -> bool:
     return bool(matrices) and all(t.tensor_type in SUPPORTED for t in matrices)
 
 
-def gguf_tensors(path: str) -> dict:
-    """The tensors of a GGUF file by name (memory-mapped; parsing the header takes seconds for a
-    file with a large vocabulary, so read it once and pass the dict on)."""
-    import gguf
-
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
+    """The tensors of a GGUF file by name (memory-mapped views; see :mod:`engine.gguf_file`)."""
+    return {t.name: t for t in GGUFFile.read(path).tensors}
 
 
 def quantize_from_gguf(model: nn.Module, tensors: dict, max_rows: int | None = None) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.gguf_blocks import READERS, UnsupportedTensorError, repack_error, tensor_blocks
-from engine.quantization import gguf_supports_int4
+from engine.quantization import gguf_supports_int4, gguf_tensors
 
 Q = gguf.GGMLQuantizationType
 FP16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_0: (0,), Q.Q6_K: (208,)}  # byte offsets of each block's fp16 d (and dmin)
@@ -70,7 +70,7 @@ def test_q6_k_requantization_bound():
 
 @pytest.fixture(scope="module")
 def qwen_tensors(qwen_0_5b_gguf) -> dict:
-    return {t.name: t for t in gguf.GGUFReader(qwen_0_5b_gguf).tensors}
+    return gguf_tensors(str(qwen_0_5b_gguf))
 
 
 def test_real_tensors_of_the_qwen_file(qwen_tensors):
@@ -100,7 +100,7 @@ def test_unsupported_types_name_the_file_tensor_and_type(qwen_tensors, qwen_0_5b
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    t = gguf.GGUFReader(path).tensors[0]
+    t = gguf_tensors(str(path))["blk.0.ffn_up.weight"]
     with pytest.raises(UnsupportedTensorError, match=re.escape(f"{path}: tensor blk.0.ffn_up.weight is F16; the int4/native CPU path runs "
                                                                "Q4_1, Q8_0, Q4_K, Q5_0, Q6_K matrices")):
         tensor_blocks(t)

@@ -22,6 +22,7 @@ from engine.quantization import (
     Int4Linear,
     fuse_rows,
     gguf_int4_parts,
+    gguf_tensors,
     int4_max_rows,
     int4_parts,
     int4_parts_q4_1,
@@ -93,7 +94,7 @@ def test_fused_rows_are_the_row_concatenation(formats, segments):
 
 def test_real_tensors_of_the_embedded_model(llm_gguf_path):
     """One Q4_1 projection and the Q8_0 embedding / LM head of the shipped file."""
-    tensors = {t.name: t for t in gguf.GGUFReader(llm_gguf_path).tensors}
+    tensors = gguf_tensors(str(llm_gguf_path))
     for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
         t = tensors[name]
         cols, rows = (int(s) for s in t.shape)
