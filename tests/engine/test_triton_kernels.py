@@ -342,7 +342,7 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
     model_dir = request.getfixturevalue(fixture)
 
     prompt = [5, 17, 33, 2, 90, 41, 7]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outputs = {}
     paths = {"plain": GemvPolicy(), "gemv": GemvPolicy(max_rows=1), "gemv+swiglu kernel": GemvPolicy(max_rows=1, fused_swiglu=False),
              "gemv+down": GemvPolicy(max_rows=1, gemv_down=True)}
