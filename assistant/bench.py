@@ -10,7 +10,9 @@ too, so their questions spread over time. A phase ends after ``--turns`` questio
 question at the same instant (reported apart). Unless ``--url`` is given, the bench starts its
 own server (``python -m assistant serve``) on a free port of 127.0.0.1 and stops it at the end;
 ``--ab 32,64`` then runs those caller counts again against a second server started with
-``--coscheduler off``.
+``--coscheduler off``. ``--client-processes N`` spreads the callers over N client processes, so
+that at 64-128 callers the client's own event loop (every caller's audio sent in real time) is not
+mistaken for the server's limit.
 
 Measured per turn:
 - the server's timeline (``response.timeline``): each stage's share, speech_end -> first audio
@@ -105,6 +107,7 @@ class BenchConfig:
     progress: bool = True
     server_args: tuple[str, ...] = ()
     server_log_dir: Path | None = None  # keep every started server's log here (else only a failed run's)
+    client_processes: int = 1  # the callers' client processes (one event loop each)
 
 
 def machine() -> dict[str, Any]:
@@ -215,7 +218,7 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         for pattern in patterns:
             for n in caller_counts:
                 await asyncio.to_thread(wait_sessions_closed, http_base(url))
-                turns = await run_phase(url, n, questions, paused, pattern, cfg.progress)
+                turns = await run_phase(url, n, questions, paused, pattern, cfg.progress, cfg.client_processes)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
                                "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory),
@@ -288,6 +291,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--config", choices=sorted(CONFIGS), help="server preset: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in CONFIGS.items()))
     p.add_argument("--questions", type=Path, help="JSON list of questions (strings or {question_en: ...}) or a text file, one per line")
     p.add_argument("--max-output-tokens", type=int, help="cap each answer (session.update)")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="spread the callers over N client processes (default 1), so that the client's own event loop is not the limit")
     p.add_argument("--chunk-ms", type=int, default=20, help="audio packet length, sent at real-time pace (default 20)")
     p.add_argument("--pause-ms", type=int, nargs="*", default=[300, 400, 500, 600, 700],
                    help="mid-sentence pauses of the questions asked every second turn, in turn (default 300 400 500 600 700; "
@@ -303,8 +308,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     a = p.parse_args(argv)
     callers = tuple(n for group in a.callers for n in group)
     pause = tuple(a.pause_s)
-    if a.turns < 1 or not callers or min(callers) < 1 or min(a.ab, default=1) < 1 or a.chunk_ms < 10:
-        p.error("--turns and --callers must be >= 1, --chunk-ms >= 10")
+    if a.turns < 1 or not callers or min(callers) < 1 or min(a.ab, default=1) < 1 or a.chunk_ms < 10 or a.client_processes < 1:
+        p.error("--turns, --callers and --client-processes must be >= 1, --chunk-ms >= 10")
     if not 0 <= pause[0] <= pause[1] or (a.duration_s is not None and a.duration_s <= 0):
         p.error("--pause-s needs 0 <= MIN <= MAX, --duration-s > 0")
     server_args = (*CONFIGS.get(a.config, ()), *chosen_server_args(a), *a.server_arg)
@@ -319,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     return BenchConfig(
         url=a.url, callers=callers, pattern=pattern, burst=a.burst, ab=tuple(a.ab), config_name=a.config or "custom",
         questions=load_questions(a.questions) if a.questions else DEFAULT_QUESTIONS, json_path=a.json, plot_path=a.plot,
-        progress=a.progress, server_args=server_args, server_log_dir=a.server_log,
+        progress=a.progress, server_args=server_args, server_log_dir=a.server_log, client_processes=a.client_processes,
     )  # fmt: skip
 
 

@@ -22,9 +22,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import multiprocessing
+import os
+import queue
 import random
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +89,7 @@ class TurnResult:
     pause_ms: int | None = None  # the question's mid-sentence pause (None: spoken whole)
     false_endpoint: bool = False  # endpointed or answered before the question's last voiced sample was sent
     responses: int = 0  # response.created received in the turn
+    client_pid: int = field(default_factory=os.getpid)  # the client process that ran the caller
 
     @property
     def lost(self) -> bool:
@@ -149,21 +155,33 @@ def speech_bounds(audio: np.ndarray, rate: int = RATE) -> tuple[float, float]:
 
 
 # ---- one caller ----------------------------------------------------------------------------------------
+@dataclass
+class _Start:
+    """One event loop's callers: ``connected`` counts them in; ``all_connected`` is set once all
+    ``local`` have connected (or failed to), ``go`` once every caller of the phase has."""
+
+    local: int
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    all_connected: asyncio.Event = field(default_factory=asyncio.Event)
+    connected: int = 0
+
+
 async def call(url: str, caller: int, callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
-               go: asyncio.Event, connected: list[int], bar: tqdm) -> list[TurnResult]:  # fmt: skip
-    """One caller's session: connect, wait for ``go`` (every caller connected), then its turns;
+               start: _Start, turn_done: Callable[[], None]) -> list[TurnResult]:  # fmt: skip
+    """One caller's session: connect, wait for ``start.go`` (every caller connected), then its turns;
     in a conversation every second one (if ``paused``) with a pause in the middle."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
     rng = random.Random(f"{pattern.seed}-{callers}-{caller}")
     results = []
+    go = start.go
     try:
         ws = await connect(url, max_size=None, open_timeout=120)
     finally:  # a caller that cannot connect fails the phase; it must not hold the others at ``go``
-        connected[0] += 1
-        if connected[0] == callers:
-            go.set()
+        start.connected += 1
+        if start.connected == start.local:
+            start.all_connected.set()
     async with ws:
         session = json.loads(await ws.recv())
         if session.get("type") != "session.created":  # refused (e.g. at the session limit): one lost turn, said why
@@ -192,7 +210,7 @@ async def call(url: str, caller: int, callers: int, questions: list[Question], p
             except (TimeoutError, OSError, ConnectionClosed) as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             results.append(result)
-            bar.update(1)
+            turn_done()
             if isinstance(ws.close_code, int):  # the server closed the session: this caller is done
                 break
     return results
@@ -267,13 +285,81 @@ async def _turn(ws: Any, question: Question, hangover_ms: int, result: TurnResul
 
 
 async def run_phase(url: str, callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
-                    progress: bool) -> list[TurnResult]:  # fmt: skip
-    """``callers`` sessions at once in ``pattern``; every turn's result."""
-    go, connected = asyncio.Event(), [0]
+                    progress: bool, processes: int = 1) -> list[TurnResult]:  # fmt: skip
+    """``callers`` sessions at once in ``pattern``; every turn's result.
+
+    With ``processes`` > 1 the callers are spread over that many client processes (caller ``i`` in
+    process ``i % processes``, with the questions and pauses it would have in one), so that one
+    client event loop, sending every caller's audio in real time, is not what limits a run of many
+    callers; all callers still start together (a barrier across the processes).
+    """
     total = callers * (1 if pattern.burst else pattern.turns)
+    processes = max(1, min(processes, callers))
     with tqdm(total=total, desc=f"{callers} caller(s), {pattern.name}", unit="turn", disable=not progress, file=sys.stderr) as bar:
-        per_caller = await asyncio.gather(*(call(url, i, callers, questions, paused, pattern, go, connected, bar) for i in range(callers)))
+        if processes == 1:
+            return await _callers(url, list(range(callers)), callers, questions, paused, pattern, lambda: bar.update(1))
+        return await asyncio.to_thread(_in_processes, url, callers, questions, paused, pattern, processes, bar)
+
+
+async def _callers(url: str, indices: list[int], callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
+                   turn_done: Callable[[], None], barrier: Any = None) -> list[TurnResult]:  # fmt: skip
+    """The callers ``indices`` of a phase of ``callers``, on this event loop; with ``barrier``
+    (a multiprocessing.Barrier) they start once every process's callers have connected."""
+    start = _Start(local=len(indices))
+
+    async def gate() -> None:
+        await start.all_connected.wait()
+        if barrier is not None:
+            try:
+                await asyncio.to_thread(barrier.wait)
+            except threading.BrokenBarrierError:  # another process failed to start: go on, its callers report it
+                pass
+        start.go.set()
+
+    gating = asyncio.create_task(gate())
+    per_caller = await asyncio.gather(*(call(url, i, callers, questions, paused, pattern, start, turn_done) for i in indices))
+    await gating
     return [r for results in per_caller for r in results]
+
+
+def _client_process(url: str, indices: list[int], callers: int, questions: list[Question], paused: list[Question],
+                    pattern: Pattern, barrier: Any, events: Any) -> None:  # fmt: skip
+    """A client process: its callers on its own event loop; a ``None`` per finished turn, then the results."""
+    events.put(asyncio.run(_callers(url, indices, callers, questions, paused, pattern, lambda: events.put(None), barrier)))
+
+
+def _in_processes(url: str, callers: int, questions: list[Question], paused: list[Question], pattern: Pattern,
+                  processes: int, bar: tqdm) -> list[TurnResult]:  # fmt: skip
+    """Run a phase's callers in ``processes`` client processes (spawned: no state of this one is shared)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, events = ctx.Barrier(processes, timeout=300), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, daemon=True, name=f"bench-callers-{k}",
+                           args=(url, list(range(k, callers, processes)), callers, questions, paused, pattern, barrier, events))
+               for k in range(processes)]  # fmt: skip
+    for worker in workers:
+        worker.start()
+    results: list[TurnResult] = []
+    finished = 0
+    try:
+        while finished < processes:
+            try:
+                item = events.get(timeout=5)
+            except queue.Empty:
+                dead = [w.name for w in workers if w.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"client process(es) {', '.join(dead)} died; their callers' turns are lost") from None
+                continue
+            if item is None:
+                bar.update(1)
+            else:
+                results += item
+                finished += 1
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+    return sorted(results, key=lambda r: (r.caller, r.turn))
 
 
 __all__ = ["LEAD_SILENCE_S", "RATE", "Pattern", "Question", "TurnResult", "call", "microphone", "run_phase", "speak_paused",

@@ -120,15 +120,17 @@ def test_paused_questions_have_the_pause_they_say() -> None:
 
 def test_a_refused_caller_is_a_lost_turn_with_the_reason(tmp_path, whisper_tiny_path) -> None:
     """A caller the server turns away (its session limit) counts as a lost turn that says why; the
-    other caller's turn is measured and the run exits 1."""
+    other caller's turn is measured and the run exits 1. The two callers run in two client
+    processes, whose results come back together."""
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out = tmp_path / "bench.json"
     r = bench("--callers", "2", "--turns", "1", "--max-sessions", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path),
-              "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out))  # fmt: skip
+              "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--client-processes", "2", "--json", str(out))  # fmt: skip
     assert r.returncode == 1 and "1 turn(s) lost" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     turns = json.loads(out.read_text())["phases"][0]["turns"]
     refused = [t for t in turns if t["error"]]
     assert len(turns) == 2 and len(refused) == 1 and refused[0]["error"].startswith("refused:")
+    assert sorted(t["caller"] for t in turns) == [0, 1] and len({t["client_pid"] for t in turns}) == 2  # one process each
     assert "session_limit_reached" in refused[0]["error"]
