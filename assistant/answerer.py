@@ -30,6 +30,7 @@ from engine.scheduler import StepBoundPolicy
 log = logging.getLogger(__name__)
 
 INTERACTIVE = 0  # engine priority of an answer unless the caller says otherwise (see assistant/coscheduler.py)
+WARM_UP = 1  # engine priority of warming the documents' prompts: after any answer
 
 
 @dataclass
@@ -225,6 +226,19 @@ class Answerer:
                 if conversation is not None and out.finish_reason != "abort":
                     conversation.add(question, answer)
             yield delta
+
+    async def warm_documents(self) -> int:
+        """Compute the KV of every document's part of a question's prompt (whole-context mode,
+        :meth:`PromptBuilder.warm_prompts`), one after another at low priority, so that the first
+        question about any document prefills only its own words. Returns the prompts warmed."""
+        warmed = 0
+        for builder in self.builders.values():
+            for ids in await asyncio.to_thread(builder.warm_prompts):
+                params = SamplingParams(max_tokens=1, temperature=0.0)
+                async for _ in self.engine.generate(ids, params, priority=WARM_UP, extra_keys=(builder.docs.version,)):
+                    pass
+                warmed += 1
+        return warmed
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -134,6 +134,8 @@ class Graded:
     decode_tokens_per_s: float | None
     seconds: float
     ocr_cer: float | None = None  # a picture question: the character error rate of the text read from it
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, found in the prefix cache (the shared prefix; with warming, the document too)
 
 
 def load_facts(path: Path = FACTS_FILE) -> list[dict]:
@@ -154,7 +156,7 @@ def kind_of(item: dict) -> str:
 
 
 async def grade_variant(variant: str, items: list[dict], langs: list[str], max_tokens: int, model: Path | None,
-                        progress: bool, pictures: tuple = ()) -> list[Graded]:  # fmt: skip
+                        progress: bool, pictures: tuple = (), warm: bool = False) -> list[Graded]:  # fmt: skip
     """Every question (and picture question) in every language through one Answerer built with ``quantization=variant``."""
     from assistant.answerer import Answerer
     from assistant.config import AssistantConfig, EngineOptions
@@ -164,6 +166,11 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
     answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=EngineOptions(model=model, quantization=variant)))
     out: list[Graded] = []
     try:
+        if warm:
+            start = time.perf_counter()
+            count = await answerer.warm_documents()
+            if progress:
+                print(f"[{variant}] warmed {count} document prompts in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         for lang in langs:
             for i, item in enumerate(items):
                 question = item[f"question_{lang}"]
@@ -178,6 +185,8 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
                     final.generated_tokens if final else 0, final.ttft_s if final else None,
                     final.decode_tokens_per_s if final else None, time.perf_counter() - start,
                 )
+                if final is not None:
+                    graded.prompt_tokens, graded.cached_tokens = final.prompt_tokens, final.cached_tokens
                 out.append(graded)
                 if progress:
                     mark = "ok  " if graded.correct else "MISS"
@@ -262,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a JSON list of {question_en, question_zh, file, answer_contains} or {..., refusal: true, contact_any}")
     p.add_argument("--images", choices=("off", "with", "only"), default="off",
                    help="the picture questions (assistant/eval_images.py): off (default), with the text questions, or only them")
+    p.add_argument("--warm-documents", action="store_true",
+                   help="before the questions, compute each document's part of a question's prompt (Answerer.warm_documents)")
     p.add_argument("--json", type=Path, help="write every answer and the summary here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.images == "only":
         facts = []
     for variant in a.quantization:
-        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress, pictures))
+        graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress, pictures, a.warm_documents))
     rows = summarize(graded)
     print(format_table(rows))
     if a.json:

@@ -179,6 +179,17 @@ class PromptBuilder:
         best = self.index.search(question)[:1]
         return tuple(s for s in self.docs.sections if s.path == best[0].section.path) if best else ()
 
+    def warm_prompts(self) -> list[list[int]]:
+        """Whole-context mode: per document, the prompt of a question about it with the question left
+        empty. Its full KV blocks up to the document's end are what every question about that
+        document shares after the prefix (:meth:`best_document` repeats the document there), so
+        computing them once ahead moves that prefill out of the first question's TTFT. Retrieval
+        mode picks sections per question: nothing to warm ([])."""
+        if self.mode != WHOLE:
+            return []
+        paths = dict.fromkeys(s.path for s in self.docs.sections)
+        return [self._ids([], self._user_content("", [s for s in self.docs.sections if s.path == p])) for p in paths]
+
     def _user_content(self, question: str, sections: Sequence[Section]) -> str:
         """The last user message: the sections given with the question, the question, the answer's form."""
         if not sections:

@@ -143,3 +143,28 @@ def test_quantization_auto_runs_a_qwen2_k_quant_gguf_as_int4(qwen_0_5b_gguf):
     from assistant.answerer import resolve_quantization
 
     assert resolve_quantization(EngineOptions(device="cpu"), str(qwen_0_5b_gguf)) == "int4"
+
+
+async def test_warming_the_documents_caches_each_documents_part_of_a_question(tmp_path):
+    """After ``warm_documents`` a question about any document finds the prefix and that document's
+    part of its prompt (repeated in front of the question) in the prefix cache; without warming
+    a first question about it finds only the shared prefix."""
+    (tmp_path / "a-leave.md").write_text(LEAVE * 3, encoding="utf-8")
+    (tmp_path / "b-forms.md").write_text(FORMS * 3, encoding="utf-8")
+    answerer = Answerer.create(AssistantConfig(docs_dir=tmp_path, max_tokens=2, conversation_tokens=128, engine=EngineOptions(max_model_len=1024)))
+    try:
+        builder, block = answerer.builders["any"], answerer.engine.core.config.block_size
+        prefix = len(builder.prefix.token_ids)
+        await final(answerer, "How many days of annual leave do I get?")  # caches the prefix (and the leave page)
+        cold = await final(answerer, "Which form do I use in PeopleHub?")
+        assert cold.citation.path == "b-forms.md" and prefix - block <= cold.cached_tokens < prefix + block
+        edit(tmp_path / "b-forms.md", FORMS * 3 + "\n## Where\nAll forms are in PeopleHub.\n")  # a new version: nothing above is reused
+        assert answerer.reload()
+        assert await answerer.warm_documents() == 2
+        warm_prompt = answerer.builders["any"].warm_prompts()[1]
+        question = answerer.prompt_ids("Which form do I use in PeopleHub?", [])
+        shared = next(i for i, (a, b) in enumerate(zip(warm_prompt, question)) if a != b)  # up to the question's text
+        warm = await final(answerer, "Which form do I use in PeopleHub?")
+        assert warm.citation.path == "b-forms.md" and warm.cached_tokens >= shared - block > prefix + block
+    finally:
+        answerer.shutdown()
