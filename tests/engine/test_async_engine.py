@@ -78,7 +78,10 @@ async def test_event_loop_is_never_blocked(engine):
     stop.set()
     await tick
     assert elapsed > 0.5  # real work happened meanwhile
-    assert max(gaps) < min(0.25, elapsed / 4)
+    # Engine work on the loop would stall it for most of ``elapsed``. On a 2-core CI machine a C call
+    # of the engine thread that holds the GIL can delay one tick by a few hundred ms (0.33 s seen
+    # once in about ten runs), so the bound is half a second, not a scheduling quantum.
+    assert max(gaps) < min(0.5, elapsed / 4)
 
 
 async def test_interactive_request_preempts_background_work(engine):
