@@ -79,8 +79,8 @@ async def test_event_loop_is_never_blocked(engine):
     await tick
     assert elapsed > 0.5  # real work happened meanwhile
     # Engine work on the loop would stall it for most of ``elapsed``. On a 2-core CI machine a C call
-    # of the engine thread that holds the GIL can delay one tick by a few hundred ms (0.33 s seen
-    # once in about ten runs), so the bound is half a second, not a scheduling quantum.
+    # of the engine thread that holds the GIL can delay one tick by a few hundred ms (0.33 s in one
+    # fresh-clone run of 2026-12-01), so the bound is half a second, not a scheduling quantum.
     assert max(gaps) < min(0.5, elapsed / 4)
 
 
