@@ -66,13 +66,16 @@ class VoiceServices:
         return cls(answerer, asr, asr_config, tts, config, coscheduler)
 
     def warm_up(self) -> None:
-        """Run each model once (documents prefix per handbook language, Whisper, TTS), so the
-        first caller pays no one-off costs. Call it outside any running event loop."""
+        """Run each model once (documents prefix per handbook language, with
+        ``AssistantConfig.warm_documents`` each document's part of a question too, Whisper, TTS),
+        so the first caller pays no one-off costs. Call it outside any running event loop."""
 
         async def run() -> None:
             languages = {self.answerer.language_for(sample): sample for sample in ("Hello.", "你好。")}
             for sample in languages.values():
                 await prefill(self.answerer, sample, [], f"warm-up-{uuid.uuid4().hex[:8]}")
+            if self.answerer.config.warm_documents:
+                await self.answerer.warm_documents()
             speech = np.concatenate([c.pcm async for c, _ in self.tts.stream("Hello, how are you?", CancelToken(), True)])
             self._transcribe(Resampler(self.tts.sample_rate, 16000).process(speech))
 

@@ -53,7 +53,9 @@ def test_bad_documents_folder_exits_2_with_one_line_for_both_entry_points(tmp_pa
 
 def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, whisper_tiny_path):
     """``--load-format dummy --model config.json``: random weights of that shape (here 2 layers), the
-    embedded SmolLM2 tokenizer, the whole bundled handbook as the cached prefix; a chat is answered."""
+    embedded SmolLM2 tokenizer, the whole bundled handbook as the cached prefix; a chat is answered.
+    With ``--warm-documents`` the warm-up also cached the document repeated in front of the
+    question, so only the question's own words are prefilled."""
     import json
 
     import httpx
@@ -68,8 +70,9 @@ def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, wh
     (tmp_path / "config.json").write_text(json.dumps(shape))
     config, _, _ = parse_config(["serve", "--load-format", "dummy", "--model", str(tmp_path / "config.json"), "--device", "cpu",
                                  "--asr", str(whisper_tiny_path), "--lang", "en", "--max-tokens", "8", "--tts-workers", "1",
-                                 "--max-num-seqs", "4"])  # fmt: skip
+                                 "--max-num-seqs", "4", "--warm-documents"])  # fmt: skip
     assert (config.assistant.engine.load_format, config.voice.tts_workers, config.assistant.engine.max_num_seqs) == ("dummy", 1, 4)
+    assert config.assistant.warm_documents
     server = AssistantServer(config)
     try:
         assert server.answerer.modes["en"] == "whole-context"  # the whole handbook is the prefix
@@ -80,7 +83,10 @@ def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, wh
                            json={"messages": [{"role": "user", "content": "How do I apply for annual leave?"}]})  # fmt: skip
             assert r.status_code == 200, r.text
             usage = r.json()["usage"]
-            assert usage["completion_tokens"] == 8 and usage["prompt_tokens_details"]["cached_tokens"] > 1000
+            prefix = len(server.answerer.builders["en"].prefix.token_ids)
+            uncached = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+            assert usage["completion_tokens"] == 8 and prefix > 1000 and uncached < 100  # the question and the answer form
+            assert usage["prompt_tokens"] - prefix > 200  # the annual-leave page was in the prompt, and cached
             assert 'assistant_memory_bytes{device="cpu",owner="llm weights"}' in httpx.get(http.url + "/metrics").text
     finally:
         server.close()
