@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from speech.config import ConfigError
-from speech.vad import SileroVAD, silero_model_path, silero_rows
+from speech.vad import SileroVAD, silero_model_path
 
 
 def batched_silero_model(model_path: Path | None = None) -> bytes:
@@ -210,37 +210,23 @@ class SileroScorer:
             request.probs = probs[i, :length]
 
 
-class SileroStream:
-    """One caller's Silero over a shared :class:`SileroScorer`: the same API and probabilities as
-    a :class:`~speech.vad.SileroVAD` of its own."""
+class SileroStream(SileroVAD):
+    """One caller's Silero over a shared :class:`SileroScorer`: a :class:`~speech.vad.SileroVAD`'s
+    state and probabilities, its windows scored in the scorer's shared calls (no session of its own)."""
 
-    def __init__(self, scorer: SileroScorer) -> None:
+    def __init__(self, scorer: SileroScorer) -> None:  # no super().__init__: it would load a session
         scorer._join()
         self._scorer = scorer
         self._leave = weakref.finalize(self, scorer._leave)  # runs once: at close() or when dropped
         self.reset()
-
-    def reset(self) -> None:
-        self._h = np.zeros((1, 1, 128), np.float32)
-        self._c = np.zeros((1, 1, 128), np.float32)
-        self._context = np.zeros(SileroVAD.CONTEXT, np.float32)
-        self._pending = np.zeros(0, np.float32)
 
     def close(self) -> None:
         """Leave the scorer's open streams: no call waits for this one any more (it can still be
         fed, e.g. by a caller winding down, and is then scored without being waited for)."""
         self._leave()
 
-    def process(self, samples: np.ndarray) -> np.ndarray:
-        """Probabilities for the windows completed by these 16 kHz samples (maybe none)."""
-        rows, pending, context = silero_rows(np.concatenate([self._pending, samples]), self._context)
-        if len(rows):
-            probs, self._h, self._c = self._scorer._score(rows, self._h, self._c)
-            self._context = context
-        else:
-            probs = np.zeros(0, np.float32)
-        self._pending = pending
-        return probs
+    def _score(self, rows: np.ndarray, h: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._scorer._score(rows, h, c)
 
 
 __all__ = ["ScorerStats", "SileroScorer", "SileroStream", "batched_silero_model"]

@@ -33,20 +33,10 @@ from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStar
 VADEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEnded
 
 
-class ScoredStream(Protocol):
-    """One caller's stream of a shared Silero scorer (:class:`speech.silero_batch.SileroStream`)."""
-
-    def reset(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def process(self, samples: np.ndarray) -> np.ndarray: ...
-
-
 class SharedScorer(Protocol):
     """A Silero scorer that many detectors share (:class:`speech.silero_batch.SileroScorer`)."""
 
-    def stream(self) -> ScoredStream: ...
+    def stream(self) -> SileroVAD: ...
 
 
 def silero_model_path(model_path: Path | None) -> Path:
@@ -71,7 +61,13 @@ def silero_rows(audio: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.
 
 
 class SileroVAD:
-    """Streaming speech probabilities from the Silero ONNX model, one per 32 ms of 16 kHz audio."""
+    """Streaming speech probabilities from the Silero ONNX model, one per 32 ms of 16 kHz audio.
+
+    It keeps one stream's state (LSTM h/c, the 64 samples before the next window, leftover
+    samples) and scores its windows in an ONNX session of its own (:meth:`_score`);
+    :class:`speech.silero_batch.SileroStream` keeps the same state and scores through a scorer
+    shared by every caller.
+    """
 
     SAMPLE_RATE = 16000
     WINDOW = 512
@@ -94,14 +90,23 @@ class SileroVAD:
         self._context = np.zeros(self.CONTEXT, np.float32)
         self._pending = np.zeros(0, np.float32)
 
+    def close(self) -> None:
+        """Nothing is shared to leave (a stream of a shared scorer leaves it here)."""
+
     def process(self, samples: np.ndarray) -> np.ndarray:
         """Probabilities for the windows completed by these 16 kHz samples (maybe none)."""
-        rows, self._pending, context = silero_rows(np.concatenate([self._pending, samples]), self._context)
-        if not len(rows):
-            return np.zeros(0, np.float32)
-        probs, self._h, self._c = self._session.run(None, {"input": rows, "h": self._h, "c": self._c})
-        self._context = context
-        return np.asarray(probs, np.float32).reshape(-1)
+        rows, pending, context = silero_rows(np.concatenate([self._pending, samples]), self._context)
+        probs = np.zeros(0, np.float32)
+        if len(rows):  # a failed call raises here and leaves the stream's state as it was
+            probs, self._h, self._c = self._score(rows, self._h, self._c)
+            self._context = context
+        self._pending = pending
+        return probs
+
+    def _score(self, rows: np.ndarray, h: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This stream's rows scored from state (h, c): (probabilities, h, c) after them."""
+        probs, h, c = self._session.run(None, {"input": rows, "h": h, "c": c})
+        return np.asarray(probs, np.float32).reshape(-1), h, c
 
 
 class VoiceActivityDetector:
@@ -115,7 +120,7 @@ class VoiceActivityDetector:
 
     def __init__(self, config: VADConfig | None = None, scorer: SharedScorer | None = None) -> None:
         self.config = config or VADConfig()
-        self._silero: SileroVAD | ScoredStream | None = None
+        self._silero: SileroVAD | None = None
         if self.config.use_silero:
             self._silero = scorer.stream() if scorer is not None else SileroVAD(self.config.silero_model)
         self._frame = self.config.frame_samples
@@ -152,7 +157,7 @@ class VoiceActivityDetector:
 
     def close(self) -> None:
         """Leave the shared scorer, if any (its batches stop waiting for this stream)."""
-        if self._silero is not None and not isinstance(self._silero, SileroVAD):
+        if self._silero is not None:
             self._silero.close()
 
     @property
