@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from assistant.serve_command import load_server, parse_config
+from assistant.serve_command import apply_switch_interval, load_server, parse_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     server = load_server(config, warm_up)
+    apply_switch_interval(config)
     try:
         print(f"serving {server.model_name}: ws://{config.host}:{config.port}/v1/realtime and http://{config.host}:{config.port}/v1",
               file=sys.stderr, flush=True)  # fmt: skip

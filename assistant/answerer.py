@@ -24,6 +24,7 @@ from assistant.prompt import ContextBudget, Message, PromptBuilder
 from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loaded_model import resolve_device
+from engine.metrics import RequestMetrics
 from engine.quantization import gguf_supports_int4
 from engine.scheduler import StepBoundPolicy
 
@@ -43,6 +44,9 @@ class AnswerDelta:
     generated_tokens: int = 0
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
+    # the engine's instants of the request (arrival, first scheduled, first token), on the first
+    # and the final delta: where a turn's time to first token went
+    metrics: RequestMetrics | None = None
     # set on the final delta only:
     citation: Citation | None = None  # the handbook section the answer is attributed to
     mode: str | None = None  # "whole-context" or "retrieval"
@@ -213,7 +217,8 @@ class Answerer:
         async for out in self.engine.generate(
             prompt.token_ids, params, priority=priority, request_id=request_id, extra_keys=(builder.docs.version,)
         ):
-            delta = AnswerDelta(out.text, out.finished, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_generated_tokens)
+            delta = AnswerDelta(out.text, out.finished, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+                                out.num_generated_tokens, metrics=out.metrics)  # fmt: skip
             text.append(out.text)
             if out.finished:
                 if out.metrics is not None:

@@ -218,10 +218,12 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         for pattern in patterns:
             for n in caller_counts:
                 await asyncio.to_thread(wait_sessions_closed, http_base(url))
+                lag_before = await asyncio.to_thread(scrape_loop_lag, http_base(url))
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress, cfg.client_processes)
                 memory = await asyncio.to_thread(scrape_memory, http_base(url))
+                lag = lag_quantiles(lag_before, await asyncio.to_thread(scrape_loop_lag, http_base(url)))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
-                               "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory),
+                               "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory, lag),
                                "turns": [asdict(r) for r in turns]})  # fmt: skip
         ok = all(not p["results"]["lost_turns"] for p in phases)
     finally:
@@ -247,6 +249,31 @@ def wait_sessions_closed(http_url: str, timeout_s: float = 60.0) -> None:
                    for family in text_string_to_metric_families(text) for s in family.samples):  # fmt: skip
             return
         time.sleep(0.5)
+
+
+def scrape_loop_lag(http_url: str) -> dict[float, float]:
+    """The server's event-loop lag histogram, bucket bound (s) -> cumulative count ({} if it has
+    none, or if no server answers: the phase's callers then say what is wrong)."""
+    try:
+        text = httpx.get(http_url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "assistant_event_loop_lag_seconds_bucket"}  # fmt: skip
+
+
+def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, float | None] | None:
+    """p50/p95/p99 (ms, as the upper bound of the bucket holding each; None above the largest
+    bound) of the lag observed between two scrapes, and their count; None if the server measured none."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    out: dict[str, float | None] = {}
+    for q in (0.5, 0.95, 0.99):
+        bound = next(b for b, c in zip(bounds, counts) if c >= q * counts[-1])
+        out[f"p{round(q * 100)}"] = round(bound * 1000, 3) if bound != float("inf") else None
+    return out | {"n": counts[-1]}
 
 
 def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:

@@ -5,8 +5,10 @@ Per caller count, ``results`` holds (milliseconds; p50/p95/p99 over the turns th
 ``endpoint_to_first_audio_ms`` and ``speech_end_to_first_audio_ms`` (the server's timeline),
 ``client_speech_end_to_first_audio_ms`` (true end of speech to first audio received, at the
 client), ``stages`` (each stage's share, see :mod:`assistant.timeline`), ``turns``, ``lost_turns``
-(no answer audio or no timeline) and ``memory_bytes`` (device -> owner -> bytes, from the
-server's ``/metrics`` after the phase).
+(no answer audio or no timeline), ``breakdown`` (where the ASR final's and the first token's time
+went: queue, model, hand-off to the event loop), ``event_loop_lag_ms`` (p50/p95/p99 of the server
+event loop's lag during the phase, as bucket bounds of ``assistant_event_loop_lag_seconds``) and
+``memory_bytes`` (device -> owner -> bytes, from the server's ``/metrics`` after the phase).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from assistant.bench_callers import TurnResult
 from assistant.timeline import OPTIONAL_STAGES, STAGES, quantile
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
+# where the ASR final's and the first token's time went (Timeline.breakdown_ms)
+BREAKDOWN = ("asr_queue", "asr_decode", "asr_handoff", "llm_submit", "llm_queue", "llm_prefill", "llm_handoff")
 REPORTED = (0.5, 0.95, 0.99)  # in the results object and the table
 
 
@@ -33,6 +37,8 @@ def summarize(results: list[TurnResult]) -> dict[str, dict[str, float]]:
         for key in ("speech_end_to_first_audio_ms", "endpoint_to_first_audio_ms"):
             if t.get(key) is not None:
                 series.setdefault(key.removesuffix("_ms"), []).append(t[key])
+        for part, ms in (t.get("breakdown_ms") or {}).items():
+            series.setdefault(part, []).append(ms)
         series.setdefault("uncached_prompt_tokens", []).append(t["prompt_tokens"] - t["cached_tokens"])
         for key in ("partials", "prefills"):
             series.setdefault(key, []).append(t[key])
@@ -57,9 +63,16 @@ def false_endpoints(results: list[TurnResult]) -> dict[str, dict[str, float]]:
 ROWS = (
     ("endpoint", "VAD hangover (speech_end -> endpoint; speculative: -> the turn confirmed)"),
     ("asr_final", "ASR final after endpoint (speculative: after speech_end)"),
+    ("asr_queue", "- of which (ASR): waiting in the ASR worker's queue"),
+    ("asr_decode", "- of which (ASR): the decode (its batch's time)"),
+    ("asr_handoff", "- of which (ASR): transcript handed to the event loop"),
     ("response_requested", "client's response.create after ASR final"),
     ("image_read", "the turn's images read after that (OCR)"),
     ("llm_first_token", "LLM first token after ASR final (or response.create)"),
+    ("llm_submit", "- of which (LLM): prompt built, request reaches the engine"),
+    ("llm_queue", "- of which (LLM): waiting in the engine's queue"),
+    ("llm_prefill", "- of which (LLM): prefill to the first token"),
+    ("llm_handoff", "- of which (LLM): first token handed to the event loop"),
     ("first_chunk", "first speakable chunk after first token"),
     ("tts_first_audio", "TTS first audio after chunk"),
     ("first_audio_sent", "first audio sent after TTS"),
@@ -80,13 +93,18 @@ def table(phases: list[dict[str, Any]]) -> str:
     head = "| stage (ms) | " + " | ".join(f"{title(p)} p50 / p95 / p99" for p in phases) + " |"
     lines = [head, "|---|" + "---|" * len(phases)]
     for key, label in ROWS:
-        if key in OPTIONAL_STAGES and not any(key in p["summary"] for p in phases):
+        if (key in OPTIONAL_STAGES or key in BREAKDOWN) and not any(key in p["summary"] for p in phases):
             continue
         cells = []
         for p in phases:
             s = p["summary"].get(key)
             cells.append(f"{s['p50']:.0f} / {s['p95']:.0f} / {s['p99']:.0f}" if s else "n/a")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if any(p["results"].get("event_loop_lag_ms") for p in phases):
+        lags = [p["results"].get("event_loop_lag_ms") for p in phases]
+        lines.append("| server event loop lag, 20 ms timer (bucket bound) | " + " | ".join(
+            " / ".join("over 5000" if g[k] is None else f"{g[k]:g}" for k in ("p50", "p95", "p99")) if g else "n/a"
+            for g in lags) + " |")  # fmt: skip
     turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
     lines.append(f"| turns with a timeline | {turns} |")
     false = " | ".join(f"{f['paused']['false']} of {f['paused']['n']} / {f['whole']['false']} of {f['whole']['n']}"
@@ -146,7 +164,8 @@ def percentiles(summary: dict[str, dict[str, float]], key: str) -> dict[str, flo
     return {f"p{round(q * 100)}": s[f"p{round(q * 100)}"] for q in REPORTED} if s else None
 
 
-def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[str, float]]) -> dict[str, Any]:
+def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[str, float]],
+                         loop_lag_ms: dict[str, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """One caller count's entry of ``results`` (see the module docstring)."""
     summary = summarize(turns)
     return {
@@ -154,6 +173,8 @@ def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[s
         "speech_end_to_first_audio_ms": percentiles(summary, "speech_end_to_first_audio"),
         "client_speech_end_to_first_audio_ms": percentiles(summary, "client_s2a"),
         "stages": {stage: percentiles(summary, stage) for stage in STAGES[1:] if stage in summary},
+        "breakdown": {part: percentiles(summary, part) for part in BREAKDOWN if part in summary},
+        "event_loop_lag_ms": loop_lag_ms,
         "turns": len(turns),
         "lost_turns": sum(t.lost for t in turns),
         "false_endpoints": false_endpoints(turns),

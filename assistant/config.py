@@ -149,6 +149,11 @@ class ServerConfig:
     # barely compresses, and zlib runs on the event loop: on the H200 at 128 callers it was the
     # largest share of the loop's time, and late pings closed sessions.
     ws_compression: bool = False
+    # How long a thread may hold the GIL while another waits for it (sys.setswitchinterval). The
+    # event loop, the speech front end, the voice workers and the engine's thread share one GIL;
+    # a thread waking from a wait (a GPU sync, epoll) may wait this long behind a busy one, so a
+    # lower value trades some throughput for shorter waits. Python's default is 5 ms.
+    switch_interval_ms: float = 5.0
     assistant: AssistantConfig = field(default_factory=AssistantConfig)
     voice: VoiceConfig = field(default_factory=VoiceConfig)
 
@@ -162,6 +167,8 @@ class ServerConfig:
                      "max_item_chars", "max_conversation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.switch_interval_ms <= 100:
+            raise ValueError(f"switch_interval_ms must be in (0, 100], got {self.switch_interval_ms}")
         if self.max_events_per_s <= 0 or self.send_timeout_s <= 0:
             raise ValueError(f"max_events_per_s and send_timeout_s must be > 0, got {self.max_events_per_s}, {self.send_timeout_s}")
         if self.voice.output_chunk_ms < 10 or self.voice.output_lead_ms < 0:

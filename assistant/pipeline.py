@@ -365,7 +365,8 @@ class VoicePipeline:
             return
         timeline = utterance.timeline
         assert timeline is not None
-        timeline.mark("asr_final")
+        if timeline.mark("asr_final"):
+            timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.emitted_at, time.perf_counter())
         self.services.coscheduler.waits(self.id, utterance.item_id, None)
         timeline.partials, timeline.prefills = utterance.partials, self.prefills - utterance.prefills_before
         self._utterances.pop(event.utterance, None)
@@ -420,6 +421,7 @@ class VoicePipeline:
         timeline.mark("speech_end", utterance.speech_end)
         timeline.pause = utterance.paused_at
         timeline.mark("asr_final")
+        timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.emitted_at, time.perf_counter())
         utterance.timeline, utterance.speculative_text = timeline, event.text
         utterance.speculation = self._start_reply(timeline, None, None, None, speculative_text=event.text)
         if self.metrics is not None:
@@ -517,6 +519,7 @@ class VoicePipeline:
             if reply.images and not await self._read_images(reply):
                 self._say(reply, NO_TEXT, chunker)
                 return await self._end_reply(reply, speaker, chunker, "stop")
+            asked_at = time.perf_counter()
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
                 request_id=reply.request_id, max_tokens=reply.max_output_tokens,
@@ -525,6 +528,9 @@ class VoicePipeline:
                 async for delta in answer:
                     if reply.timeline.mark("llm_first_token"):
                         self.services.coscheduler.waits(self.id, reply.id, Wait.FIRST_AUDIO if reply.audio else None)
+                        if (m := delta.metrics) is not None:
+                            reply.timeline.first_token_breakdown(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                                                                 reply.timeline.instants["llm_first_token"], asked_at)  # fmt: skip
                     reply.prompt_tokens, reply.cached_tokens = delta.prompt_tokens, delta.cached_tokens
                     reply.output_tokens = delta.generated_tokens
                     if delta.text:

@@ -92,6 +92,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a send may wait on a client that does not read (default 10; then close 1008)")
     s.add_argument("--max-item-chars", type=int, default=32_768, help="text of one conversation item (default 32768; then item_too_large)")
     s.add_argument("--max-conversation-chars", type=int, default=131_072, help="text a session's conversation keeps (default 131072)")
+    s.add_argument("--switch-interval-ms", type=float, default=5.0,
+                   help="how long a thread may keep the GIL while another waits (sys.setswitchinterval; default 5, "
+                        "Python's own): lower lets the event loop and the GPU threads in sooner under load")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
     s.add_argument("--warm-documents", action="store_true",
                    help="at warm-up, also compute each document's part of a question's prompt, so a first question about "
@@ -118,7 +121,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                           max_message_bytes=a.max_message_bytes, max_body_bytes=a.max_body_bytes, api_key=api_key,
                           max_sessions_per_client=a.max_sessions_per_client, max_events_per_s=a.max_events_per_s,
                           send_timeout_s=a.send_timeout, max_item_chars=a.max_item_chars,
-                          max_conversation_chars=a.max_conversation_chars, assistant=assistant, voice=voice)  # fmt: skip
+                          max_conversation_chars=a.max_conversation_chars, switch_interval_ms=a.switch_interval_ms,
+                          assistant=assistant, voice=voice)  # fmt: skip
     return config, a.log_level, a.warm_up
 
 
@@ -151,4 +155,9 @@ def load_server(config: ServerConfig, warm_up: bool) -> "AssistantServer":
     return server
 
 
-__all__ = ["asr_model", "load_server", "parse_config"]
+def apply_switch_interval(config: ServerConfig) -> None:
+    """Set the process's GIL switch interval (``ServerConfig.switch_interval_ms``) for serving."""
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
+
+
+__all__ = ["apply_switch_interval", "asr_model", "load_server", "parse_config"]

@@ -5,8 +5,8 @@ OpenAI-compatible HTTP routes of :func:`engine.serving.server.create_app` with c
 documents (``/v1/chat/completions`` answers from the handbook, like a voice turn: at most
 ``--max-tokens`` tokens, then a ``Source:`` line as the CLI prints it), ``/v1/models``,
 ``/health`` and ``/metrics`` (the engine's vLLM-named series plus the per-stage turn timings, the
-session counters, the memory of all three models by owner and the co-scheduler's counts of waiting
-turns; the warm-up's requests are not counted).
+session counters, the memory of all three models by owner, the co-scheduler's counts of waiting
+turns and the event loop's lag; the warm-up's requests are not counted).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from assistant.config import ServerConfig
 from assistant.device_memory import MemoryCollector, ServerModels
 from assistant.coscheduler import CoScheduler
 from assistant.image_reading import NO_TEXT, ImageError, check_count, image_prompt
+from assistant.loop_lag import LoopLag
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
 from assistant.timeline import TimelineMetrics
@@ -58,6 +59,7 @@ class AssistantServer:
         engine = self.answerer.engine
         self.models = ServerModels(engine.core, self.services.asr.backend, self.services.tts.backends[0])
         registry.register(MemoryCollector(self.models))
+        self.loop_lag = LoopLag(registry)
         self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
             engine, self.model_name, chat_prompt=self.grounded_prompt,
@@ -137,6 +139,7 @@ class AssistantServer:
                          "sessions open, the most one address may hold; close one first")  # fmt: skip
             return
         await ws.accept()
+        self.loop_lag.ensure_running()
         session = RealtimeSession(ws, self.services, self.config, self.model_name, self.timelines)
         self.sessions.add(session)
         self._active.set(len(self.sessions))

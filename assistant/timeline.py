@@ -16,6 +16,12 @@ share of ``response_requested``, not part of ``llm_first_token``'s. The total is
 VAD hangover (from ``speech_end``) and without it (from ``endpoint``), as the anchors report
 voice-to-voice both ways.
 
+Two stages are also split into where their time went (``breakdown_ms``), because under load a
+stage can be slow for reasons outside its model: ``asr_final`` into the ASR worker's queue, the
+decode, and the hand-off (from the session handing the transcript on to the event loop handling
+it); ``llm_first_token`` into the time before the engine had the request (the prompt is built),
+the engine's queue, the prefill up to the first token, and the hand-off to the event loop.
+
 :class:`StreamClock` puts instants of the audio stream (seconds of audio received) on the same
 clock, and :class:`TimelineMetrics` aggregates finished turns for Prometheus.
 """
@@ -88,6 +94,23 @@ class Timeline:
     pause: float | None = None  # speculative endpointing: when the short pause was heard (the answer then starts)
     images: int = 0  # images in the turn (read by the image stage)
     image_read_ms: float = 0.0  # the image reader's own time for them (cache hits: 0), wherever it overlapped
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # where asr_final's and llm_first_token's time went
+
+    def asr_final_breakdown(self, queue_s: float, decode_s: float, emitted_at: float, handled_at: float) -> None:
+        """Split the ASR final: the worker's queue, the decode, and the hand-off to the handler."""
+        self.breakdown_ms.update(asr_queue=_ms(queue_s), asr_decode=_ms(decode_s),
+                                 asr_handoff=_ms(max(0.0, handled_at - emitted_at)))  # fmt: skip
+
+    def first_token_breakdown(self, arrival: float, scheduled: float | None, first_token: float | None,
+                              handled_at: float, asked_at: float | None) -> None:  # fmt: skip
+        """Split the time to the first token (engine instants, ``time.perf_counter``): before the
+        engine had the request (from ``asked_at``), its queue, the prefill, the hand-off."""
+        if scheduled is None or first_token is None:
+            return
+        if asked_at is not None:
+            self.breakdown_ms["llm_submit"] = _ms(max(0.0, arrival - asked_at))
+        self.breakdown_ms.update(llm_queue=_ms(scheduled - arrival), llm_prefill=_ms(first_token - scheduled),
+                                 llm_handoff=_ms(max(0.0, handled_at - first_token)))  # fmt: skip
 
     def mark(self, stage: str, at: float | None = None) -> bool:
         """Record ``stage`` at ``at`` (default: now) unless already recorded; True if recorded."""
@@ -152,6 +175,7 @@ class Timeline:
             "pause_ms": self._after_first(self.pause),
             "images": self.images,
             "image_read_ms": self.image_read_ms,
+            "breakdown_ms": dict(self.breakdown_ms),
         }
 
     def _after_first(self, instant: float | None) -> float | None:

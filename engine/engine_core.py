@@ -317,7 +317,8 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_generated_tokens=len(req.output_token_ids),
-            metrics=req.metrics if status is not None else None,
+            # the first output too, so a caller can split its time to first token (queue, prefill)
+            metrics=req.metrics if status is not None or len(req.output_token_ids) == 1 else None,
         )
 
     def _finish_out_of_capacity(self, req: Request) -> RequestOutput:

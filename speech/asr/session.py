@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -136,7 +137,7 @@ class ASRSession:
 
     def _emit(self, event: ASREvent) -> None:
         if not self._closed:
-            self._on_event(event)
+            self._on_event(replace(event, emitted_at=time.perf_counter()) if isinstance(event, Transcript) else event)
 
     def _start(self, event: SpeechStarted) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from assistant.config import HANDBOOK_DIR
+from assistant.bench_report import BREAKDOWN
 from assistant.timeline import OPTIONAL_STAGES, STAGES
 
 HANDS_FREE = [s for s in STAGES if s not in OPTIONAL_STAGES]  # the bench's callers never send response.create
@@ -56,6 +57,8 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
     for key in ("endpoint_to_first_audio_ms", "speech_end_to_first_audio_ms", "client_speech_end_to_first_audio_ms"):
         assert set(two[key]) == {"p50", "p95", "p99"} and two[key]["p50"] <= two[key]["p99"]
     assert set(two["stages"]) == set(HANDS_FREE[1:]) and all(set(v) == {"p50", "p95", "p99"} for v in two["stages"].values())
+    assert set(two["breakdown"]) == set(BREAKDOWN) and "| - of which (ASR): waiting in the ASR worker's queue |" in r.stdout
+    assert two["event_loop_lag_ms"]["n"] > 0 and "| server event loop lag, 20 ms timer (bucket bound) |" in r.stdout
     assert two["memory_bytes"]["cpu"]["llm weights"] > 0 and two["memory_bytes"]["cpu"]["llm kv_cache"] > 0
     conversation = report["phases"][0]["turns"]
     assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]

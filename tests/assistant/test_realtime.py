@@ -160,6 +160,21 @@ def check_timeline(timeline: dict, source: str = "voice", requested: bool = Fals
     assert timeline["speech_end_to_first_audio_ms"] == timeline["total_ms"]
     hangover_share = timeline["stages_ms"]["endpoint"]
     assert timeline["endpoint_to_first_audio_ms"] == pytest.approx(timeline["total_ms"] - hangover_share, abs=1e-6)
+    check_breakdown(timeline)
+
+
+def check_breakdown(timeline: dict) -> None:
+    """Where the ASR final's and the first token's time went: every part measured, none negative;
+    the ASR parts span at least the stage (the final is queued before the endpoint is handled),
+    the LLM parts at most the stage (the engine is asked after the stage began)."""
+    parts, shares = timeline["breakdown_ms"], timeline["stages_ms"]
+    llm = ("llm_submit", "llm_queue", "llm_prefill", "llm_handoff")
+    assert set(parts) == set(llm) | ({"asr_queue", "asr_decode", "asr_handoff"} if timeline["source"] == "voice" else set())
+    assert all(v >= 0 for v in parts.values()) and parts["llm_prefill"] > 0
+    assert sum(parts[k] for k in llm) <= shares["llm_first_token"] + 0.01
+    if timeline["source"] == "voice":
+        assert parts["asr_decode"] > 0
+        assert parts["asr_queue"] + parts["asr_decode"] + parts["asr_handoff"] >= shares["asr_final"] - 0.01
 
 
 def metric(server: AssistantServer, name: str, **labels: str) -> float:
@@ -674,3 +689,5 @@ def test_health_and_the_engine_metrics_are_served_beside_ours(server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200  # type: ignore[attr-defined]
     assert metric(server, "vllm:prefix_cache_hits_total") > 0
     assert metric(server, "assistant_realtime_sessions") == 0
+    # the event loop's lag is measured from the first Realtime session on (earlier tests opened some)
+    assert metric(server, "assistant_event_loop_lag_seconds_count") > 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
-from assistant.serve_command import parse_config
+from assistant.config import ServerConfig
+from assistant.serve_command import apply_switch_interval, parse_config
 from speech.config import TTSConfig
 from speech.tts.factory import load_tts
 
@@ -118,3 +121,16 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
     assert backend_name(asr) == "torch"
     voice = parse_config(["serve", "--asr-device", "cpu", "--asr-backend", "torch"])[0].voice
     assert (voice.asr_device, voice.asr_backend) == ("cpu", "torch")
+
+
+def test_the_gil_switch_interval_reaches_the_serving_process():
+    config = parse_config(["serve", "--switch-interval-ms", "0.5"])[0]
+    assert config.switch_interval_ms == 0.5 and parse_config(["serve"])[0].switch_interval_ms == 5.0
+    before = sys.getswitchinterval()
+    try:
+        apply_switch_interval(config)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError, match="switch_interval_ms"):
+        ServerConfig(switch_interval_ms=0).validate()
