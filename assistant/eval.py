@@ -198,7 +198,7 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
                 item = {f"question_{lang}": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file}
                 start = time.perf_counter()
                 text, final = "", None
-                async for delta in answerer.answer(image_prompt([read], picture.question)):
+                async for delta in answerer.answer(image_prompt([read], picture.question), gate=False):
                     text += delta.text
                     final = delta if delta.finished else final
                 source = source_text(item, lang) + "\n" + picture.reference  # the picture's own numbers are stated too

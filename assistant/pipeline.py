@@ -519,7 +519,7 @@ class VoicePipeline:
                 return await self._end_reply(reply, speaker, chunker, "stop")
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
-                request_id=reply.request_id, max_tokens=reply.max_output_tokens,
+                request_id=reply.request_id, max_tokens=reply.max_output_tokens, gate=not reply.images,
             )  # fmt: skip
             try:
                 async for delta in answer:
