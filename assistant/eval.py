@@ -21,8 +21,10 @@ Several engine variants (``--quantization``) run one after the other on the same
 what an optimization costs in answers is measured next to what it buys in speed.
 
 With ``--gate-only``, no model: only whether the refusal gate (:mod:`assistant.refusal`) refuses
-each question, per language the questions the handbook does not answer that it refuses (and
-whether it names one of their contacts) and the facts it refuses wrongly. ``--facts
+each question, per language the questions the handbook does not answer that it refuses (and of
+them those whose refusal :func:`grade` passes: it names the topic's contact) and the facts it
+refuses wrongly. A refused question never reaches the model, so those refusals are what the full
+run scores for them. ``--facts
 assistant/eval_colloquial.json`` asks the colloquial questions written to test it.
 """
 
@@ -270,7 +272,7 @@ class GateVerdict:
     kind: str  # "fact" or "refusal"
     question: str
     refused: bool
-    contact_ok: bool | None  # a refused question the handbook does not answer: whether the refusal names one of its contacts
+    graded: bool  # whether the gate's decision is right; for a refused unanswerable question, whether its refusal passes grade()
     uncovered_share: float
     unknown: tuple[str, ...]
     text: str  # the refusal, or ""
@@ -291,21 +293,22 @@ def gate_verdicts(items: list[dict], langs: list[str], handbook: Path = HANDBOOK
         for item in items:
             question = item[f"question_{lang}"]
             evidence, refusal = gate.evidence(question), gate.refusal(question)
-            contact_ok = None
-            if refusal is not None and item.get("refusal"):
-                contact_ok = any(names(refusal.text, c) for c in item["contact_any"])
-            out.append(GateVerdict(lang, kind_of(item), question, refusal is not None, contact_ok, evidence.uncovered_share,
+            if item.get("refusal"):
+                right = refusal is not None and grade(refusal.text, item, lang, source_text(item, lang, handbook))
+            else:
+                right = refusal is None
+            out.append(GateVerdict(lang, kind_of(item), question, refusal is not None, right, evidence.uncovered_share,
                                    evidence.unknown, refusal.text if refusal else ""))  # fmt: skip
     return out
 
 
 def format_gate_table(verdicts: list[GateVerdict]) -> str:
-    """Per language: refusals caught, of them naming a right contact, and facts refused wrongly."""
-    lines = ["| lang | refusals caught | naming a right contact | false refusals (facts) |", "|---|---|---|---|"]
+    """Per language: unanswerable questions refused, of them graded right (the contact too), and facts refused wrongly."""
+    lines = ["| lang | refusals caught | graded right (names the topic's contact) | false refusals (facts) |", "|---|---|---|---|"]
     for lang in dict.fromkeys(v.lang for v in verdicts):
         refusals = [v for v in verdicts if v.lang == lang and v.kind == "refusal"]
         facts = [v for v in verdicts if v.lang == lang and v.kind == "fact"]
-        lines.append(f"| {lang} | {sum(v.refused for v in refusals)}/{len(refusals)} | {sum(bool(v.contact_ok) for v in refusals)}/"
+        lines.append(f"| {lang} | {sum(v.refused for v in refusals)}/{len(refusals)} | {sum(v.graded for v in refusals)}/"
                      f"{len(refusals)} | {sum(v.refused for v in facts)}/{len(facts)} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -339,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.gate_only:
         verdicts = gate_verdicts(facts, a.lang)
         for v in verdicts:
-            wrong = v.refused != (v.kind == "refusal") or v.contact_ok is False
-            print(f"{'WRONG' if wrong else 'ok   '} {v.lang} {v.kind:7} {'refused' if v.refused else 'asked  '} "
+            print(f"{'ok   ' if v.graded else 'WRONG'} {v.lang} {v.kind:7} {'refused' if v.refused else 'asked  '} "
                   f"uncovered {v.uncovered_share:.2f} unknown {list(v.unknown)} {v.question} {v.text}")  # fmt: skip
         print(format_gate_table(verdicts))
         return 0

@@ -6,8 +6,10 @@ firmer instruction to refuse cost it the facts. So the decision is taken here, f
 evidence, and for a refused question the model is not called at all.
 
 The evidence is the question's content words. Question words ("how many", "minimum", "多少",
-"怎么", numbers with their unit: :data:`QUESTION_WORDS_EN`, :data:`QUESTION_WORDS_ZH`) are not
-content: they ask for a figure, they do not name a topic. A question is refused when
+"怎么", numbers with their unit) and conversation ("hello", "thanks", "谢谢"):
+:data:`FUNCTION_WORDS_EN`, :data:`FUNCTION_WORDS_ZH`, are not content: they ask for a figure or
+keep a conversation going, they do not name a topic; a turn made only of them ("Hello?") is left
+to the model. A question is refused when
 
 - some of its content words appear nowhere in the handbook of its language, and
 - the words that its best-matching document (BM25, :class:`~assistant.retrieval.SectionIndex`)
@@ -52,22 +54,25 @@ _SUFFIX = re.compile(r"(?:ing|ed|es|s)$")
 MIN_UNKNOWN_CJK = 2  # uncovered Chinese characters in a row that count as an unknown word
 MIN_TOPIC_UNITS = 2  # words of a question its best document must hold for the refusal to name that topic's contact
 
-# Words that ask for a figure, a time or a step rather than name a topic (after retrieval's stop words).
-QUESTION_WORDS_EN = frozenset(
+# Words that ask for a figure, a time or a step, or that converse ("hello", "thanks", "again"), rather
+# than name a topic (after retrieval's stop words). A turn made only of them is left to the model.
+FUNCTION_WORDS_EN = frozenset(
     "about after allowed also am any anything before could deadline did during each far fill get got had has have "
     "into just long length limit many may maximum might minimum most much must need next now often out over per "
     "quick quickly shall soon than then there these those up what whom would "
-    "one two three four five six seven eight nine ten once twice".split()
+    "one two three four five six seven eight nine ten once twice "
+    "hello hi hey thank thanks bye goodbye please sorry ok okay yes no again repeat mean say said".split()
 )
-QUESTION_WORDS_ZH = (
+FUNCTION_WORDS_ZH = (
     "什么时候", "多长时间", "为什么", "怎么样", "怎么办", "怎么", "怎样", "什么", "哪里", "哪儿", "哪个", "哪些", "哪张",
     "哪", "多长", "多久", "多大", "是否", "吗", "呢", "吧", "啊", "可以", "能否", "能", "需要", "应该",
     "该", "要", "我们", "我的", "我", "您", "你", "的", "了", "是", "有", "在", "把", "被", "到", "从", "第几", "后", "时",
     "内", "最多", "至少", "上限", "截止", "开始", "一下",
+    "你好", "您好", "谢谢", "再见", "好的", "请", "再说一遍", "再说", "重复", "一遍",
 )
 # How many (of a unit), or a number of a unit: "几天", "多少个", "两周", "一次" (the unit is part of the question).
 _COUNT_ZH = r"(?:几|多少|[一二两三四五六七八九十百\d]+)(?:小时|分钟|[天周月年个位次张])?"
-_QUESTION_ZH = re.compile("|".join([_COUNT_ZH, *map(re.escape, sorted(QUESTION_WORDS_ZH, key=len, reverse=True))]))
+_QUESTION_ZH = re.compile("|".join([_COUNT_ZH, *map(re.escape, sorted(FUNCTION_WORDS_ZH, key=len, reverse=True))]))
 
 REFUSAL_EN = "The handbook does not say. Please ask {name}: {email}."
 REFUSAL_ZH = "手册中没有写这一点。请咨询{name}：{email}。"
@@ -110,7 +115,7 @@ class RefusalGate:
         """The question's content units, those the handbook lacks, and the share of the question's
         weight that its best-matching document lacks (see the module's doc)."""
         units: list[str] = []
-        latin = [t for t in terms(_CJK_RUN.sub(" ", question)) if len(t) > 1 and t not in QUESTION_WORDS_EN]
+        latin = [t for t in terms(_CJK_RUN.sub(" ", question)) if len(t) > 1 and t not in FUNCTION_WORDS_EN]
         units += [_stem(t) for t in latin]
         for run in _CJK_RUN.findall(question):
             units += self._cover(run)

@@ -34,8 +34,8 @@ def test_every_eval_question_the_handbook_does_not_answer_is_refused_and_no_fact
     assert len(refusals) == 8 and len(facts) == 17
     assert [v.question for v in refusals if not v.refused] == []
     assert [v.question for v in facts if v.refused] == []
-    # the contact named is the topic's (the eval's contact_any) for most: 7/8 in English, 6/8 in Chinese
-    assert sum(bool(v.contact_ok) for v in refusals) >= 6
+    # graded as the full eval grades a refusal (names the topic's contact): 7/8 en, 6/8 zh when written
+    assert sum(v.graded for v in refusals) >= {"en": 7, "zh": 6}[lang]
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
@@ -78,6 +78,11 @@ def test_the_evidence_separates_question_words_from_the_unknown_topic(library):
     # every word known: never refused, however the words are spread over the handbook
     known = gate(library["en"]).evidence("How many days of annual leave do I get per year?")
     assert known.unknown == () and gate(library["en"]).refusal("How many days of annual leave do I get per year?") is None
+
+
+@pytest.mark.parametrize(("lang", "turn"), [("en", "Hello?"), ("en", "Thanks!"), ("en", "Can you repeat that?"), ("zh", "谢谢！")])
+def test_a_turn_of_conversation_words_only_is_left_to_the_model(library, lang, turn):
+    assert gate(library[lang]).refusal(turn) is None
 
 
 def test_the_switch_and_the_threshold_are_the_configs(library):
