@@ -61,7 +61,8 @@ FUNCTION_WORDS_EN = frozenset(
     "into just long length limit many may maximum might minimum most much must need next now often out over per "
     "quick quickly shall soon than then there these those up what whom would "
     "one two three four five six seven eight nine ten once twice "
-    "hello hi hey thank thanks bye goodbye please sorry ok okay yes no again repeat mean say said".split()
+    "hello hi hey thank thanks bye goodbye please sorry ok okay yes no again repeat mean say said "
+    "use used using make want know like go not only yet here very still already some all more less other own same so too".split()
 )
 FUNCTION_WORDS_ZH = (
     "什么时候", "多长时间", "为什么", "怎么样", "怎么办", "怎么", "怎样", "什么", "哪里", "哪儿", "哪个", "哪些", "哪张",
