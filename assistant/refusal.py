@@ -6,10 +6,10 @@ firmer instruction to refuse cost it the facts. So the decision is taken here, f
 evidence, and for a refused question the model is not called at all.
 
 The evidence is the question's content words. Question words ("how many", "minimum", "多少",
-"怎么", numbers with their unit) and conversation ("hello", "thanks", "谢谢"):
-:data:`FUNCTION_WORDS_EN`, :data:`FUNCTION_WORDS_ZH`, are not content: they ask for a figure or
-keep a conversation going, they do not name a topic; a turn made only of them ("Hello?") is left
-to the model. A question is refused when
+"怎么", numbers with their unit), conversation ("hello", "thanks", "谢谢") and common function
+words and verbs ("not", "use"): :data:`FUNCTION_WORDS_EN`, :data:`FUNCTION_WORDS_ZH`, are not
+content: they ask for a figure or keep a conversation going, they do not name a topic; a turn
+made only of them ("Hello?") is left to the model. A question is refused when
 
 - some of its content words appear nowhere in the handbook of its language, and
 - the words that its best-matching document (BM25, :class:`~assistant.retrieval.SectionIndex`)
@@ -21,11 +21,13 @@ unknown "bereavement". "How many weeks of paid leave does a partner get when a b
 is answered: "baby" and "born" are unknown, but the parental-leave page holds the rare
 "partner" and the rest (0.52 of the weight outside it, under the default 0.55). A question all
 of whose words the handbook has is never refused, however they are spread over its pages.
+"Unknown" is relative to the handbook: to a one-page folder most words are, and a follow-up such
+as "Where do I submit it?" is refused there (``RefusalConfig.enabled`` turns the gate off).
 
 - English (and Latin words in any question): :func:`assistant.retrieval.terms`, compared by a
   crude stem (``submitting`` ~ ``submit``); one-letter words ("What's" -> ``s``) are not content.
 - Chinese has no spaces: a run of it is cut, left to right, into the longest substrings (two
-  characters or more) that the handbook holds; what lies between them, question words cut out,
+  characters or more) that the handbook holds; what lies between them, function words cut out,
   is unknown where two characters or more remain together ("丧假"). A lone character is usually
   a measure word or a particle and is not judged.
 
@@ -73,7 +75,7 @@ FUNCTION_WORDS_ZH = (
 )
 # How many (of a unit), or a number of a unit: "几天", "多少个", "两周", "一次" (the unit is part of the question).
 _COUNT_ZH = r"(?:几|多少|[一二两三四五六七八九十百\d]+)(?:小时|分钟|[天周月年个位次张])?"
-_QUESTION_ZH = re.compile("|".join([_COUNT_ZH, *map(re.escape, sorted(FUNCTION_WORDS_ZH, key=len, reverse=True))]))
+_FUNCTION_ZH = re.compile("|".join([_COUNT_ZH, *map(re.escape, sorted(FUNCTION_WORDS_ZH, key=len, reverse=True))]))
 
 REFUSAL_EN = "The handbook does not say. Please ask {name}: {email}."
 REFUSAL_ZH = "手册中没有写这一点。请咨询{name}：{email}。"
@@ -166,16 +168,16 @@ class RefusalGate:
 
     def _cover(self, run: str) -> list[str]:
         """A run of Chinese as the longest handbook substrings, left to right, and the gaps between
-        them; question words are cut out of the gaps, and substrings made only of them are dropped.
+        them; function words are cut out of the gaps, and substrings made only of them are dropped.
         A gap piece counts from ``MIN_UNKNOWN_CJK`` characters."""
-        units, i, gap = [], 0, ""
+        units, gap = [], ""
         for i, j in self._longest(run):
             if j - i < 2:
                 gap += run[i]
                 continue
             units += _pieces(gap)
             gap = ""
-            units += [] if not _QUESTION_ZH.sub("", run[i:j]) else [run[i:j]]
+            units += [] if not _FUNCTION_ZH.sub("", run[i:j]) else [run[i:j]]
         return units + _pieces(gap)
 
     def _longest(self, run: str) -> list[tuple[int, int]]:
@@ -201,8 +203,8 @@ class RefusalGate:
 
 
 def _pieces(gap: str) -> list[str]:
-    """The parts of an uncovered gap left between its question words, of ``MIN_UNKNOWN_CJK`` characters or more."""
-    return [p for p in _QUESTION_ZH.split(gap) if len(p) >= MIN_UNKNOWN_CJK]
+    """The parts of an uncovered gap left between its function words, of ``MIN_UNKNOWN_CJK`` characters or more."""
+    return [p for p in _FUNCTION_ZH.split(gap) if len(p) >= MIN_UNKNOWN_CJK]
 
 
 def _document(text: str) -> tuple[str, frozenset[str]]:
@@ -221,7 +223,7 @@ def _stem(term: str) -> str:
     suffix = _SUFFIX.search(term)
     stem = term[: suffix.start()] if suffix and suffix.start() >= 3 else term
     stem = stem[:-1] if len(stem) > 3 and stem[-1] == stem[-2] else stem  # submitt -> submit
-    return stem.rstrip("e") if len(stem) > 3 else stem
+    return stem[:-1] if len(stem) > 3 and stem.endswith("e") else stem
 
 
 def _contact_sections(docs: DocumentSet) -> tuple[Section, ...]:
