@@ -14,13 +14,14 @@ import logging
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from assistant.config import SYSTEM_PROMPT, SYSTEM_PROMPT_ZH, AssistantConfig, EngineOptions
 from assistant.conversation import Conversation
 from assistant.docs import DocumentError, DocumentSet, detect_language, load_library
 from assistant.prompt import ContextBudget, Message, PromptBuilder
+from assistant.refusal import Refusal, RefusalGate
 from assistant.retrieval import Citation
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.loaded_model import resolve_device
@@ -89,6 +90,7 @@ class Answerer:
         self.budget = ContextBudget(engine.core.max_model_len, config.max_tokens, config.conversation_tokens)
         self.library = library
         self.builders = {lang: self._builder(lang, docs) for lang, docs in library.items()}
+        self.gates = self._gates()
 
     @classmethod
     def create(cls, config: AssistantConfig, step_bound: StepBoundPolicy | None = None,
@@ -127,6 +129,10 @@ class Answerer:
         log.info("handbook %s: %s", lang, builder.summary())
         return builder
 
+    def _gates(self) -> dict[str, RefusalGate]:
+        """Per handbook language, the refusal gate over its documents (assistant/refusal.py)."""
+        return {lang: RefusalGate(b.docs, b.index, self.config.refusal) for lang, b in self.builders.items()}
+
     @property
     def modes(self) -> dict[str, str]:
         """Per handbook language, the prompt mode in use: "whole-context" or "retrieval"."""
@@ -160,6 +166,7 @@ class Answerer:
             log.info("documents %s changed: version %s -> %s", lang, old.docs.version if old else "none", docs.version)
         changed = changed or set(builders) != set(self.builders)
         self.library, self.builders = library, builders
+        self.gates = self._gates()
         return changed
 
     def use_folder(self, folder: Path) -> bool:
@@ -191,6 +198,7 @@ class Answerer:
         priority: int = INTERACTIVE,
         request_id: str | None = None,
         max_tokens: int | None = None,
+        gate: bool = True,
     ) -> AsyncIterator[AnswerDelta]:
         """Stream the answer to ``question`` after ``history``.
 
@@ -198,13 +206,26 @@ class Answerer:
         which this call keeps: turns that no longer fit are dropped from it, and the finished
         (not aborted) turn is added to it before the final delta is yielded. ``max_tokens``
         caps this answer below the configured length (e.g. a client's ``max_output_tokens``).
+
+        A question the refusal gate judges the handbook does not answer (assistant/refusal.py)
+        gets its refusal, streamed as a model's answer is (a text delta, then the final delta)
+        with no engine request: no prompt, no tokens, the contact's section as citation.
+        ``gate=False`` always asks the model: a turn with a picture, whose read text is the
+        user's own and not a question about the handbook.
         """
         if not question.strip():
             raise ValueError("the question is empty")
+        asked = time.perf_counter()
         if self.config.auto_reload:
             self.refresh()
-        builder = self.builders[self.language_for(question)]
+        lang = self.language_for(question)
+        builder = self.builders[lang]
         conversation = history if isinstance(history, Conversation) else None
+        refusal = self.gates[lang].refusal(question) if gate else None
+        if refusal is not None:
+            for delta in self._refuse(question, refusal, builder, conversation, asked):
+                yield delta
+            return
         # Tokenizing a long conversation takes a while: off the event loop, so other sessions go on.
         messages = conversation.messages() if conversation else list(history or [])
         prompt = await asyncio.to_thread(builder.prompt, messages, question)
@@ -231,6 +252,16 @@ class Answerer:
                 if conversation is not None and out.finish_reason != "abort":
                     conversation.add(question, answer)
             yield delta
+
+    @staticmethod
+    def _refuse(question: str, refusal: Refusal, builder: PromptBuilder, conversation: Conversation | None,
+                asked: float) -> Iterator[AnswerDelta]:  # fmt: skip
+        """The gate's refusal as an answer's deltas: its text, then (the turn added to ``conversation``) the final delta."""
+        yield AnswerDelta(refusal.text)
+        if conversation is not None:
+            conversation.add(question, refusal.text)
+        yield AnswerDelta("", True, "stop", ttft_s=time.perf_counter() - asked, citation=refusal.citation,
+                          mode=builder.mode, docs_version=builder.docs.version)  # fmt: skip
 
     async def warm_documents(self) -> int:
         """Compute the KV of every document's part of a question's prompt (whole-context mode,

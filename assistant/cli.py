@@ -221,9 +221,11 @@ class Voice:
                 self._recorded.append(pcm)
 
 
-async def ask(answerer: Answerer, question: str, conversation: Conversation, timings: bool, voice: Voice | None) -> None:
-    """Stream one answer to stdout (and the voice), then its source; the turn joins ``conversation``."""
-    async for delta in answerer.answer(question, conversation):
+async def ask(answerer: Answerer, question: str, conversation: Conversation, timings: bool, voice: Voice | None,
+              gate: bool = True) -> None:  # fmt: skip
+    """Stream one answer to stdout (and the voice), then its source; the turn joins ``conversation``.
+    ``gate=False`` (a question with a picture's text) always asks the model (Answerer.answer)."""
+    async for delta in answerer.answer(question, conversation, gate=gate):
         print(delta.text, end="", flush=True)
         if voice is not None:
             voice.push(delta.text)
@@ -310,7 +312,7 @@ async def converse(answerer: Answerer, question: str | None, timings: bool, voic
         for lang, builder in answerer.builders.items():
             print(f"[handbook {lang}: {builder.summary()}]", file=sys.stderr, flush=True)
     if question is not None:
-        await ask(answerer, image_prompt(images, question) if images else question, conversation, timings, voice)
+        await ask(answerer, image_prompt(images, question) if images else question, conversation, timings, voice, gate=not images)
         return 0
     print("Ask a question about the handbook (empty line or Ctrl-D to quit).", file=sys.stderr)
     while True:
@@ -321,10 +323,11 @@ async def converse(answerer: Answerer, question: str | None, timings: bool, voic
             return 0
         if not question.strip():
             return 0
+        gate = not images
         if images:
             question, images = image_prompt(images, question), ()
         try:
-            await ask(answerer, question, conversation, timings, voice)
+            await ask(answerer, question, conversation, timings, voice, gate=gate)
         except PromptTooLong as e:
             print(f"error: {e}", file=sys.stderr)
 

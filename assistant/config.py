@@ -45,6 +45,24 @@ class EngineOptions:
 
 
 @dataclass
+class RefusalConfig:
+    """The refusal gate (assistant/refusal.py): questions the handbook does not answer get "the
+    handbook does not say" and the contact to ask, without asking the model.
+
+    uncovered_share: a question with words the handbook has nowhere is refused when the words
+    that its best-matching document lacks carry at least this share of its content weight (IDF);
+    1.0: only when that document has none of its words.
+    """
+
+    enabled: bool = True
+    uncovered_share: float = 0.55
+
+    def validate(self) -> None:
+        if not 0.0 < self.uncovered_share <= 1.0:
+            raise ValueError(f"refusal uncovered_share must be in (0, 1], got {self.uncovered_share}")
+
+
+@dataclass
 class AssistantConfig:
     docs_dir: Path = HANDBOOK_DIR
     language: str = "auto"  # auto | en | zh: which handbook and system prompt to use
@@ -56,6 +74,7 @@ class AssistantConfig:
     # at warm-up, compute each document's part of a question's prompt (Answerer.warm_documents): a first
     # question about any document then prefills only its own words; minutes for a 1.5B model on a small CPU
     warm_documents: bool = False
+    refusal: RefusalConfig = field(default_factory=RefusalConfig)
 
     def validate(self) -> None:
         if self.language not in ("auto", "en", "zh"):
@@ -72,6 +91,7 @@ class AssistantConfig:
             raise ValueError("load_format dummy needs a model config.json (e.g. engine/configs/llama-3.1-8b.json)")
         if self.engine.tokenizer is not None and not self.engine.tokenizer.exists():
             raise FileNotFoundError(f"tokenizer not found: {self.engine.tokenizer}")
+        self.refusal.validate()
 
 
 @dataclass

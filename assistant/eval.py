@@ -19,6 +19,13 @@ turn with an image, the answer graded as a fact (numbers the picture shows count
 
 Several engine variants (``--quantization``) run one after the other on the same questions, so
 what an optimization costs in answers is measured next to what it buys in speed.
+
+With ``--gate-only``, no model: only whether the refusal gate (:mod:`assistant.refusal`) refuses
+each question, per language the questions the handbook does not answer that it refuses (and of
+them those whose refusal :func:`grade` passes: it names the topic's contact) and the facts it
+refuses wrongly. A refused question never reaches the model, so those refusals are what the full
+run scores for them. ``--facts
+assistant/eval_colloquial.json`` asks the colloquial questions written to test it.
 """
 
 from __future__ import annotations
@@ -198,7 +205,7 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
                 item = {f"question_{lang}": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file}
                 start = time.perf_counter()
                 text, final = "", None
-                async for delta in answerer.answer(image_prompt([read], picture.question)):
+                async for delta in answerer.answer(image_prompt([read], picture.question), gate=False):
                     text += delta.text
                     final = delta if delta.finished else final
                 source = source_text(item, lang) + "\n" + picture.reference  # the picture's own numbers are stated too
@@ -259,6 +266,53 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class GateVerdict:
+    lang: str
+    kind: str  # "fact" or "refusal"
+    question: str
+    refused: bool
+    graded: bool  # whether the gate's decision is right; for a refused unanswerable question, whether its refusal passes grade()
+    uncovered_share: float
+    unknown: tuple[str, ...]
+    text: str  # the refusal, or ""
+
+
+def gate_verdicts(items: list[dict], langs: list[str], handbook: Path = HANDBOOK_DIR) -> list[GateVerdict]:
+    """What the refusal gate, with the assistant's default settings, decides for every question in every language."""
+    from assistant.config import RefusalConfig
+    from assistant.docs import load_library
+    from assistant.refusal import RefusalGate
+    from assistant.retrieval import SectionIndex
+
+    library = load_library(handbook)
+    out = []
+    for lang in langs:
+        docs = library[lang]
+        gate = RefusalGate(docs, SectionIndex(docs.sections), RefusalConfig())
+        for item in items:
+            question = item[f"question_{lang}"]
+            evidence, refusal = gate.evidence(question), gate.refusal(question)
+            if item.get("refusal"):
+                right = refusal is not None and grade(refusal.text, item, lang, source_text(item, lang, handbook))
+            else:
+                right = refusal is None
+            out.append(GateVerdict(lang, kind_of(item), question, refusal is not None, right, evidence.uncovered_share,
+                                   evidence.unknown, refusal.text if refusal else ""))  # fmt: skip
+    return out
+
+
+def format_gate_table(verdicts: list[GateVerdict]) -> str:
+    """Per language: unanswerable questions refused, of them graded right (the contact too), and facts refused wrongly."""
+    lines = ["| lang | refusals caught | graded right (names the topic's contact) | false refusals (facts) |", "|---|---|---|---|"]
+    for lang in dict.fromkeys(v.lang for v in verdicts):
+        refusals = [v for v in verdicts if v.lang == lang and v.kind == "refusal"]
+        facts = [v for v in verdicts if v.lang == lang and v.kind == "fact"]
+        lines.append(f"| {lang} | {sum(v.refused for v in refusals)}/{len(refusals)} | {sum(v.graded for v in refusals)}/"
+                     f"{len(refusals)} | {sum(v.refused for v in facts)}/{len(facts)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m assistant.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quantization", nargs="+", default=["int4", "none"], choices=("auto", "int4", "none"),
@@ -273,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the picture questions (assistant/eval_images.py): off (default), with the text questions, or only them")
     p.add_argument("--warm-documents", action="store_true",
                    help="before the questions, compute each document's part of a question's prompt (Answerer.warm_documents)")
+    p.add_argument("--gate-only", action="store_true",
+                   help="no model: print whether the refusal gate refuses each question, and the refusals caught and false refusals")
     p.add_argument("--json", type=Path, help="write every answer and the summary here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args(argv)
@@ -283,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.gate_only:
+        verdicts = gate_verdicts(facts, a.lang)
+        for v in verdicts:
+            print(f"{'ok   ' if v.graded else 'WRONG'} {v.lang} {v.kind:7} {'refused' if v.refused else 'asked  '} "
+                  f"uncovered {v.uncovered_share:.2f} unknown {list(v.unknown)} {v.question} {v.text}")  # fmt: skip
+        print(format_gate_table(verdicts))
+        return 0
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     graded: list[Graded] = []
     pictures = () if a.images == "off" else PICTURES

@@ -522,7 +522,7 @@ class VoicePipeline:
             asked_at = time.perf_counter()
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
-                request_id=reply.request_id, max_tokens=reply.max_output_tokens,
+                request_id=reply.request_id, max_tokens=reply.max_output_tokens, gate=not reply.images,
             )  # fmt: skip
             try:
                 async for delta in answer:

@@ -7,7 +7,7 @@ from itertools import pairwise
 import pytest
 
 from assistant.answerer import Answerer
-from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT, AssistantConfig, EngineOptions
+from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT, AssistantConfig, EngineOptions, RefusalConfig
 from assistant.conversation import Conversation, Turn, group_turns, oldest_first_cuts
 from assistant.docs import load_library
 from assistant.prompt import WHOLE, ContextBudget, PromptBuilder, PromptTooLong
@@ -91,7 +91,9 @@ def answerer(tmp_path_factory):
         encoding="utf-8",
     )
     answerer = Answerer.create(
-        AssistantConfig(docs_dir=docs, max_tokens=12, conversation_tokens=256, engine=EngineOptions(max_model_len=512))
+        # follow-ups ("Where do I submit it?") use words this one-page folder lacks: the model answers them (gate off)
+        AssistantConfig(docs_dir=docs, max_tokens=12, conversation_tokens=256, engine=EngineOptions(max_model_len=512),
+                        refusal=RefusalConfig(enabled=False))
     )
     yield answerer
     answerer.shutdown()

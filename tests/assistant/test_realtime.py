@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.config import HANDBOOK_DIR, AssistantConfig, RefusalConfig, ServerConfig, VoiceConfig
 from assistant.eval import FACTS_FILE
 from assistant.eval_images import PICTURES, render
 from assistant.image_reading import MAX_IMAGES, NO_TEXT, data_url
@@ -83,7 +83,9 @@ def server(tmp_path_factory, whisper_tiny_path):
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     config = ServerConfig(
         max_sessions=MAX_SESSIONS, max_sessions_per_client=MAX_SESSIONS, max_message_bytes=MAX_MESSAGE, max_errors=MAX_ERRORS,
-        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48),
+        # the questions include documents this folder lacks, and these tests are about the protocol: the model
+        # answers every one (the refusal gate is off; test_a_refused_question_is_spoken_as_an_answer turns it on)
+        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48, refusal=RefusalConfig(enabled=False)),
         voice=VoiceConfig(asr_model=whisper_tiny_path),
     )  # fmt: skip
     assistant = AssistantServer(config)
@@ -255,6 +257,30 @@ async def test_sdk_holds_a_spoken_and_a_typed_conversation(server, clips, hearin
         assert events[-1].timeline["source"] == "text"
         # the cited handbook section travels with the timeline (sick leave is 02-sick-leave.md)
         assert events[-1].citation["path"].endswith("02-sick-leave.md")
+
+
+async def test_a_refused_question_is_spoken_as_an_answer(server, hearing, monkeypatch) -> None:
+    """With the refusal gate on, a question the documents do not answer gets the refusal as a spoken
+    answer: the events of a model's answer, in their order, its audio heard back, no model tokens."""
+    monkeypatch.setattr(server.answerer.config.refusal, "enabled", True)
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        await recv_until(conn, "session.created")
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "What is the dress code at the office?"}]})  # fmt: skip
+        await conn.response.create()
+        events = await recv_until(conn, "response.timeline")
+        types = [e.type for e in events]
+        order = ["response.created", "response.output_audio_transcript.delta", "response.output_audio.delta",
+                 "response.output_audio.done", "response.output_audio_transcript.done", "response.done", "response.timeline"]  # fmt: skip
+        assert [types.index(t) for t in order] == sorted(types.index(t) for t in order), types
+        answer = first(events, "response.output_audio_transcript.done").transcript
+        assert answer == "The handbook does not say."  # this folder has no contacts page to name one from
+        done = first(events, "response.done").response
+        assert done.status == "completed" and done.usage.output_tokens == 0 and done.usage.input_tokens == 0
+        audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+        heard = hearing.transcribe(resample(to_float32(audio), RATE, 16000)).text
+        spoken = [w for w in words(answer) if w.isalpha() and len(w) > 2]
+        assert sum(w in words(heard) for w in spoken) >= 0.6 * len(spoken), (answer, heard)
 
 
 # ---- barge-in and disconnects ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.config import HANDBOOK_DIR, AssistantConfig, RefusalConfig, ServerConfig, VoiceConfig
 from assistant.fuzz import FuzzReport, fuzz
 from assistant.outbox import Outbox
 from assistant.server import AssistantServer
@@ -36,7 +36,8 @@ def server(tmp_path_factory, whisper_tiny_path):
     config = ServerConfig(
         max_sessions=8, max_sessions_per_client=PER_CLIENT, max_errors=MAX_ERRORS, max_events_per_s=EVENTS_PER_S,
         send_timeout_s=SEND_TIMEOUT_S, max_item_chars=MAX_ITEM, max_conversation_chars=MAX_CONVERSATION,
-        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=8),
+        # one document, questions about others: the model answers every one (the refusal gate is off)
+        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=8, refusal=RefusalConfig(enabled=False)),
         voice=VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=None),
     )  # fmt: skip
     assistant = AssistantServer(config)
