@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level, warm_up = parse_config(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # a CUDA graph captured while serving stalls the process's other GPU work: say when, and how long
+    logging.getLogger("engine.cuda_graph").setLevel(logging.INFO)
     import uvicorn
 
     server = load_server(config, warm_up)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -406,6 +407,7 @@ class MixedGraphRunner:
         prefill splits do not depend on this step's context; its prefill tiles are built by the
         warm-up, outside the capture (a host->device copy inside one would replay from a freed
         staging buffer)."""
+        started = time.perf_counter()
         meta = self._meta(db, c, [1] * db + [self.max_model_len])
         t = db + c
         with torch.inference_mode():
@@ -419,5 +421,7 @@ class MixedGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
         self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
-        log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk", db, c)
+        # timed: while serving, every other GPU user of the process waits for the capture lock meanwhile
+        log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk in %.0f ms", db, c,
+                 (time.perf_counter() - started) * 1000)
         return graph, hidden, meta
