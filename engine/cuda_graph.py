@@ -395,8 +395,7 @@ class MixedGraphRunner:
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
-            with self.capture_lock:
-                entry = self.graphs[key] = self._capture(*key)
+            entry = self.graphs[key] = self._capture(*key)
         graph, hidden, _ = entry
         graph.replay()
         return hidden
@@ -411,17 +410,22 @@ class MixedGraphRunner:
         meta = self._meta(db, c, [1] * db + [self.max_model_len])
         t = db + c
         with torch.inference_mode():
+            # The warm-up runs outside the capture lock: it may compile Triton kernels for the new
+            # shape (0.66 s for the first mixed step on the H200), and only the capture itself
+            # must not overlap the process's other GPU work (Whisper's batches wait for the lock).
             self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
             torch.cuda.synchronize(self.device)
-            # Capturing empties the allocator's cache first: measured from after that, the
-            # difference is the pool's growth (from before the warm-up it went negative).
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
-        self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
-        # timed: while serving, every other GPU user of the process waits for the capture lock meanwhile
-        log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk in %.0f ms", db, c,
-                 (time.perf_counter() - started) * 1000)
+            warmed = time.perf_counter()
+            with self.capture_lock:
+                # Capturing empties the allocator's cache first: measured from after that, the
+                # difference is the pool's growth (from before the warm-up it went negative).
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_reserved(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
+                self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
+        # timed: the engine stalls for both parts, the process's other GPU users for the capture
+        log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk (warm-up %.0f ms, capture "
+                 "%.0f ms under the lock)", db, c, (warmed - started) * 1000, (time.perf_counter() - warmed) * 1000)
         return graph, hidden, meta
