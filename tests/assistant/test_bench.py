@@ -21,23 +21,28 @@ def bench(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
 
-def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_path, whisper_tiny_path) -> None:
+def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst_then_again_with_the_coscheduler_off(tmp_path, whisper_tiny_path) -> None:
     """Two callers, two questions each with a pause between, then both at once: every stage, the
-    results object (p50/p95/p99 per caller count, lost turns, memory by owner), JSON and PNG."""
+    results object (p50/p95/p99 per caller count, lost turns, memory by owner), JSON and PNG. Then
+    (--ab) the same two callers against a second server started with the co-scheduler off, whose
+    log --server-log keeps beside the first's. (One bench run for both: each run starts its own
+    server, about 25 s on a 2-core machine.)"""
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out, png = tmp_path / "bench.json", tmp_path / "waterfall.png"
-    r = bench("--callers", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--pause-ms", "300", "--burst", "--docs", str(docs), "--asr", str(whisper_tiny_path),
-              "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--plot", str(png))  # fmt: skip
+    r = bench("--callers", "2", "--ab", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--pause-ms", "300", "--burst", "--docs", str(docs),
+              "--asr", str(whisper_tiny_path), "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out),
+              "--plot", str(png), "--server-log", str(tmp_path / "logs"))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| server: speech_end -> first audio sent |" in r.stdout and "| client: end of speech -> first audio received |" in r.stdout
-    assert "2 caller(s), burst p50 / p95 / p99" in r.stdout
-    assert "| false endpoints: questions with a pause / spoken whole | 0 of 2 / 0 of 2 | 0 of 0 / 0 of 2 |" in r.stdout
+    assert "2 caller(s), burst p50 / p95 / p99" in r.stdout and "2 caller(s), coscheduler off p50 / p95 / p99" in r.stdout
+    assert "| false endpoints: questions with a pause / spoken whole | 0 of 2 / 0 of 2 | 0 of 0 / 0 of 2 | 0 of 2 / 0 of 2 |" in r.stdout
     report = json.loads(out.read_text())
     assert report["date"] and "--burst" in report["command"] and "gpu" in report
     assert report["meta"]["versions"]["faster-whisper"] and report["meta"]["cores"] >= 1
-    assert [(p["callers"], p["pattern"], len(p["turns"])) for p in report["phases"]] == [(2, "conversation", 4), (2, "burst", 2)]
+    assert [(p["callers"], p["pattern"], p["server"], len(p["turns"])) for p in report["phases"]] == [
+        (2, "conversation", "", 4), (2, "burst", "", 2), (2, "conversation", "coscheduler off", 4)]  # fmt: skip
     for phase in report["phases"]:
         for turn in phase["turns"]:
             assert turn["error"] is None and turn["status"] in ("completed", "incomplete")
@@ -51,7 +56,7 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
             assert summary[key]["p50"] <= summary[key]["p95"] <= summary[key]["p99"] and summary[key]["n"] == len(phase["turns"])
     results = report["results"]
     assert results["config"] == "custom" and results["pattern"]["pause_s"] == [0.2, 0.4] and results["pattern"]["turns"] == 2
-    assert set(results["callers"]) == set(results["burst"]) == {"2"} and "coscheduler_off" not in results
+    assert set(results["callers"]) == set(results["burst"]) == set(results["coscheduler_off"]) == {"2"}
     two = results["callers"]["2"]
     assert (two["turns"], two["lost_turns"]) == (4, 0)
     for key in ("endpoint_to_first_audio_ms", "speech_end_to_first_audio_ms", "client_speech_end_to_first_audio_ms"):
@@ -63,21 +68,10 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst(tmp_p
     conversation = report["phases"][0]["turns"]
     assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-def test_bench_ab_runs_the_same_callers_against_a_server_with_the_coscheduler_off(tmp_path, whisper_tiny_path) -> None:
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
-    out = tmp_path / "bench.json"
-    r = bench("--callers", "1", "--ab", "1", "--turns", "1", "--docs", str(docs), "--asr", str(whisper_tiny_path), "--lang", "en",
-              "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out), "--server-log", str(tmp_path / "logs"))  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    assert set(results["callers"]) == set(results["coscheduler_off"]) == {"1"}
+    off = results["coscheduler_off"]["2"]
+    assert (off["turns"], off["lost_turns"]) == (4, 0) and off["endpoint_to_first_audio_ms"]["p50"] > 0
     logs = sorted((tmp_path / "logs").glob("assistant-serve-*.log"))  # --server-log keeps both servers' logs
     assert len(logs) == 2 and all("Traceback" not in log.read_text() for log in logs)
-    assert results["coscheduler_off"]["1"]["lost_turns"] == 0 and results["coscheduler_off"]["1"]["endpoint_to_first_audio_ms"]["p50"] > 0
 
 
 def test_bench_options_become_server_arguments() -> None:

@@ -4,36 +4,23 @@ the answer's length cap and source line, and the requests refused before anythin
 from __future__ import annotations
 
 import json
-import shutil
+import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
 from assistant.server import AssistantServer
-from engine.serving.server import BackgroundServer
 
-MAX_TOKENS = 24
-DOCS = ("01-annual-leave.md", "02-sick-leave.md", "05-it-accounts-and-passwords.md")
 QUESTION = "How many days of annual leave do I get per year?"
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, whisper_tiny_path):
-    docs = tmp_path_factory.mktemp("handbook")
-    for name in DOCS:
-        shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
-    config = ServerConfig(assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=MAX_TOKENS),
-                          voice=VoiceConfig(asr_model=whisper_tiny_path))  # fmt: skip
-    assistant = AssistantServer(config)
-    assistant.warm_up()
-    with BackgroundServer(assistant.app) as http:
-        assistant.url = http.url  # type: ignore[attr-defined]
-        yield assistant
-    assistant.close()
+def server(assistant_server) -> AssistantServer:
+    """The server this module shares with test_realtime.py (tests/assistant/conftest.py)."""
+    return assistant_server
 
 
 @pytest.fixture
@@ -41,9 +28,9 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)  # type: ignore[attr-defined]
 
 
-def metrics(server: AssistantServer) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels without model_name) -> value."""
-    text = httpx.get(server.url + "/metrics").text  # type: ignore[attr-defined]
+def metrics(server: AssistantServer, text: str | None = None) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels without model_name) -> value, of ``text`` or else the server's /metrics now."""
+    text = text if text is not None else httpx.get(server.url + "/metrics").text  # type: ignore[attr-defined]
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
 
@@ -57,29 +44,38 @@ def post(server: AssistantServer, body: dict | bytes, **kw) -> httpx.Response:
     return httpx.post(server.url + CHAT, content=content, headers={"content-type": "application/json"}, timeout=300, **kw)  # type: ignore[attr-defined]
 
 
-# First in this module: the server has served nothing yet.
+def wait_idle(server: AssistantServer, timeout: float = 30.0) -> None:
+    """Until no request runs or waits (a request another test left finishing would move the counters)."""
+    deadline = time.monotonic() + timeout
+    while (s := server.answerer.engine.stats()).num_running or s.num_waiting:
+        assert time.monotonic() < deadline, f"engine not idle: {s}"
+        time.sleep(0.05)
+
+
 def test_a_fresh_server_reports_no_request_and_keeps_the_warm_prefix(server, client) -> None:
-    m = metrics(server)
+    m = metrics(server, server.fresh_metrics)  # taken right after the warm-up, before any test asked anything
     for reason in ("stop", "length", "abort"):
         assert m[("vllm:request_success_total", (("finished_reason", reason),))] == 0
     for name in ("vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total"):  # fmt: skip
         assert m[(name, ())] == 0, name
-    # the warm-up's documents prefix is still in the cache: the first question reuses it
+    # the warm-up's documents prefix stays in the cache: a question reuses it, and counts once
+    wait_idle(server)
+    before = metrics(server)
     reply = client.chat.completions.create(model=server.model_name, max_tokens=1, **ask())
     (builder,) = server.answerer.builders.values()  # one handbook language here
     prefix = len(builder.prefix.token_ids)
     assert reply.usage.prompt_tokens_details.cached_tokens >= prefix - 16
     m = metrics(server)
-    assert m[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
-    assert m[("vllm:e2e_request_latency_seconds_count", ())] == 1
+    for key in (("vllm:request_success_total", (("finished_reason", "length"),)), ("vllm:e2e_request_latency_seconds_count", ())):
+        assert m[key] == before[key] + 1, key
 
 
 def test_the_answer_is_capped_at_max_tokens_and_cites_its_source(server, client) -> None:
     whole = [client.chat.completions.create(model=server.model_name, extra_body={"ignore_eos": True}, **ask(**limit))
              for limit in ({}, {"max_tokens": 1000})]  # fmt: skip
     for reply in whole:
-        assert reply.usage.completion_tokens == MAX_TOKENS and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == server.config.assistant.max_tokens and reply.choices[0].finish_reason == "length"
     content = whole[0].choices[0].message.content
     assert "\n\nSource: 01-annual-leave.md" in content and content.count("Source:") == 1
     # streamed: the same text, the source line in the last delta, which finishes the answer

@@ -1,10 +1,10 @@
 """The Realtime WebSocket API end to end: a real server on 127.0.0.1, the official openai SDK's
 realtime client, questions spoken by the bundled hibari voice, answers heard back by Whisper.
 
-This file stays whole (over 500 lines): every test here shares one module-scoped server with the
-real models, which takes about a minute to start on a 2-core machine; a second file would start a
-second one. New Realtime tests with their own server settings go in their own file, as
-test_realtime_hardening.py and test_http_chat.py do."""
+This file stays whole (over 500 lines): every test here shares one server with the real models
+(tests/assistant/conftest.py, also test_http_chat.py's), which takes up to a minute to start on a
+2-core machine. New Realtime tests with their own server settings go in their own file, as
+test_realtime_hardening.py does."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import asyncio
 import base64
 import io
 import json
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -25,24 +24,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, RefusalConfig, ServerConfig, VoiceConfig
 from assistant.eval import FACTS_FILE
 from assistant.eval_images import PICTURES, render
 from assistant.image_reading import MAX_IMAGES, NO_TEXT, data_url
 from assistant.server import AssistantServer
 from assistant.timeline import OPTIONAL_STAGES, STAGES
-from engine.serving.server import BackgroundServer
 from speech.asr.backend import FasterWhisperBackend
+from tests.assistant.conftest import MAX_ERRORS, MAX_MESSAGE, MAX_SESSIONS
 from speech.audio import resample, to_float32, to_pcm16
 from speech.config import ASRConfig, TTSConfig
 from speech.tts import load_tts
 from speech.word_errors import word_error_rate, words
 
 RATE = 24000
-MAX_SESSIONS = 9
-MAX_MESSAGE = 256 * 1024
-MAX_ERRORS = 20
-DOCS = ("01-annual-leave.md", "02-sick-leave.md", "05-it-accounts-and-passwords.md")
 # Eight different short questions from assistant/eval_facts.json, all well heard by tiny.en.
 QUESTIONS = [
     "How do I apply for annual leave?",
@@ -77,23 +71,9 @@ def clips() -> list[Clip]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, whisper_tiny_path):
-    docs = tmp_path_factory.mktemp("handbook")
-    for name in DOCS:
-        shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
-    config = ServerConfig(
-        max_sessions=MAX_SESSIONS, max_sessions_per_client=MAX_SESSIONS, max_message_bytes=MAX_MESSAGE, max_errors=MAX_ERRORS,
-        # the questions include documents this folder lacks, and these tests are about the protocol: the model
-        # answers every one (the refusal gate is off; test_a_refused_question_is_spoken_as_an_answer turns it on)
-        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48, refusal=RefusalConfig(enabled=False)),
-        voice=VoiceConfig(asr_model=whisper_tiny_path),
-    )  # fmt: skip
-    assistant = AssistantServer(config)
-    assistant.warm_up()
-    with BackgroundServer(assistant.app, **config.uvicorn_options()) as http:
-        assistant.url = http.url  # type: ignore[attr-defined]
-        yield assistant
-    assistant.close()
+def server(assistant_server) -> AssistantServer:
+    """The server this module shares with test_http_chat.py (tests/assistant/conftest.py)."""
+    return assistant_server
 
 
 @pytest.fixture(scope="module")

@@ -70,3 +70,17 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm(llm_gguf_path) -> LoadedModel:
     return LoadedModel.load(EngineConfig(model=str(llm_gguf_path)))
+
+
+@pytest.fixture(scope="package")
+def smollm_int4(llm_gguf_path) -> LoadedModel:
+    """SmolLM2 with its GGUF blocks repacked as int4, loaded once for the engine tests that use it
+    (test_quantization.py, test_native_decode.py); freed after the engine tests."""
+    return LoadedModel.load(EngineConfig(model=str(llm_gguf_path), quantization="int4"))
+
+
+@pytest.fixture(scope="package")
+def qwen_fp32(qwen_0_5b_gguf) -> LoadedModel:
+    """Qwen2.5-Coder-0.5B dense in float32 on the CPU (every tensor dequantized) and its converted
+    tokenizer, loaded once for test_qwen2.py and test_native_decode.py; freed after the engine tests."""
+    return LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), dtype="float32", device="cpu", max_model_len=2048))

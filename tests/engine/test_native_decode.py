@@ -18,14 +18,9 @@ from engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def int4_model(llm_gguf_path) -> LoadedModel:
-    return LoadedModel.load(EngineConfig(model=str(llm_gguf_path), quantization="int4"))
-
-
-@pytest.fixture(scope="module")
-def native_llm(int4_model, llm_gguf_path) -> LLM:
+def native_llm(smollm_int4, llm_gguf_path) -> LLM:
     return LLM(str(llm_gguf_path), quantization="int4", native_decode_step="on", max_model_len=512, num_kv_blocks=96,
-               loaded=int4_model)
+               loaded=smollm_int4)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +45,15 @@ def prompt_ids(llm: LLM, text: str) -> list[int]:
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
 
-def kl_from_float32(hf_fp32, ids: list[int], logits: torch.Tensor) -> float:
-    """KL(float32 HF || ours) of the next-token distribution after ``ids``."""
+def float32_logits(hf_fp32, ids: list[int]) -> torch.Tensor:
+    """Float32 HF's next-token logits after ``ids``."""
     with torch.inference_mode():
-        p = torch.log_softmax(hf_fp32(torch.tensor([ids])).logits[0, -1].float(), -1)
+        return hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+
+
+def kl_from_float32(ref: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(float32 HF || ours) of the next-token distribution, from float32's logits ``ref``."""
+    p = torch.log_softmax(ref, -1)
     return float((p.exp() * (p - torch.log_softmax(logits, -1))).sum())
 
 
@@ -74,10 +74,9 @@ def test_logits_match_float32_transformers(native_llm, hf_fp32):
     blocks = [7, 3, 12, 5, 40, 2]  # not in order, not consecutive: the block table is followed
     assert len(ids) <= 16 * len(blocks)
     ours = feed(kernel, [(ids, blocks)])[0]
-    with torch.inference_mode():
-        ref = hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+    ref = float32_logits(hf_fp32, ids)
     assert ours.argmax() == ref.argmax()
-    kl = kl_from_float32(hf_fp32, ids, ours)
+    kl = kl_from_float32(ref, ours)
     assert kl < 0.05, f"KL(float32 || native) = {kl:.4f}"
 
 
@@ -89,10 +88,9 @@ def test_long_context_chunks_merge(native_llm, hf_fp32):
     ids = prompt_ids(native_llm, text + " Which form comes before day 10?")
     assert 512 < len(ids) <= 16 * 50  # three chunks
     ours = feed(kernel, [(ids, list(range(41, 91)))])[0]
-    with torch.inference_mode():
-        ref = hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+    ref = float32_logits(hf_fp32, ids)
     assert ours.argmax() == ref.argmax()
-    assert kl_from_float32(hf_fp32, ids, ours) < 0.05
+    assert kl_from_float32(ref, ours) < 0.05
 
 
 def test_batch_rows_are_independent(native_llm):
@@ -112,7 +110,7 @@ def test_batch_rows_are_independent(native_llm):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the SIMD variants are x86 builds")
-def test_portable_builds(native_llm, int4_model, hf_fp32, tmp_path):
+def test_portable_builds(native_llm, smollm_int4, hf_fp32, tmp_path):
     """AVX2 without VNNI computes the same integer sums in the same order: the same logits. The
     scalar build sums floats in another order, which 30 layers of int8/bf16 rounding amplify to
     different but equally good logits: same top token, as close to float32."""
@@ -121,13 +119,13 @@ def test_portable_builds(native_llm, int4_model, hf_fp32, tmp_path):
     fast = feed(kernel, [(ids, [50, 51, 52])])
     builds = {}
     for march in ("haswell", "x86-64"):
-        other = NativeDecodeStep(build_library(tmp_path, march=march), int4_model.model, int4_model.native_weights,
+        other = NativeDecodeStep(build_library(tmp_path, march=march), smollm_int4.model, smollm_int4.native_weights,
                                 native_llm.core.kv_cache.storage, 16)
         builds[other.simd] = feed(other, [(ids, [50, 51, 52])])
     assert set(builds) == {"AVX2", "scalar"}
     torch.testing.assert_close(builds["AVX2"], fast, rtol=1e-6, atol=1e-6)
     assert builds["scalar"].argmax() == fast.argmax()
-    assert kl_from_float32(hf_fp32, ids, builds["scalar"][0]) < 0.05
+    assert kl_from_float32(float32_logits(hf_fp32, ids), builds["scalar"][0]) < 0.05
 
 
 def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
@@ -223,7 +221,7 @@ def test_a_short_prefill_runs_natively(native_llm):
     assert out.token_ids[0] == int(feed(core.runner.native, [(ids, [60, 61, 62, 63])])[0].argmax())
 
 
-def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, int4_model, caplog):
+def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tmp_path, smollm_int4, caplog):
     kernel = native_llm.core.runner.native
     with pytest.raises(NativeDecodeError, match="at least one request"):
         kernel.run(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))
@@ -238,9 +236,9 @@ def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tm
     with pytest.raises(NativeDecodeError, match="no C compiler 'no-such-compiler'"):
         build_library(tmp_path)
     with pytest.raises(ConfigError, match="native_decode_step='on': no C compiler"):
-        LLM(str(llm_gguf_path), quantization="int4", native_decode_step="on", cache_dir=tmp_path, loaded=int4_model)
+        LLM(str(llm_gguf_path), quantization="int4", native_decode_step="on", cache_dir=tmp_path, loaded=smollm_int4)
     with caplog.at_level(logging.WARNING, logger="engine.engine_core"):  # auto: warn, decode through PyTorch
-        fallback = LLM(str(llm_gguf_path), quantization="int4", cache_dir=tmp_path, max_model_len=256, loaded=int4_model)
+        fallback = LLM(str(llm_gguf_path), quantization="int4", cache_dir=tmp_path, max_model_len=256, loaded=smollm_int4)
     assert fallback.core.runner.native is None and "decoding through PyTorch" in caplog.text
     out = fallback.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert len(out.token_ids) == 2
@@ -304,7 +302,7 @@ def qwen_int4(qwen_0_5b_gguf) -> LoadedModel:
     return LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), quantization="int4"))
 
 
-def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_0_5b_gguf):
+def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_fp32, qwen_0_5b_gguf):
     """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0 and Q4_K repacked exactly, Q6_K requantized, float32
     q|k|v biases) on the int4 path, decoding natively and through PyTorch's int4 kernel: the
     greedy tokens of the dense float32 path."""
@@ -318,5 +316,5 @@ def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_0_
     assert native.core.step_times.native_steps >= 15
     torch_int4 = [o.token_ids for o in LLM(path, quantization="int4", native_decode_step="off", max_model_len=256,
                                            num_kv_blocks=32, loaded=qwen_int4).generate(prompts, params)]
-    dense = [o.token_ids for o in LLM(path, max_model_len=256, num_kv_blocks=32).generate(prompts, params)]
+    dense = [o.token_ids for o in LLM(path, max_model_len=256, num_kv_blocks=32, loaded=qwen_fp32).generate(prompts, params)]
     assert len(dense[1]) == 16 and ours == dense and torch_int4 == dense

@@ -128,12 +128,7 @@ def test_the_dense_path_is_kept_for_cpus_with_hardware_bf16_matmuls():
     assert no_bf16 > 1 << 20
 
 
-@pytest.fixture(scope="module")
-def int4_model(llm_gguf_path) -> LoadedModel:
-    return LoadedModel.load(EngineConfig(model=str(llm_gguf_path), quantization="int4"))
-
-
-def test_engine_int4_tracks_the_float32_model(int4_model, smollm, llm_gguf_path):
+def test_engine_int4_tracks_the_float32_model(smollm_int4, smollm, llm_gguf_path):
     """Greedy tokens of the int4 engine, scored by HF transformers in float32 on the dense weights
     of the same file: each chosen token's log-prob is close to what float32 gives it, and the
     answer is the float32 engine's answer. The question's float32 greedy tokens lead their runners-up
@@ -143,7 +138,7 @@ def test_engine_int4_tracks_the_float32_model(int4_model, smollm, llm_gguf_path)
 
     prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
-    out = LLM(str(llm_gguf_path), quantization="int4", max_model_len=512, loaded=int4_model).generate([prompt], params)[0]
+    out = LLM(str(llm_gguf_path), quantization="int4", max_model_len=512, loaded=smollm_int4).generate([prompt], params)[0]
     fp32 = LLM(str(llm_gguf_path), max_model_len=512, loaded=smollm).generate([prompt], params)[0]
     assert "Paris" in out.text and out.text == fp32.text
     hf = build_hf_model(smollm.model)

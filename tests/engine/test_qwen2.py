@@ -144,23 +144,17 @@ def test_an_hf_checkpoint_of_another_model_type_is_refused(tiny_qwen2_dir, tmp_p
 
 
 # ---- the real Qwen2.5-Coder-0.5B GGUF --------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen(qwen_0_5b_gguf) -> LoadedModel:
-    """The dense float32 engine model (every tensor dequantized) and its converted tokenizer."""
-    return LoadedModel.load(EngineConfig(model=str(qwen_0_5b_gguf), dtype="float32", device="cpu", max_model_len=2048))
-
-
 QUESTION = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
 
 
-def test_qwen_gguf_config_tokenizer_and_chat_template(qwen):
-    cfg = qwen.model_config
+def test_qwen_gguf_config_tokenizer_and_chat_template(qwen_fp32):
+    cfg = qwen_fp32.model_config
     assert (cfg.architecture, cfg.attention_bias, cfg.tie_word_embeddings) == ("qwen2", True, False)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (24, 896, 14, 2)
     assert (cfg.rope_theta, cfg.max_position_embeddings, cfg.vocab_size) == (1e6, 32768, 151936)
     assert cfg.rms_norm_eps == pytest.approx(1e-6)
     assert set(cfg.eos_token_ids) == {151645, 151643}
-    tok = qwen.tokenizer
+    tok = qwen_fp32.tokenizer
     assert tok.encode("<|im_end|>") == [151645] and tok.encode("<|endoftext|>") == [151643]
     assert tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -168,15 +162,15 @@ def test_qwen_gguf_config_tokenizer_and_chat_template(qwen):
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_qwen_greedy_tokens_and_logprobs_match_transformers_from_the_same_gguf(qwen, qwen_0_5b_gguf):
+def test_qwen_greedy_tokens_and_logprobs_match_transformers_from_the_same_gguf(qwen_fp32, qwen_0_5b_gguf):
     """Two loaders of one GGUF - ours (gguf's dequantize, biases into q|k|v, no Q/K un-permute)
     and transformers' gguf_file path - agree on 16 greedy tokens (each of ours is transformers'
     argmax given the ones before: one forward of transformers instead of 16 steps) with log-probs
     within 1e-3; and <|im_end|> ends a generation."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(qwen_0_5b_gguf), loaded=qwen, num_kv_blocks=64)
-    prompt = qwen.tokenizer.apply_chat_template(QUESTION)
+    llm = LLM(str(qwen_0_5b_gguf), loaded=qwen_fp32, num_kv_blocks=64)
+    prompt = qwen_fp32.tokenizer.apply_chat_template(QUESTION)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 16
     hf = AutoModelForCausalLM.from_pretrained(str(qwen_0_5b_gguf.parent), gguf_file=qwen_0_5b_gguf.name, dtype=torch.float32).eval()
@@ -188,6 +182,6 @@ def test_qwen_greedy_tokens_and_logprobs_match_transformers_from_the_same_gguf(q
     ours = [next(iter(entry.values())) for entry in out.logprobs]
     assert ours == pytest.approx(ref[torch.arange(16), out.token_ids].tolist(), abs=1e-3)
 
-    short = qwen.tokenizer.apply_chat_template([{"role": "user", "content": "Answer with one word: is 7 a prime number?"}])
+    short = qwen_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "Answer with one word: is 7 a prime number?"}])
     answer = llm.generate([short], SamplingParams(temperature=0.0, max_tokens=24))[0]
     assert answer.finish_reason == "stop" and len(answer.token_ids) < 24 and "yes" in answer.text.lower()
