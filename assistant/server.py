@@ -81,7 +81,10 @@ class AssistantServer:
         A user message's images (data URLs only; a remote URL is refused: the server fetches
         nothing) are read by the image stage, in this worker thread, and their text put before the
         message's text, as in a Realtime turn; identical images are read once. A bad image, more
-        than ``MAX_IMAGES``, or a last message whose images hold no text is a 400."""
+        than ``MAX_IMAGES``, or a last message whose images hold no text is a 400.
+
+        A question the refusal gate judges the handbook does not answer (assistant/refusal.py) gets
+        the gate's refusal without asking the model (its source: the contact's section)."""
         turns = [self._with_images(m) for m in messages if m["role"] in ("user", "assistant")]
         if not turns or turns[-1]["role"] != "user":
             raise ValueError("the last message must be the user's question")
@@ -93,18 +96,22 @@ class AssistantServer:
             else:
                 history.append({"role": m["role"], "content": content})
         question = turns[-1]["content"]
-        builder = self.answerer.builders[self.answerer.language_for(question)]
+        lang = self.answerer.language_for(question)
+        builder = self.answerer.builders[lang]
         try:
             ids = builder.build(history, question)
         except PromptTooLong as e:
             raise APIError(400, f"This chat does not fit the model's context: {e}.", param="messages",
                            code="context_length_exceeded") from e  # fmt: skip
+        # the refusal gate, as for a voice turn; a question with a picture is left to the model
+        refusal = None if messages[-1].get("images") else self.answerer.gates[lang].refusal(question)
 
         def footer(answer: str) -> str:
-            citation = builder.index.cite(question, answer)
+            citation = refusal.citation if refusal is not None else builder.index.cite(question, answer)
             return f"\n\nSource: {citation}" if citation is not None else ""
 
-        return ChatPrompt(ids, (builder.docs.version,), max_tokens=self.config.assistant.max_tokens, footer=footer)
+        return ChatPrompt(ids, (builder.docs.version,), max_tokens=self.config.assistant.max_tokens, footer=footer,
+                          answer=refusal.text if refusal is not None else None)  # fmt: skip
 
     def _with_images(self, message: dict[str, Any]) -> dict[str, str]:
         """The message with its images' text before its own (see :meth:`grounded_prompt`)."""

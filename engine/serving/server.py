@@ -61,12 +61,22 @@ class ChatPrompt:
     extra_keys: tuple = ()  # extra prefix-cache keys (see AsyncEngine.generate)
     max_tokens: int | None = None  # the default and the cap of the answer's length (None: the context's rest)
     footer: Callable[[str], str] | None = None  # the whole answer -> text sent after it (e.g. its source)
+    # an answer the hook decided without the model (e.g. "the documents do not say"): sent as the
+    # completion, finish_reason "stop", 0 completion tokens; the engine is not asked
+    answer: str | None = None
 
 
 ChatHook = Callable[[list[dict[str, Any]]], ChatPrompt]  # messages: role, content (text), images (URLs, if any)
 
 
 # ---- one request ---------------------------------------------------------------------------------
+async def _given(job: "_Job") -> AsyncIterator[RequestOutput]:
+    """A hook's own answer (:attr:`ChatPrompt.answer`) as the one output a finished request gives."""
+    assert job.answer is not None
+    yield RequestOutput(request_id=job.request_id, text=job.answer, token_ids=[], finished=True, finish_reason="stop",
+                        num_prompt_tokens=len(job.prompt_ids))  # fmt: skip
+
+
 @dataclass
 class _Job:
     """A validated request, ready for the engine."""
@@ -79,6 +89,7 @@ class _Job:
     include_usage: bool
     extra_keys: tuple = ()  # extra prefix-cache keys (see AsyncEngine.generate)
     footer: Callable[[str], str] | None = None  # see ChatPrompt
+    answer: str | None = None  # see ChatPrompt
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -149,7 +160,7 @@ class OpenAIServer:
         return _Job(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat=chat, prompt_ids=ids,
             params=params, priority=body.priority, include_usage=body.include_usage, extra_keys=made.extra_keys,
-            footer=made.footer,
+            footer=made.footer, answer=made.answer,
         )
 
     def _tokenize(self, body: GenerationRequest, prompt: str | list[int] | None) -> ChatPrompt:
@@ -169,6 +180,8 @@ class OpenAIServer:
 
     # ---- answering --------------------------------------------------------------------------------
     def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
+        if job.answer is not None:
+            return _given(job)
         return self.engine.generate(job.prompt_ids, job.params, priority=job.priority, request_id=job.request_id,
                                     extra_keys=job.extra_keys)
 

@@ -95,6 +95,27 @@ def test_an_earlier_answers_source_line_is_not_part_of_the_prompt(server, client
     assert usage[0] == usage[1]
 
 
+def test_a_question_the_handbook_does_not_answer_gets_the_refusal_without_the_model(server, client, monkeypatch) -> None:
+    """With the refusal gate on, as for a voice turn: the refusal is the answer, streamed or whole,
+    and the engine is not asked (no request counted, no completion tokens)."""
+    monkeypatch.setattr(server.answerer.config.refusal, "enabled", True)
+    wait_idle(server)
+    before = metrics(server)
+    question = ask("What is the dress code at the office?")
+    reply = client.chat.completions.create(model=server.model_name, **question)
+    # this folder has no contacts page: the refusal names no contact and cites no section
+    assert reply.choices[0].message.content == "The handbook does not say."
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens > 0
+    chunks = list(client.chat.completions.create(model=server.model_name, stream=True, **question))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == "The handbook does not say." and deltas[-1].finish_reason == "stop"
+    after = metrics(server)
+    for key in (("vllm:request_success_total", (("finished_reason", "stop"),)), ("vllm:e2e_request_latency_seconds_count", ())):
+        assert after[key] == before[key], key
+    # a question it answers still goes to the model
+    assert client.chat.completions.create(model=server.model_name, max_tokens=2, **ask()).usage.completion_tokens > 0
+
+
 @pytest.mark.parametrize(
     "body, code, param",
     [
