@@ -239,7 +239,9 @@ async def test_fifty_streaming_clients_disconnect_mid_answer_and_free_the_kv_poo
 async def test_non_streaming_client_that_times_out_aborts_its_request(server, engine):
     before = await wait_idle(engine)
     body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 2000, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=server.url, timeout=1.0) as http:
+    # 3 s: long enough for a first token on a loaded 2-core machine (1 s was not, under a parallel
+    # model load), far too short for 2000 tokens
+    async with httpx.AsyncClient(base_url=server.url, timeout=3.0) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json=body)
     after = await wait_idle(engine, timeout=15)
