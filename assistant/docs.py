@@ -48,8 +48,14 @@ class Section:
 
     @property
     def label(self) -> str:
-        """``path — heading`` (or just the path): how prompts and citations name the section."""
+        """``path — heading`` (or just the path): how citations name the section."""
         return f"{self.path} — {self.heading}" if self.heading else self.path
+
+    @property
+    def prompt_label(self) -> str:
+        """``title — heading`` (or just the title): how prompts name the section. Not the file
+        name: asked for a form code, a small model quoted "04-business-travel.md" as one."""
+        return f"{self.title} — {self.heading}" if self.heading else self.title
 
 
 @dataclass(frozen=True)
@@ -218,15 +224,15 @@ class DocumentSet:
         return scan(self.root) != self.stamp
 
     def render(self) -> str:
-        """All documents as one text block, each under its source path."""
-        return "\n".join(f"[{d.path}]\n{d.text}" for d in self.documents)
+        """All documents as one text block, each under its title (see :attr:`Section.prompt_label`)."""
+        return "\n".join(f"[{d.title}]\n{d.text}" for d in self.documents)
 
     def table_of_contents(self) -> list[str]:
-        """One line per document: its path, title and section headings (the stable part in retrieval mode)."""
+        """One line per document: its title and section headings (the stable part in retrieval mode)."""
         lines = []
         for d in self.documents:
             headings = "; ".join(dict.fromkeys(s.heading for s in d.sections if s.heading))
-            lines.append(f"- {d.path}: {d.title}" + (f" — {headings}" if headings else ""))
+            lines.append(f"- {d.title}" + (f" — {headings}" if headings else ""))
         return lines
 
 

@@ -155,7 +155,7 @@ class PromptBuilder:
 
     @staticmethod
     def _excerpt(section: Section) -> str:
-        return f"[{section.label}]\n{section.text}"
+        return f"[{section.prompt_label}]\n{section.text}"
 
     def summary(self) -> str:
         """One line saying which mode is in use and what the prefix holds (for logs and the CLI)."""

@@ -55,7 +55,7 @@ def test_documents_are_cut_into_sections_at_level_two_headings(tmp_path):
     assert sections[-1] == Section("b.txt", "b", "", "Plain notes without headings.")  # no title-only preamble section
     assert sections[-1].label == "b.txt" and sections[0].label == "a.md — Entitlement"
     parts = "; ".join(s.heading for s in rules)
-    assert docs.table_of_contents() == [f"- a.md: Leave — Entitlement; {parts}", "- b.txt: b"]
+    assert docs.table_of_contents() == [f"- Leave — Entitlement; {parts}", "- b"]
 
 
 def test_edits_are_noticed_cheaply_and_only_content_changes_the_version(tmp_path):
@@ -145,8 +145,10 @@ def test_every_prompt_starts_with_the_same_prefix_tokens(smollm_tokenizer):
     text = smollm_tokenizer.decode(a, skip_special_tokens=False)
     # after the prefix: the best-matching document again, the question, the answer's form
     rest = text[len(builder.prefix.rendered) :]
-    assert rest.index("[01-annual-leave.md — Entitlement]") < rest.index("[01-annual-leave.md — How to apply]")
-    assert "Submit a Leave Request form (HR-01)" in rest and "[02-sick-leave.md" not in rest
+    assert rest.index("[Annual Leave — Entitlement]") < rest.index("[Annual Leave — How to apply]")
+    assert "Submit a Leave Request form (HR-01)" in rest and "[Sick Leave" not in rest
+    # documents and excerpts are named by their titles, not their file names (no ".md" to quote as a form code)
+    assert ".md" not in text
     assert rest.endswith(f"Question: How do I apply for annual leave?\n\n{LABELS_EN.reminder}<|im_end|>\n<|im_start|>assistant\n")
 
 

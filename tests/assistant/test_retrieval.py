@@ -126,7 +126,7 @@ def test_documents_too_large_for_the_context_switch_to_retrieval_with_a_stable_p
     whole = PromptBuilder(tokenizer, SYSTEM[lang], docs)  # no budget: everything in the prefix
     assert len(whole.prefix.token_ids) > SMOLLM2.prompt_limit - SMOLLM2.conversation_tokens  # really too large
     assert builder.mode == RETRIEVAL and "retrieval mode" in builder.summary()
-    assert docs.documents[0].path in builder.prefix.system_text  # the table of contents is in the stable part
+    assert f"- {docs.documents[0].title}" in builder.prefix.system_text  # the table of contents is in the stable part
     prefix = list(builder.prefix.token_ids)
     for question, fact, file in facts[::7]:
         prompt = builder.prompt([], question)
