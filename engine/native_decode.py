@@ -81,7 +81,7 @@ def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.simd_level.restype = ctypes.c_int
     return lib
 
@@ -248,16 +248,17 @@ class NativeDecodeStep:
     def simd(self) -> str:
         return SIMD_NAMES[self.lib.simd_level()]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, tiled: bool = True) -> torch.Tensor:
         """Logits [B, vocab] float32 of one decode step; writes the step's K/V into the cache.
-        ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors."""
+        ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors.
+        ``tiled=False`` runs the matrices one row per token, the earlier kernel (a benchmark's baseline)."""
         b = input_ids.shape[0]
         if b < 1:
             raise NativeDecodeError("the native decode step runs at least one request, got none")
         ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
         logits = torch.empty(b, self.vocab, dtype=torch.float32)
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
-                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads)
+                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads, int(tiled))
         if rc != 0:
             raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
         return logits
