@@ -81,7 +81,8 @@ def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_int]
     lib.simd_level.restype = ctypes.c_int
     return lib
 
@@ -248,17 +249,21 @@ class NativeDecodeStep:
     def simd(self) -> str:
         return SIMD_NAMES[self.lib.simd_level()]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, tiled: bool = True) -> torch.Tensor:
-        """Logits [B, vocab] float32 of one decode step; writes the step's K/V into the cache.
-        ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors.
-        ``tiled=False`` runs the matrices one row per token, the earlier kernel (a benchmark's baseline)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor | None = None,
+            tiled: bool = True) -> torch.Tensor:
+        """Logits [B, vocab] float32 of one step, or [len(rows), vocab] of ``rows`` only (the
+        head runs for those alone: a prefill chunk samples its last row, or none); writes the step's K/V
+        into the cache. ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64
+        CPU tensors. ``tiled=False`` runs one row per token, the earlier kernel (a benchmark's baseline)."""
         b = input_ids.shape[0]
         if b < 1:
             raise NativeDecodeError("the native decode step runs at least one request, got none")
         ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
-        logits = torch.empty(b, self.vocab, dtype=torch.float32)
+        out = None if rows is None else rows.to(torch.int64).contiguous()
+        logits = torch.empty(b if out is None else len(out), self.vocab, dtype=torch.float32)
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
-                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads, int(tiled))
+                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, None if out is None else out.data_ptr(),
+                                  len(logits), logits.data_ptr(), self.threads, int(tiled))
         if rc != 0:
-            raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
+            raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position, block id or row out of range, or out of memory)")
         return logits

@@ -509,11 +509,15 @@ static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m
 
 /* One decode step for B >= 1 requests. tokens/positions [B]; block_tables [B, table_width] int64;
    kv: the whole bf16 cache [layers, 2, blocks, page, kv_heads, head_dim] with ``blocks`` blocks;
-   logits [B, vocab] float32 (out). ``tiled`` 0 runs the matrices one row per token and attention
+   logits [n_out, vocab] float32 (out) of rows out_rows [n_out] (NULL: every row, n_out = B; a
+   prefill chunk needs its last row's only, or none, and the head is a sixth of a small model's work). ``tiled`` 0 runs the matrices one row per token and attention
    one row per item (the earlier kernel, the benchmarks' baseline). Returns 0, or a negative code for inputs it cannot run. */
 int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *block_tables,
-                int table_width, uint16_t *kv, int64_t blocks, float *logits, int threads, int tiled) {
-    if (B < 1 || m->heads > MAX_HEADS) return -1;
+                int table_width, uint16_t *kv, int64_t blocks, const int64_t *out_rows, int n_out, float *logits, int threads,
+                int tiled) {
+    if (B < 1 || m->heads > MAX_HEADS || n_out < 0 || (!out_rows && n_out != B)) return -1;
+    for (int i = 0; out_rows && i < n_out; i++)
+        if (out_rows[i] < 0 || out_rows[i] >= B) return -2;
     for (int b = 0; b < B; b++) { /* bad ids would read or write outside the tables and the cache */
         if (positions[b] < 0 || positions[b] >= m->rope_len || tokens[b] < 0 || tokens[b] >= m->vocab) return -2;
         if (positions[b] / m->page >= table_width) return -2;
@@ -628,11 +632,11 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
             for (int i = 0; i < B * H; i++) resid[i] += out[i];
         }
 #pragma omp single
-        {
-            for (int b = 0; b < B; b++) rms_norm(resid + b * H, m->final_norm, x + b * H, H, m->eps);
-            quantize_rows(x, B, H, &act);
+        if (n_out > 0) {
+            for (int i = 0; i < n_out; i++) rms_norm(resid + (out_rows ? out_rows[i] : i) * H, m->final_norm, x + i * H, H, m->eps);
+            quantize_rows(x, n_out, H, &act);
         }
-        matvec(&m->head, &act, B, logits, tiled);
+        if (n_out > 0) matvec(&m->head, &act, n_out, logits, tiled);
     }
     free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(work); free(parts); free(part_out);
     free(act.q); free(act.d); free(act.s); free(act.dt); free(act.st); free(task_start);
