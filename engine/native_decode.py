@@ -8,7 +8,9 @@ reading and writing the same paged bf16 KV cache as the PyTorch path, so a reque
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
 compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
 :data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
-row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones):
+row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones; the
+matrices take the tokens in tiles of 8 that share each unpacked weight block, a request's rows
+share each K/V chunk in attention, and the head runs for the sampled rows only):
 without hardware bf16 matmuls PyTorch's int4 kernel prefilled Qwen2.5-1.5B's 128-token prompt
 in 13-16 s on a shared 2-core Xeon (2026-12-01), far too slow for a question after a cached
 prefix. Longer prefills stay on the PyTorch path. A decode step of any batch size runs here:
