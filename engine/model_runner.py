@@ -240,7 +240,7 @@ class ModelRunner:
         if path is ExecutionPath.NATIVE:  # one row per token, each with its request's block table
             lens = torch.tensor(meta.query_lens_host, device=meta.block_tables.device)
             tables = meta.block_tables if len(inputs.input_ids) == len(lens) else meta.block_tables.repeat_interleave(lens, dim=0)
-            return self.native.run(inputs.input_ids, inputs.positions, tables)[inputs.sample_rows]
+            return self.native.run(inputs.input_ids, inputs.positions, tables, inputs.sample_rows)
         if path is ExecutionPath.MIXED:
             hidden = self.mixed.run(inputs.input_ids, inputs.positions, meta, inputs.mixed_key, inputs.sample_rows)
             return self.model.compute_logits(hidden, self.gemv)

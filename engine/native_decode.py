@@ -8,7 +8,9 @@ reading and writing the same paged bf16 KV cache as the PyTorch path, so a reque
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
 compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
 :data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
-row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones):
+row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones; the
+matrices take the tokens in tiles of 8 that share each unpacked weight block, a request's rows
+share each K/V chunk in attention, and the head runs for the sampled rows only):
 without hardware bf16 matmuls PyTorch's int4 kernel prefilled Qwen2.5-1.5B's 128-token prompt
 in 13-16 s on a shared 2-core Xeon (2026-12-01), far too slow for a question after a cached
 prefix. Longer prefills stay on the PyTorch path. A decode step of any batch size runs here:
@@ -81,7 +83,8 @@ def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_int]
     lib.simd_level.restype = ctypes.c_int
     return lib
 
@@ -248,16 +251,21 @@ class NativeDecodeStep:
     def simd(self) -> str:
         return SIMD_NAMES[self.lib.simd_level()]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] float32 of one decode step; writes the step's K/V into the cache.
-        ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64 CPU tensors."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor | None = None,
+            tiled: bool = True) -> torch.Tensor:
+        """Logits [B, vocab] float32 of one step, or [len(rows), vocab] of ``rows`` only (the
+        head runs for those alone: a prefill chunk samples its last row, or none); writes the step's K/V
+        into the cache. ``input_ids``/``positions`` [B] and ``block_tables`` [B, width] are int64
+        CPU tensors. ``tiled=False`` runs one row per token, the earlier kernel (a benchmark's baseline)."""
         b = input_ids.shape[0]
         if b < 1:
             raise NativeDecodeError("the native decode step runs at least one request, got none")
         ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
-        logits = torch.empty(b, self.vocab, dtype=torch.float32)
+        out = None if rows is None else rows.to(torch.int64).contiguous()
+        logits = torch.empty(b if out is None else len(out), self.vocab, dtype=torch.float32)
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
-                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, logits.data_ptr(), self.threads)
+                                  tables.shape[1], self.kv.data_ptr(), self.num_blocks, None if out is None else out.data_ptr(),
+                                  len(logits), logits.data_ptr(), self.threads, int(tiled))
         if rc != 0:
-            raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position or block id out of range, or out of memory)")
+            raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position, block id or row out of range, or out of memory)")
         return logits

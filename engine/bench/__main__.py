@@ -1,4 +1,4 @@
-"""``python -m engine.bench [SUITE ...] --model PATH``, or ``python -m engine.bench serve ...``."""
+"""``python -m engine.bench [SUITE ...] --model PATH``, or ``python -m engine.bench serve|native-prefill ...``."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked|decode-scaling] --model PATH``.
+"""Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked|decode-scaling] --model PATH``
+(``serve ...``: the load generator; ``native-prefill --model GGUF``: the native CPU step's prefill chunks).
 
 Every figure is printed next to a ceiling or a baseline measured in the same run:
 device copy bandwidth (bytes read + written) and a large matmul give the ceilings; HF
@@ -39,7 +40,7 @@ from engine.loaded_model import LoadedModel
 from engine.metrics import StepTimes
 
 
-SUITES = ("latency", "prefill", "throughput", "prefix", "chunked", "decode-scaling")  # plus "serve": engine/bench/serve.py
+SUITES = ("latency", "prefill", "throughput", "prefix", "chunked", "decode-scaling")  # plus "serve" and "native-prefill": their own CLIs
 
 
 def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float, flops: float,
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["native-prefill"]:  # a prefill chunk after a cached context through the native CPU step
+        from engine.bench.native_prefill import main as native_prefill_main
+
+        return native_prefill_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", nargs="*", metavar="SUITE", help=f"one or more of all, {', '.join(SUITES)} (default: all)")
     p.add_argument("--model", required=True, help="model path, or a config.json with --load-format dummy "

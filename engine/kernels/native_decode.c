@@ -62,11 +62,15 @@ typedef struct {
     const layer_t *layer;   /* [layers] */
 } model_t;
 
+#define TILE 8 /* tokens whose activations one unpacked weight block is dotted with (one float lane each) */
+
 typedef struct { /* activations of B rows quantized per block of 32 */
-    int8_t *q;  /* [B, k] */
-    float *d;   /* [B, k/32] */
-    float *s;   /* [B, k/32]: d * sum(q) of the block */
-    int k;
+    int8_t *q;   /* [B, k] */
+    float *d;    /* [B, k/32] */
+    float *s;    /* [B, k/32]: d * sum(q) of the block */
+    float *dt;   /* [k/32, bp]: d transposed, so a tile's scales of one block are one vector; zero past B */
+    float *st;   /* [k/32, bp]: s likewise */
+    int k, bp;   /* bp: B rounded up to a multiple of TILE */
 } qact_t;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -101,6 +105,8 @@ static void quantize_rows(const float *x, int rows, int k, qact_t *a) {
             }
             a->d[r * (k / QK) + b] = d;
             a->s[r * (k / QK) + b] = d * (float)sum;
+            a->dt[(size_t)b * a->bp + r] = d;
+            a->st[(size_t)b * a->bp + r] = d * (float)sum;
         }
     }
 }
@@ -198,11 +204,97 @@ static float dot_q8_0(const int8_t *qs, const float *d, const int8_t *xq, const 
 }
 #endif
 
+#ifdef __AVX2__
+/* One weight row . the activations of NT <= TILE tokens t0.. (y[t * ldy] for token t0 + t). Each
+   block is loaded and unpacked once and dotted with every token of the tile while in registers;
+   per token that leaves one integer dot, one conversion and one FMA (lanes stay apart until the
+   end). The block scales d*dx of the tile's tokens are one vector multiply (dx transposed), and
+   Q4_1's m*sum(xq) terms one FMA per block for the whole tile. Each token's sums run in the
+   same order whatever the tile holds, so a row's result does not depend on the batch. NT is a
+   constant in every caller (TILE_CASES), so the token loops unroll into registers. */
+static inline __attribute__((always_inline)) void tile_q4_1(const uint8_t *qs, const float *d, const float *m, const qact_t *a,
+                                                            int t0, const int NT, int nb, float *y, size_t ldy) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const int8_t *xq = a->q + (size_t)t0 * a->k;
+    __m256 acc[TILE], mt = _mm256_setzero_ps();
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int blk = 0; blk < nb; blk++) {
+        const __m128i r = _mm_loadu_si128((const __m128i *)(qs + blk * 16));
+        const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r, 4), mask), _mm_and_si128(r, mask));
+        float sc[TILE];
+        _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(d[blk]), _mm256_loadu_ps(a->dt + (size_t)blk * a->bp + t0)));
+        mt = _mm256_fmadd_ps(_mm256_set1_ps(m[blk]), _mm256_loadu_ps(a->st + (size_t)blk * a->bp + t0), mt);
+        for (int t = 0; t < NT; t++) {
+            const __m256i p = dot_u8s8(w, _mm256_loadu_si256((const __m256i *)(xq + (size_t)t * a->k + blk * QK)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[t]), acc[t]);
+        }
+    }
+    float mts[TILE];
+    _mm256_storeu_ps(mts, mt);
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]) + mts[t];
+}
+
+static inline __attribute__((always_inline)) void tile_q8_0(const int8_t *qs, const float *d, const qact_t *a, int t0,
+                                                            const int NT, int nb, float *y, size_t ldy) {
+    const int8_t *xq = a->q + (size_t)t0 * a->k;
+    __m256 acc[TILE];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int blk = 0; blk < nb; blk++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + blk * QK)), wabs = _mm256_sign_epi8(w, w);
+        float sc[TILE];
+        _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(d[blk]), _mm256_loadu_ps(a->dt + (size_t)blk * a->bp + t0)));
+        for (int t = 0; t < NT; t++) { /* |w| as unsigned times x carrying w's sign */
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (size_t)t * a->k + blk * QK));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wabs, _mm256_sign_epi8(x, w))), _mm256_set1_ps(sc[t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+#define TILE_CASES(call) \
+    switch (nt) {        \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
+    }
+
+/* Row ``r`` of W . the tile of nt tokens from t0. */
+static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, float *y, size_t ldy) {
+    const int nb = w->k / QK;
+    const size_t o = (size_t)r * nb;
+    if (w->type == Q4_1) {
+#define Q4(n) tile_q4_1(w->qs + o * 16, w->d + o, w->m + o, a, t0, n, nb, y, ldy)
+        TILE_CASES(Q4)
+#undef Q4
+    } else {
+#define Q8(n) tile_q8_0((const int8_t *)w->qs + o * QK, w->d + o, a, t0, n, nb, y, ldy)
+        TILE_CASES(Q8)
+#undef Q8
+    }
+}
+#else
+static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, float *y, size_t ldy) {
+    const int nb = w->k / QK;
+    const size_t o = (size_t)r * nb;
+    for (int t = 0; t < nt; t++) {
+        const size_t b = (size_t)t0 + t;
+        y[t * ldy] = w->type == Q4_1 ? dot_q4_1(w->qs + o * 16, w->d + o, w->m + o, a->q + b * w->k, a->d + b * nb, a->s + b * nb, nb)
+                                     : dot_q8_0((const int8_t *)w->qs + o * QK, w->d + o, a->q + b * w->k, a->d + b * nb, nb);
+    }
+}
+#endif
+
 /* y[b * ldy + row] = W[row, :] . x[b, :] for rows [r0, r1). A row's blocks (<= 1 KiB) stay in L1
-   while the B activation rows pass over them, so each weight byte comes from memory once. */
-static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int ldy, int r0, int r1) {
+   while the B activation rows pass over them, so each weight byte comes from memory once.
+   ``tiled``: the tokens in tiles of TILE that share each unpacked block (dot_tile); otherwise
+   one dot product per (row, token): the earlier kernel, kept as the benchmarks' baseline. */
+static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int ldy, int r0, int r1, int tiled) {
     const int nb = w->k / QK;
     for (int r = r0; r < r1; r++) {
+        if (tiled) {
+            for (int t0 = 0; t0 < B; t0 += TILE)
+                dot_tile(w, r, a, t0, B - t0 < TILE ? B - t0 : TILE, y + (size_t)t0 * ldy + r, (size_t)ldy);
+            continue;
+        }
         const size_t o = (size_t)r * nb;
         for (int b = 0; b < B; b++) {
             const int8_t *xq = a->q + (size_t)b * w->k;
@@ -217,7 +309,7 @@ static inline int chunks_of(const matrix_t *w) { return (w->n + 15) / 16; }
 
 /* y [B, total rows] = the fused rows . x. Rows of all parts split evenly over the team, in chunks
    of 16 (within one part) so threads do not share cache lines of y. */
-static void matvec(const fused_t *w, const qact_t *a, int B, float *y) {
+static void matvec(const fused_t *w, const qact_t *a, int B, float *y, int tiled) {
     int n = 0, chunks = 0;
     for (int p = 0; p < w->parts; p++) {
         n += w->part[p].n;
@@ -233,7 +325,7 @@ static void matvec(const fused_t *w, const qact_t *a, int B, float *y) {
         }
         const matrix_t *m = &w->part[p];
         const int r1 = (local + 1) * 16 < m->n ? (local + 1) * 16 : m->n;
-        matvec_rows(m, a, B, y + row0, n, local * 16, r1);
+        matvec_rows(m, a, B, y + row0, n, local * 16, r1, tiled);
     }
 }
 
@@ -282,7 +374,7 @@ static void chunk_scores(const float *q, const uint16_t *k_cache, const int64_t 
             const float *qg = q + (size_t)kvh * group * hd;
             float *sg = scores + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
 #ifdef __AVX2__
-            if (hd % 8 == 0 && group <= 8) {
+            if (hd % 8 == 0) {
                 __m256 acc[8];
                 for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
                 for (int j = 0; j < hd; j += 8) {
@@ -302,27 +394,49 @@ static void chunk_scores(const float *q, const uint16_t *k_cache, const int64_t 
     }
 }
 
-/* out[h, :] = sum_t p[h, t] v_t (unnormalised), every head h. */
+/* out[h, :] = sum_t p[h, t] v_t (unnormalised), every head h. With AVX2 an 8-wide column slice
+   of every head of a GQA group stays in registers over a run of VALUE_RUN tokens (their V rows in
+   L1), instead of a load and store of the output per token; each output still adds its tokens
+   in order, so the sums are the same. */
+#define VALUE_RUN 64
 static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t *table, int t0, int t1, int page,
                          int kv_heads, int hd, int group, float *out) {
     const size_t slot_stride = (size_t)kv_heads * hd;
     for (int i = 0; i < kv_heads * group * hd; i++) out[i] = 0.f;
+#ifdef __AVX2__
+    if (hd % 8 == 0) {
+        const uint16_t *rows[VALUE_RUN];
+        for (int r0 = t0; r0 < t1; r0 += VALUE_RUN) {
+            const int n = t1 - r0 < VALUE_RUN ? t1 - r0 : VALUE_RUN;
+            for (int i = 0; i < n; i++) {
+                const int t = r0 + i;
+                rows[i] = v_cache + ((size_t)table[t / page] * page + t % page) * slot_stride;
+            }
+            for (int kvh = 0; kvh < kv_heads; kvh++) {
+                const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (r0 - t0);
+                float *og = out + (size_t)kvh * group * hd;
+                for (int g0 = 0; g0 < group; g0 += 8) /* at most 8 heads' accumulators at a time */
+                    for (int j = 0; j < hd; j += 8) {
+                        const int gs = group - g0 < 8 ? group - g0 : 8;
+                        __m256 acc[8];
+                        for (int g = 0; g < gs; g++) acc[g] = _mm256_loadu_ps(og + (g0 + g) * hd + j);
+                        for (int i = 0; i < n; i++) {
+                            const __m256 vv = load_bf16x8(rows[i] + (size_t)kvh * hd + j);
+                            for (int g = 0; g < gs; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pg[(g0 + g) * ATTN_CHUNK + i]), vv, acc[g]);
+                        }
+                        for (int g = 0; g < gs; g++) _mm256_storeu_ps(og + (g0 + g) * hd + j, acc[g]);
+                    }
+            }
+        }
+        return;
+    }
+#endif
     for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
         const uint16_t *row = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
         for (int kvh = 0; kvh < kv_heads; kvh++) {
             const uint16_t *v = row + (size_t)kvh * hd;
             const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
             float *og = out + (size_t)kvh * group * hd;
-#ifdef __AVX2__
-            if (hd % 8 == 0) {
-                for (int j = 0; j < hd; j += 8) {
-                    const __m256 vv = load_bf16x8(v + j);
-                    for (int g = 0; g < group; g++)
-                        _mm256_storeu_ps(og + g * hd + j, _mm256_fmadd_ps(_mm256_set1_ps(pg[g * ATTN_CHUNK]), vv, _mm256_loadu_ps(og + g * hd + j)));
-                }
-                continue;
-            }
-#endif
             for (int g = 0; g < group; g++)
                 for (int j = 0; j < hd; j++) og[g * hd + j] += pg[g * ATTN_CHUNK] * bf16_to_f32(v[j]);
         }
@@ -382,14 +496,28 @@ static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t
     chunk_values(scores, v_cache, table, t0, t1, page, kv_heads, hd, group, out);
 }
 
+/* Attention work: rows [b0, b1) of one request (a prefill chunk's tokens share its block table)
+   over context chunk ``chunk``, one row after another, so the chunk's K/V (<= 2 * ATTN_CHUNK rows)
+   comes from memory once for up to ATTN_ROWS rows and from L2 for the rest; each row's own
+   sums are unchanged. Rows of different requests are items of their own. */
+#define ATTN_ROWS 16
+typedef struct {
+    int b0, b1, chunk;
+} attn_work_t;
+
 static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m->inter : m->hidden); }
 
 /* One decode step for B >= 1 requests. tokens/positions [B]; block_tables [B, table_width] int64;
    kv: the whole bf16 cache [layers, 2, blocks, page, kv_heads, head_dim] with ``blocks`` blocks;
-   logits [B, vocab] float32 (out). Returns 0, or a negative code for inputs it cannot run. */
+   logits [n_out, vocab] float32 (out) of rows out_rows [n_out] (NULL: every row, n_out = B; a
+   prefill chunk needs its last row's only, or none, and the head is a sixth of a small model's work). ``tiled`` 0 runs the matrices one row per token and attention
+   one row per item (the earlier kernel, the benchmarks' baseline). Returns 0, or a negative code for inputs it cannot run. */
 int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *positions, const int64_t *block_tables,
-                int table_width, uint16_t *kv, int64_t blocks, float *logits, int threads) {
-    if (B < 1 || m->heads > MAX_HEADS) return -1;
+                int table_width, uint16_t *kv, int64_t blocks, const int64_t *out_rows, int n_out, float *logits, int threads,
+                int tiled) {
+    if (B < 1 || m->heads > MAX_HEADS || n_out < 0 || (!out_rows && n_out != B)) return -1;
+    for (int i = 0; out_rows && i < n_out; i++)
+        if (out_rows[i] < 0 || out_rows[i] >= B) return -2;
     for (int b = 0; b < B; b++) { /* bad ids would read or write outside the tables and the cache */
         if (positions[b] < 0 || positions[b] >= m->rope_len || tokens[b] < 0 || tokens[b] >= m->vocab) return -2;
         if (positions[b] / m->page >= table_width) return -2;
@@ -410,12 +538,24 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     task_start[0] = 0;
     for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
     const int tasks = task_start[B];
+    attn_work_t *work = malloc(sizeof(attn_work_t) * (size_t)tasks); /* at most one item per task */
+    int works = 0;
+    for (int b0 = 0, b1; work && b0 < B; b0 = b1) {
+        int chunks = task_start[b0 + 1] - task_start[b0];
+        for (b1 = b0 + 1; tiled && b1 < B && b1 - b0 < ATTN_ROWS &&
+                          !memcmp(block_tables + (size_t)b1 * table_width, block_tables + (size_t)b0 * table_width, sizeof(int64_t) * table_width);
+             b1++)
+            if (task_start[b1 + 1] - task_start[b1] > chunks) chunks = task_start[b1 + 1] - task_start[b1];
+        for (int c = 0; c < chunks; c++) work[works++] = (attn_work_t){b0, b1, c};
+    }
     partial_t *parts = malloc(sizeof(partial_t) * (size_t)tasks * nh);
     float *part_out = malloc(sizeof(float) * (size_t)tasks * qsz);
-    qact_t act = {malloc(B * K), malloc(sizeof(float) * B * K / QK), malloc(sizeof(float) * B * K / QK), 0};
-    if (!resid || !x || !qkv || !attn || !gu || !out || !parts || !part_out || !act.q || !act.d || !act.s) {
-        free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
-        free(act.q); free(act.d); free(act.s); free(task_start);
+    const int bp = (B + TILE - 1) / TILE * TILE;
+    qact_t act = {malloc(B * K), malloc(sizeof(float) * B * K / QK), malloc(sizeof(float) * B * K / QK),
+                  calloc((size_t)bp * K / QK, sizeof(float)), calloc((size_t)bp * K / QK, sizeof(float)), 0, bp};
+    if (!resid || !x || !qkv || !attn || !gu || !out || !work || !parts || !part_out || !act.q || !act.d || !act.s || !act.dt || !act.st) {
+        free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(work); free(parts); free(part_out);
+        free(act.q); free(act.d); free(act.s); free(act.dt); free(act.st); free(task_start);
         return -3;
     }
     for (int b = 0; b < B; b++)
@@ -431,7 +571,7 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                 for (int b = 0; b < B; b++) rms_norm(resid + b * H, L->input_norm, x + b * H, H, m->eps);
                 quantize_rows(x, B, H, &act);
             }
-            matvec(&L->qkv, &act, B, qkv); /* implicit barrier */
+            matvec(&L->qkv, &act, B, qkv, tiled); /* implicit barrier */
 #pragma omp single
             for (int b = 0; b < B; b++) { /* biases, RoPE on q and k, then K/V into the request's slot */
                 float *row = qkv + (size_t)b * qkv_n;
@@ -447,14 +587,14 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                 }
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int task = 0; task < tasks; task++) {
-                int b = 0;
-                while (task >= task_start[b + 1]) b++;
-                const int t0 = (task - task_start[b]) * ATTN_CHUNK, len = (int)positions[b] + 1;
-                attend_chunk(qkv + (size_t)b * qkv_n, kc, vc, block_tables + b * table_width, t0,
-                             t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, nkv, hd, group, 1.f / sqrtf((float)hd),
-                             parts + (size_t)task * nh, part_out + (size_t)task * qsz);
-            }
+            for (int w = 0; w < works; w++)
+                for (int b = work[w].b0; b < work[w].b1; b++) {
+                    const int task = task_start[b] + work[w].chunk, t0 = work[w].chunk * ATTN_CHUNK, len = (int)positions[b] + 1;
+                    if (task >= task_start[b + 1]) continue; /* an earlier row of the request: fewer chunks */
+                    attend_chunk(qkv + (size_t)b * qkv_n, kc, vc, block_tables + b * table_width, t0,
+                                 t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, nkv, hd, group, 1.f / sqrtf((float)hd),
+                                 parts + (size_t)task * nh, part_out + (size_t)task * qsz);
+                }
 #pragma omp for schedule(static)
             for (int bh = 0; bh < B * nh; bh++) { /* merge each head's chunks by their log-sum-exp */
                 const int b = bh / nh, h = bh % nh;
@@ -470,14 +610,14 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
             }
 #pragma omp single
             quantize_rows(attn, B, qsz, &act);
-            matvec(&L->o, &act, B, out);
+            matvec(&L->o, &act, B, out, tiled);
 #pragma omp single
             {
                 for (int i = 0; i < B * H; i++) resid[i] += out[i];
                 for (int b = 0; b < B; b++) rms_norm(resid + b * H, L->post_norm, x + b * H, H, m->eps);
                 quantize_rows(x, B, H, &act);
             }
-            matvec(&L->gate_up, &act, B, gu);
+            matvec(&L->gate_up, &act, B, gu, tiled);
 #pragma omp single
             {
                 for (int b = 0; b < B; b++)
@@ -487,19 +627,19 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                     }
                 quantize_rows(x, B, I, &act);
             }
-            matvec(&L->down, &act, B, out);
+            matvec(&L->down, &act, B, out, tiled);
 #pragma omp single
             for (int i = 0; i < B * H; i++) resid[i] += out[i];
         }
 #pragma omp single
-        {
-            for (int b = 0; b < B; b++) rms_norm(resid + b * H, m->final_norm, x + b * H, H, m->eps);
-            quantize_rows(x, B, H, &act);
+        if (n_out > 0) {
+            for (int i = 0; i < n_out; i++) rms_norm(resid + (out_rows ? out_rows[i] : i) * H, m->final_norm, x + i * H, H, m->eps);
+            quantize_rows(x, n_out, H, &act);
         }
-        matvec(&m->head, &act, B, logits);
+        if (n_out > 0) matvec(&m->head, &act, n_out, logits, tiled);
     }
-    free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(parts); free(part_out);
-    free(act.q); free(act.d); free(act.s); free(task_start);
+    free(resid); free(x); free(qkv); free(attn); free(gu); free(out); free(work); free(parts); free(part_out);
+    free(act.q); free(act.d); free(act.s); free(act.dt); free(act.st); free(task_start);
     return 0;
 }
 

@@ -244,14 +244,13 @@ def test_bad_calls_raise_clear_errors(native_llm, llm_gguf_path, monkeypatch, tm
     assert len(out.token_ids) == 2
 
 
-def test_mixed_formats_and_biases_match_float32():
+def mixed_format_qwen2():
     """A small random Qwen2 (q|k|v biases) whose fused outputs mix formats as Qwen2.5-1.5B's
-    repacked ones do (q, k Q4_1 and v Q8_0; gate Q8_0 and up Q4_1; a Q8_0 head): the native step
-    fed token by token against HF float32 on the same (dequantized) weights."""
+    repacked ones do (q, k Q4_1 and v Q8_0; gate Q8_0 and up Q4_1; a Q8_0 head), and its native
+    step over an 8-block cache. Returns (kernel, the model on the dequantized weights)."""
     import gguf
 
     from engine.config import ModelConfig, default_cache_dir
-    from engine.bench.hf_reference import build_hf_model
     from engine.gguf_blocks import q4_1_blocks, q8_0_blocks
     from engine.model import LlamaForCausalLM
     from engine.native_decode import BlockMatrix, NativeLayer, NativeWeights
@@ -286,8 +285,15 @@ def test_mixed_formats_and_biases_match_float32():
                                   quantized(mlp.down_proj.weight, Q.Q4_1)))
     weights = NativeWeights(layers, quantized(model.lm_head.weight, Q.Q8_0))
     kv_cache = torch.zeros(cfg.num_hidden_layers, 2, 8, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
-    kernel = NativeDecodeStep(build_library(default_cache_dir()), model, weights, kv_cache, 16)
-    ids = torch.randint(0, cfg.vocab_size, (40,)).tolist()
+    return NativeDecodeStep(build_library(default_cache_dir()), model, weights, kv_cache, 16), model
+
+
+def test_mixed_formats_and_biases_match_float32():
+    """The mixed-format Qwen2 fed token by token against HF float32 on the same (dequantized) weights."""
+    from engine.bench.hf_reference import build_hf_model
+
+    kernel, model = mixed_format_qwen2()
+    ids = torch.randint(0, model.config.vocab_size, (40,)).tolist()
     ours = feed(kernel, [(ids, [5, 2, 7])])[0]
     hf = build_hf_model(model)
     with torch.inference_mode():
@@ -295,6 +301,51 @@ def test_mixed_formats_and_biases_match_float32():
     assert ours.argmax() == ref.argmax()
     kl = float((ref.exp() * (ref - torch.log_softmax(ours, -1))).sum())
     assert kl < 0.01, f"KL(float32 || native) = {kl:.4f}"
+
+
+def one_call_and_one_by_one(kernel: NativeDecodeStep, ids: list[int], start: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ``ids`` at positions start.. as one step of len(ids) rows (tokens tiled in the
+    matrices, rows sharing each K/V chunk in attention), and as one one-row step per token."""
+    tables = torch.tensor([blocks] * len(ids))
+    pos = torch.arange(start, start + len(ids))
+    together = kernel.run(torch.tensor(ids), pos, tables)
+    alone = torch.cat([kernel.run(torch.tensor(ids[i : i + 1]), pos[i : i + 1], tables[:1]) for i in range(len(ids))])
+    return together, alone
+
+
+@pytest.mark.parametrize("tokens", [8, 11, 21])
+def test_a_tiled_step_equals_its_tokens_one_by_one(tokens):
+    """A prefill step of T tokens (T a multiple of the 8-token tile or not; Q4_1 and Q8_0
+    matrices, fused of both) gives each token the logits it gets as a one-token step, and the
+    per-row kernel (the benchmark's baseline) the same ones up to float rounding."""
+    kernel, model = mixed_format_qwen2()
+    ids = torch.randint(0, model.config.vocab_size, (7 + tokens,)).tolist()
+    blocks = [5, 2, 7, 0]
+    feed(kernel, [(ids[:7], blocks)])  # a cached prefix
+    together, alone = one_call_and_one_by_one(kernel, ids[7:], 7, blocks)
+    torch.testing.assert_close(together, alone)
+    per_row = kernel.run(torch.tensor(ids[7:]), torch.arange(7, 7 + tokens), torch.tensor([blocks] * tokens), tiled=False)
+    torch.testing.assert_close(together, per_row, rtol=1e-3, atol=1e-3)
+    assert not torch.equal(together[:, 0], together[:, 1])  # the rows are real logits, not a constant
+
+
+def test_a_long_tiled_step_after_a_cached_prefix(native_llm, hf_fp32):
+    """SmolLM2 (Q4_1 with a Q8_0 head): a 300-token prefix written by one native step, then a
+    37-token question (two 16-row attention groups and a short one, over two K/V chunks) as one
+    step: every row the logits of its token as a one-token step; the last one float32's top token."""
+    kernel = native_llm.core.runner.native
+    text = " ".join(f"Rule {i}: employees file form {i * 7} before day {i + 3}." for i in range(20))
+    ids = prompt_ids(native_llm, text + " Which form comes before day 10? Answer with the form number only, please.")
+    blocks = list(range(60, 85))
+    prefix, question = ids[:300], ids[300:]
+    assert len(question) >= 33 and len(question) % 8 and len(ids) <= 16 * len(blocks)
+    kernel.run(torch.tensor(prefix), torch.arange(300), torch.tensor([blocks] * 300))
+    together, alone = one_call_and_one_by_one(kernel, question, 300, blocks)
+    torch.testing.assert_close(together, alone)
+    with torch.inference_mode():
+        ref = hf_fp32(torch.tensor([ids])).logits[0, -1].float()
+    assert together[-1].argmax() == ref.argmax()
+    assert kl_from_float32(hf_fp32, ids, together[-1]) < 0.05
 
 
 @pytest.fixture(scope="module")
