@@ -515,14 +515,15 @@ class VoicePipeline:
         speaker = asyncio.create_task(self._speak(reply)) if reply.audio else None
         chunker = Chunker()
         finish_reason: str | None = None
+        pictured = bool(reply.images)  # a turn with a picture skips the refusal gate (its text is the user's own)
         try:
-            if reply.images and not await self._read_images(reply):
+            if pictured and not await self._read_images(reply):  # reading empties reply.images
                 self._say(reply, NO_TEXT, chunker)
                 return await self._end_reply(reply, speaker, chunker, "stop")
             asked_at = time.perf_counter()
             answer = self.services.answerer.answer(
                 reply.question, self.conversation, priority=self.services.coscheduler.turn_priority,
-                request_id=reply.request_id, max_tokens=reply.max_output_tokens, gate=not reply.images,
+                request_id=reply.request_id, max_tokens=reply.max_output_tokens, gate=not pictured,
             )  # fmt: skip
             try:
                 async for delta in answer:

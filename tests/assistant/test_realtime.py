@@ -648,6 +648,18 @@ async def test_a_typed_question_about_an_image_reads_it_once_and_times_it(server
         assert first_raw(events, "response.output_text.done")["text"] == NO_TEXT
 
 
+async def test_a_question_with_a_picture_skips_the_refusal_gate(server, monkeypatch) -> None:
+    """The gate judges a question by the handbook's words; a picture's text is the user's own, so
+    with a picture even a question the gate refuses as text goes to the model."""
+    monkeypatch.setattr(server.answerer.config.refusal, "enabled", True)
+    question = "What is the dress code at the office?"  # refused as text (test_a_refused_question_is_spoken_as_an_answer)
+    async with ws_connect(raw_url(server), max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        _, timeline, events = await ask_with_image(ws, question, image_url("account-locked"))
+        assert first_raw(events, "response.output_text.done")["text"] != "The handbook does not say."
+        assert timeline["breakdown_ms"]["llm_prefill"] > 0  # the model was asked
+
+
 @pytest.mark.parametrize("content, code", [
     ([{"type": "input_image", "image_url": "https://example.com/receipt.png"}], "remote_image_url"),
     ([{"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}], "invalid_image"),
