@@ -76,14 +76,13 @@ LABELS_EN = Labels(
     "The handbook's documents and sections are listed below; the sections that answer a question are given with it.",
     "Handbook sections:",
     "Question: ",
-    "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names. "
-    "If the handbook does not answer the question, say that the handbook does not say and name the contact to ask.",
+    "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names.",
 )
 LABELS_ZH = Labels(
     "手册的文件和章节如下；与问题相关的章节随问题一起给出。",
     "手册相关章节：",
     "问题：",
-    "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。如果手册没有回答这个问题，就说明手册中没有写，并写出应该联系谁。",
+    "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。",
 )
 
 
