@@ -85,7 +85,8 @@ LLAMA_8B = Path(__file__).resolve().parent.parent / "engine" / "configs" / "llam
 # random model never stops by itself).
 CONFIGS: dict[str, tuple[str, ...]] = {
     "8b": ("--model", str(LLAMA_8B), "--load-format", "dummy", "--device", "cuda", "--gpu-memory-utilization", "0.8",
-           "--max-num-seqs", "128", "--max-tokens", "24", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari"),
+           "--max-num-seqs", "128", "--max-tokens", "24", "--asr-load-format", "dummy", "--asr-device", "cuda", "--tts-backend", "hibari",
+           "--no-refusal-gate"),  # the random Whisper's transcripts are noise: the gate would refuse them all
     "real": ("--device", "cuda", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "128"),
 }  # fmt: skip
 COSCHEDULER_OFF = ("--coscheduler", "off")  # the A/B's second server

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, ServerConfig, VoiceConfig
+from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, RefusalConfig, ServerConfig, VoiceConfig
 from engine.serving.auth import MissingAPIKey, resolve_api_key
 
 API_KEY_ENV = "ASSISTANT_API_KEY"
@@ -92,6 +92,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a send may wait on a client that does not read (default 10; then close 1008)")
     s.add_argument("--max-item-chars", type=int, default=32_768, help="text of one conversation item (default 32768; then item_too_large)")
     s.add_argument("--max-conversation-chars", type=int, default=131_072, help="text a session's conversation keeps (default 131072)")
+    s.add_argument("--no-refusal-gate", dest="refusal_gate", action="store_false",
+                   help="let the model answer every question, also those the refusal gate judges the handbook does not "
+                        "answer (e.g. timing runs whose random-weight Whisper transcribes noise)")
     s.add_argument("--switch-interval-ms", type=float, default=5.0,
                    help="how long a thread may keep the GIL while another waits (sys.setswitchinterval; default 5, "
                         "Python's own): lower lets the event loop and the GPU threads in sooner under load")
@@ -108,6 +111,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     except MissingAPIKey as e:
         s.error(str(e))
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens, warm_documents=a.warm_documents,
+                                refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
                                                      quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs))  # fmt: skip

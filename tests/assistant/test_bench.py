@@ -85,6 +85,7 @@ def test_bench_options_become_server_arguments() -> None:
     args = cfg.server_args
     assert args[:4] == ("--model", args[1], "--load-format", "dummy") and args[1].endswith("engine/configs/llama-3.1-8b.json")
     assert args[args.index("--coscheduler") + 1] == "on" and "--early-prefill" in args
+    assert "--no-refusal-gate" in args  # random-weight transcripts must reach the LLM, not the gate's refusal
     assert args[-2:] == ("--max-sessions", "32") and COSCHEDULER_OFF == ("--coscheduler", "off")
     given = len(args) - 1 - args[::-1].index("--asr-device")
     assert given > args.index("--tts-backend")  # given options come after the preset's, so they win

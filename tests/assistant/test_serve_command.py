@@ -134,3 +134,8 @@ def test_the_gil_switch_interval_reaches_the_serving_process():
         sys.setswitchinterval(before)
     with pytest.raises(ValueError, match="switch_interval_ms"):
         ServerConfig(switch_interval_ms=0).validate()
+
+
+def test_the_refusal_gate_is_on_unless_turned_off():
+    assert parse_config(["serve"])[0].assistant.refusal.enabled
+    assert not parse_config(["serve", "--no-refusal-gate"])[0].assistant.refusal.enabled
