@@ -219,10 +219,10 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         for pattern in patterns:
             for n in caller_counts:
                 await asyncio.to_thread(wait_sessions_closed, http_base(url))
-                lag_before = await asyncio.to_thread(scrape_loop_lag, http_base(url))
+                lag_before = loop_lag_of(await asyncio.to_thread(scrape_metrics, http_base(url)))
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress, cfg.client_processes)
-                memory = await asyncio.to_thread(scrape_memory, http_base(url))
-                lag = lag_quantiles(lag_before, await asyncio.to_thread(scrape_loop_lag, http_base(url)))
+                after = await asyncio.to_thread(scrape_metrics, http_base(url))
+                memory, lag = memory_of(after), lag_quantiles(lag_before, loop_lag_of(after))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
                                "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory, lag),
                                "turns": [asdict(r) for r in turns]})  # fmt: skip
@@ -252,14 +252,17 @@ def wait_sessions_closed(http_url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def scrape_loop_lag(http_url: str) -> dict[float, float]:
-    """The server's event-loop lag histogram, bucket bound (s) -> cumulative count ({} if it has
-    none, or if no server answers: the phase's callers then say what is wrong)."""
+def scrape_metrics(http_url: str) -> str:
+    """The server's ``/metrics`` text ("" if no server answers: the phase's callers then say what is wrong)."""
     try:
-        text = httpx.get(http_url + "/metrics", timeout=30).text
+        return httpx.get(http_url + "/metrics", timeout=30).text
     except httpx.HTTPError:
-        return {}
-    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
+        return ""
+
+
+def loop_lag_of(metrics: str) -> dict[float, float]:
+    """The event-loop lag histogram in a ``/metrics`` text: bucket bound (s) -> cumulative count ({} if none)."""
+    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(metrics)
             for sample in family.samples if sample.name == "assistant_event_loop_lag_seconds_bucket"}  # fmt: skip
 
 
@@ -277,11 +280,10 @@ def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict
     return out | {"n": counts[-1]}
 
 
-def scrape_memory(http_url: str) -> dict[str, dict[str, float]]:
-    """device -> owner -> bytes, from the server's ``assistant_memory_bytes`` ({} if it has none)."""
-    text = httpx.get(http_url + "/metrics", timeout=30).text
+def memory_of(metrics: str) -> dict[str, dict[str, float]]:
+    """device -> owner -> bytes, from ``assistant_memory_bytes`` in a ``/metrics`` text ({} if it has none)."""
     memory: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics):
         for sample in family.samples:
             if sample.name == "assistant_memory_bytes":
                 memory.setdefault(sample.labels["device"], {})[sample.labels["owner"]] = sample.value

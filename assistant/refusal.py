@@ -90,6 +90,7 @@ class Evidence:
     unknown: tuple[str, ...]  # of them, those found nowhere in the handbook
     covered: tuple[str, ...]  # of them, those the question's best-matching document holds
     uncovered_share: float  # the share of the units' IDF weight that the best-matching document lacks (0: no units)
+    best: Section | None  # the question's best-matching section (None: no match)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class RefusalGate:
         self._texts = [f"{s.title}\n{s.text}" for s in docs.sections]
         self._text = "\n".join(self._texts)
         self._term_sets = [frozenset(_stem(t) for t in terms(text)) for text in self._texts]
-        self._stems = frozenset().union(*self._term_sets)
+        self._handbook = (self._text, frozenset().union(*self._term_sets))  # as _contains looks a unit up
         self._documents = {d.path: _document(f"{d.title}\n{d.text}") for d in docs.documents}
         self.contacts = _contact_sections(docs)
         self._contact_index = SectionIndex(self.contacts)
@@ -123,14 +124,15 @@ class RefusalGate:
         for run in _CJK_RUN.findall(question):
             units += self._cover(run)
         units = list(dict.fromkeys(units))
-        unknown = [u for u in units if not self._known(u)]
-        best = self.index.search(question)[:1]
-        document = self._documents.get(best[0].section.path) if best else None
+        unknown = [u for u in units if not _contains(self._handbook, u)]
+        hits = self.index.search(question)[:1]
+        best = hits[0].section if hits else None
+        document = self._documents.get(best.path) if best is not None else None
         covered = [u for u in units if document is not None and _contains(document, u)]
         weights = {u: self._idf(u) for u in units}
         total = sum(weights.values())
         outside = total - sum(weights[u] for u in covered)
-        return Evidence(tuple(units), tuple(unknown), tuple(covered), outside / total if total else 0.0)
+        return Evidence(tuple(units), tuple(unknown), tuple(covered), outside / total if total else 0.0, best)
 
     def refusal(self, question: str) -> Refusal | None:
         """The refusal to give instead of asking the model, or None when the model should answer
@@ -157,14 +159,10 @@ class RefusalGate:
         else, or with no match, the contacts document's first."""
         if not self.contacts:
             return None
-        best = self.index.search(question)[:1]
-        topic = best[0].section if best and len(evidence.covered) >= MIN_TOPIC_UNITS else None
+        topic = evidence.best if len(evidence.covered) >= MIN_TOPIC_UNITS else None
         topic = topic if topic is not None and topic.path != self.contacts[0].path else None
         scores = self._contact_index.scores(question + (f"\n{topic.title}\n{topic.heading}" if topic else ""))
         return self.contacts[max(range(len(scores)), key=scores.__getitem__)]  # no match (all equal): the first
-
-    def _known(self, unit: str) -> bool:
-        return unit in self._text if _CJK_RUN.fullmatch(unit) else unit in self._stems
 
     def _cover(self, run: str) -> list[str]:
         """A run of Chinese as the longest handbook substrings, left to right, and the gaps between
@@ -213,7 +211,7 @@ def _document(text: str) -> tuple[str, frozenset[str]]:
 
 
 def _contains(document: tuple[str, frozenset[str]], unit: str) -> bool:
-    """Whether a document (its text, its stems) holds a unit."""
+    """Whether a document, or the whole handbook (its text, its stems), holds a unit."""
     text, stems = document
     return unit in text if _CJK_RUN.fullmatch(unit) else unit in stems
 
