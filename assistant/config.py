@@ -102,6 +102,8 @@ class VoiceConfig:
     asr_device / asr_backend / asr_load_format: ``speech.config.ASRConfig``'s device, backend and
     load_format ("auto": the torch Whisper on a GPU, faster-whisper on the CPU; "dummy": the
     large-v3-turbo shape with random weights, for timing).
+    asr_graph_steps / asr_encoder_graphs: ``ASRConfig.graph_steps`` and ``encoder_cuda_graphs``
+    (the torch Whisper on a GPU: decoder steps a CUDA graph replay runs; the encoder from graphs).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
     max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
@@ -129,6 +131,8 @@ class VoiceConfig:
     asr_device: str = "auto"
     asr_backend: str = "auto"
     asr_load_format: str = "auto"
+    asr_graph_steps: int = 8
+    asr_encoder_graphs: bool = True
     partial_interval_s: float | None = 0.5
     start_ms: int = 60
     hangover_ms: int = 500

@@ -66,6 +66,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                    help="auto (default): the PyTorch Whisper on cuda, faster-whisper on the CPU")
     s.add_argument("--asr-load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: a large-v3-turbo-shaped Whisper with random weights, for timing")
+    s.add_argument("--asr-graph-steps", type=int, default=8,
+                   help="the PyTorch Whisper on a GPU: decoder steps one CUDA graph replay runs (default 8; 1: one a token)")
+    s.add_argument("--asr-encoder-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the PyTorch Whisper on a GPU: replay the encoder from CUDA graphs (default on)")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
     s.add_argument("--endpointing", choices=("fixed", "speculative"), default="fixed",
                    help="fixed (default): a turn ends after --hangover-ms of silence; speculative: answer at a short pause, "
@@ -116,7 +120,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                                      quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
-                        asr_load_format=a.asr_load_format, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
+                        asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,
+                        asr_encoder_graphs=a.asr_encoder_graphs, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         coscheduler=a.coscheduler == "on", endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,

@@ -57,7 +57,8 @@ class VoiceServices:
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
             device=config.asr_device, backend=config.asr_backend, load_format=config.asr_load_format,
-            cuda_stream_priority=coscheduler.cuda_stream_priority,
+            cuda_stream_priority=coscheduler.cuda_stream_priority, graph_steps=config.asr_graph_steps,
+            encoder_cuda_graphs=config.asr_encoder_graphs,
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
                                workers=config.tts_workers)  # fmt: skip

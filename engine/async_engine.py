@@ -34,10 +34,16 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+STALL_WARNING_S = 20.0  # a request this long without its first output is logged (once), with the engine's view of it
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    opened_at: float = 0.0
+    delivered: int = 0  # outputs handed to the caller's loop
+    warned: bool = False
 
 
 @dataclass
@@ -126,7 +132,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise RequestError(f"request id {rid!r} is already in use")
             self.core.validate_request(ids, params, None)
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), arrival)
             self._streams[rid] = stream
         self._commands.put(_Add(rid, ids, params, priority, extra_keys, arrival))
         finished = False
@@ -191,8 +197,12 @@ class AsyncEngine:
         if self._load_error is not None:
             return
         core = self.core
+        watched = time.perf_counter()
         while not self._stop.is_set():
             self._drain(block=not core.has_unfinished_requests())
+            if time.perf_counter() - watched > 1.0:
+                watched = time.perf_counter()
+                self._warn_stalls(core)
             if not core.has_unfinished_requests():
                 continue
             try:
@@ -206,6 +216,34 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._stats = core.stats()
+
+    def _warn_stalls(self, core: EngineCore, now: float | None = None) -> list[str]:
+        """Log each stream that has waited ``STALL_WARNING_S`` for its first output, once, with what
+        the engine knows of its request (queue, tokens computed, blocks free): a turn a caller gives
+        up on leaves this line in the server's log. Returns the lines logged."""
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            stalled = [(rid, s) for rid, s in self._streams.items()
+                       if not s.warned and s.delivered == 0 and now - s.opened_at > STALL_WARNING_S]  # fmt: skip
+            for _, s in stalled:
+                s.warned = True
+        lines = []
+        for rid, stream in stalled:
+            req = core.requests.get(rid)
+            scheduler = core.scheduler
+            if req is None:
+                state = "not in the engine (never added, or finished without an output delivered)"
+            else:
+                where = (f"waiting, {scheduler.waiting.index(req) + 1} of {len(scheduler.waiting)}" if req in scheduler.waiting
+                         else f"running, {len(scheduler.running)} running")  # fmt: skip
+                state = (f"{req.status.name} ({where}), priority {req.priority}, {req.num_computed_tokens} of "
+                         f"{req.num_prompt_tokens} prompt tokens computed ({max(req.num_cached_tokens, 0)} cached), "
+                         f"{req.num_output_tokens} generated, {req.num_pending_tokens} pending, "
+                         f"scheduled first {'never' if req.metrics.first_scheduled_time is None else 'yes'}")  # fmt: skip
+            lines.append(f"request {rid} has had no output for {now - stream.opened_at:.1f} s: {state}; "
+                         f"KV blocks free {core.block_manager.num_free_blocks}, steps {core.num_steps}")  # fmt: skip
+            log.warning("%s", lines[-1])
+        return lines
 
     def _drain(self, block: bool) -> None:
         try:
@@ -254,6 +292,7 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
         if stream is None:
             return
+        stream.delivered += 1
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening

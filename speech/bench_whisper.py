@@ -4,8 +4,10 @@
     python -m speech.bench_whisper --load-format dummy [--device cuda] [--batch 1,8,32,64]
 
 For each batch size: encoder ms per 30 s window, decode ms per step (a step is one token of every
-row), and whole clips per second through ``transcribe_batch``, once with the decoder step replayed
-from CUDA graphs and once eager. With real weights it first checks that the clip's transcript is
+row), and whole clips per second through ``transcribe_batch``, in three modes: "graphs" (the
+encoder and ``graph_steps`` decoder steps a replay from CUDA graphs: the server's default),
+"step" (the decoder one step a replay, the encoder eager: the earlier default) and "eager". On a
+GPU it first checks that the encoder's graph replay gives the eager encoder's output. With real weights it first checks that the clip's transcript is
 the expected text (exit status 1 if not). The clip is a spoken handbook question (synthesized by
 the bundled voice unless ``--clip`` is given). ``--load-format dummy`` times the large-v3-turbo
 shape with random weights: every decode runs exactly ``--dummy-tokens`` tokens. Needs only numpy,
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speech.asr.encoder_graphs import EncoderGraphs
 from speech.asr.greedy_decode import GreedyDecoder
 from speech.asr.torch_backend import TorchWhisperBackend
 from speech.audio import read_wav, resample
@@ -74,8 +77,8 @@ def measure(backend: TorchWhisperBackend, clip: np.ndarray, batch: int, repeats:
     device = backend.torch_device
     with torch.inference_mode(), backend.decoder.stream_context():
         windows = backend.mel.windows([clip] * batch)
-        encode_s = timed(device, lambda: backend.model.encode(windows.features), repeats)
-        audio = backend.model.encode(windows.features)
+        encode_s = timed(device, lambda: backend.encoder.encode(windows.features), repeats)
+        audio = backend.encoder.encode(windows.features)
         prompts = [backend._prompt(backend._language(None), "", None) for _ in range(batch)]
         decode_s = timed(device, lambda: backend.decoder.decode(audio, prompts), repeats)
         steps = backend.decoder.steps_run
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=Path, help="a WAV file to transcribe (default: the question spoken by the bundled voice)")
     p.add_argument("--expect", default=QUESTION, help="the clip's expected transcript (real weights)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--modes", choices=("both", "graphs", "eager"), default="both", help="decoder step modes to time (default both)")
+    p.add_argument("--modes", default="graphs,step,eager", help="modes to time, comma-separated (default graphs,step,eager)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args(argv)
     if a.load_format == "auto" and a.model is None:
@@ -121,24 +124,33 @@ def main(argv: list[str] | None = None) -> int:
         ok = heard.strip() == a.expect.strip()
         status = 0 if ok else 1
         print(f"transcript {'OK' if ok else 'MISMATCH'}: {heard!r}" + ("" if ok else f" (expected {a.expect!r})"))
-    graphs_decoder = backend.decoder
+    graphs_decoder, graphs_encoder = backend.decoder, backend.encoder
+    eager_encoder = EncoderGraphs(backend.model, graphs_encoder.max_batch, enabled=False)
+    if graphs_encoder.captured:
+        with torch.inference_mode(), graphs_decoder.stream_context():
+            mel = backend.mel.windows([clip] * max(batches)).features
+            diff = (graphs_encoder.encode(mel) - eager_encoder.encode(mel)).abs().max().item()
+        print(f"encoder graph replay vs eager: max |difference| {diff:.3g}")
+        status = status or int(not diff <= 1e-2)
     rows = []
-    for mode in ("graphs", "eager"):
-        if a.modes not in ("both", mode):
+    for mode in a.modes.split(","):
+        if mode != "eager" and not graphs_decoder.use_graphs:
+            print(f"{mode}: not on this device (CUDA graphs are CUDA only)")
             continue
-        if mode == "eager":
+        if mode == "graphs":
+            backend.decoder, backend.encoder = graphs_decoder, graphs_encoder
+        else:
             backend.decoder = GreedyDecoder(backend.model, graphs_decoder.rules, graphs_decoder.max_batch,
-                                            cuda_graphs=False, stream=graphs_decoder.stream)  # fmt: skip
-        elif not graphs_decoder.use_graphs:
-            print("graphs: not on this device (CUDA only); the eager figures follow")
-            continue
+                                            cuda_graphs=mode == "step", stream=graphs_decoder.stream, steps_per_graph=1)  # fmt: skip
+            backend.decoder.capture()
+            backend.encoder = eager_encoder
         for batch in batches:
             row = {"mode": mode, **measure(backend, clip, batch, a.repeats)}
             rows.append(row)
             print(f"{mode:6s} batch {batch:3d}: encoder {row['encoder_ms_per_window']:7.2f} ms/window  "
                   f"decode {row['decode_ms_per_step']:6.2f} ms/step ({row['decode_steps']} steps)  "
                   f"{row['clips_per_s']:8.1f} clips/s  ({row['ms_per_batch']:.1f} ms a batch)")  # fmt: skip
-    backend.decoder = graphs_decoder
+    backend.decoder, backend.encoder = graphs_decoder, graphs_encoder
     if a.json:
         a.json.write_text(json.dumps({"device": str(backend.device), "load_format": a.load_format,
                                       "dims": asdict(dims),

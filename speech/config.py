@@ -116,7 +116,10 @@ class ASRConfig:
     weights (torch backend) whose every decode runs exactly ``dummy_tokens`` tokens: for timing.
     max_batch: clips the torch backend decodes together (the worker takes that many jobs a turn).
     cuda_stream_priority: "high" runs ASR kernels on a high-priority CUDA stream, "default" on the
-    default stream. cuda_graphs: replay the decoder step from CUDA graphs (False: eager, for A/B).
+    default stream. cuda_graphs: replay the decoder step from CUDA graphs (False: eager, for A/B);
+    graph_steps: decoder steps one graph replay runs (1: a replay and a host check per token);
+    encoder_cuda_graphs: replay the encoder from CUDA graphs too (per batch-size bucket). Both cut
+    the Python calls a batch makes, each of which may wait for the GIL in a busy server.
     """
 
     model_path: Path | None = None
@@ -128,6 +131,8 @@ class ASRConfig:
     max_batch: int = 64
     cuda_stream_priority: str = "high"
     cuda_graphs: bool = True
+    graph_steps: int = 8
+    encoder_cuda_graphs: bool = True
     cpu_threads: int = 2
     language: str = "auto"
     beam_size: int = 1
@@ -156,6 +161,7 @@ class ASRConfig:
         )
         _check(self.dummy_tokens >= 1, f"ASRConfig.dummy_tokens={self.dummy_tokens}: must be >= 1")
         _check(1 <= self.max_batch <= 64, f"ASRConfig.max_batch={self.max_batch}: use 1 to 64")
+        _check(1 <= self.graph_steps <= 64, f"ASRConfig.graph_steps={self.graph_steps}: use 1 to 64")
         _check(self.beam_size >= 1, f"ASRConfig.beam_size={self.beam_size}: must be >= 1")
         _check(self.cpu_threads >= 0, f"ASRConfig.cpu_threads={self.cpu_threads}: must be >= 0")
         _check(self.queue_size >= 1, f"ASRConfig.queue_size={self.queue_size}: must be >= 1")

@@ -11,9 +11,14 @@ a row's first sampled one; the score sums the log-probabilities of the prefix, t
 ``<|endoftext|>``; at most ``max_new`` positions (prefix included) follow the prompt.
 
 The step (:meth:`GreedyDecoder._step`) reads and writes only the preallocated buffers of
-:class:`_Rows`, so on CUDA it is captured once per batch-size bucket in a CUDA graph and replayed;
-on the CPU (and with graphs off) the very same function runs eagerly. Finished rows keep
-stepping, masked, until every row is done.
+:class:`_Rows`, so on CUDA it is captured per batch-size bucket in CUDA graphs and replayed; on
+the CPU (and with graphs off) the very same function runs eagerly. Finished rows keep stepping,
+masked, until every row is done. Each bucket has two graphs: one step, and ``steps_per_graph``
+steps back to back. A batch replays the long one while at least that many steps remain, then
+single steps, and checks after each replay whether any row is alive: one host round trip (and one
+GIL hand-off, which costs milliseconds when the server's other threads hold the GIL) every
+``steps_per_graph`` tokens instead of every token, at the price of at most ``steps_per_graph - 1``
+masked steps once every row has ended.
 """
 
 from __future__ import annotations
@@ -88,8 +93,11 @@ class GreedyDecoder:
     """Decodes batches of up to ``max_batch`` rows of one model; CUDA graphs per bucket when asked."""
 
     def __init__(self, model: Whisper, rules: DecodeRules, max_batch: int, cuda_graphs: bool = True,
-                 stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+                 stream: torch.cuda.Stream | None = None, steps_per_graph: int = 8) -> None:  # fmt: skip
+        if steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph={steps_per_graph}: use 1 or more")
         self.model = model
+        self.steps_per_graph = steps_per_graph
         self.rules = rules
         self.max_batch = max_batch
         weight = model.decoder.ln.weight
@@ -107,7 +115,7 @@ class GreedyDecoder:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self._rows = {b: _Rows(self.full, b, self.cache, self.positions, self.device) for b in self.buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, steps) -> graph
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.steps_run = 0  # steps the last batch ran (for timing: a step is one token of every row)
         on_cuda = self.device.type == "cuda"
@@ -144,34 +152,39 @@ class GreedyDecoder:
         rows.tokens.copy_(token)
         step.add_(1)
 
-    def _run_step(self, rows: _Rows) -> None:
-        graph = self._graphs.get(rows.batch)
+    def _run_steps(self, rows: _Rows, steps: int) -> None:
+        """Advance every row ``steps`` steps: one graph replay when captured, else eagerly."""
+        graph = self._graphs.get((rows.batch, steps))
         if graph is not None:
             graph.replay()
-        else:
-            with torch.inference_mode():
+            return
+        with torch.inference_mode():
+            for _ in range(steps):
                 self._step(rows)
 
     def capture(self) -> None:
-        """Capture the step of every bucket in a CUDA graph (no-op unless CUDA graphs are on)."""
+        """Capture every bucket's one-step and ``steps_per_graph``-step graphs (no-op unless CUDA
+        graphs are on)."""
         if not self.use_graphs:
             return
         side = self.stream or torch.cuda.Stream()
         with torch.inference_mode():
             for batch in self.buckets:
-                if batch in self._graphs:
-                    continue
                 rows = self._rows[batch]
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm up kernels and workspaces outside the capture
-                        self._step(rows)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads of the process (the LLM engine) may use CUDA meanwhile
-                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                    self._step(rows)
-                self._graphs[batch] = graph
+                for steps in sorted({1, self.steps_per_graph}):
+                    if (batch, steps) in self._graphs:
+                        continue
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(2):  # warm up kernels and workspaces outside the capture
+                            self._step(rows)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: other threads of the process (the LLM engine) may use CUDA meanwhile
+                    with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                        for _ in range(steps):
+                            self._step(rows)
+                    self._graphs[(batch, steps)] = graph
         torch.cuda.synchronize(self.device)
 
     # ---- a batch ------------------------------------------------------------------------------------------
@@ -235,23 +248,27 @@ class GreedyDecoder:
         return self._results(rows, count)
 
     def _loop(self, rows: _Rows, steps: int) -> None:
-        """Run up to ``steps`` steps, stopping once no row is alive. On CUDA the check lags one step
-        behind (the next step is queued before the host waits for the flag), so the GPU never idles."""
+        """Run up to ``steps`` steps, ``steps_per_graph`` a replay while that many remain, stopping
+        once no row is alive. On CUDA the check lags one replay behind (the next replay is queued
+        before the host waits for the flag), so the GPU never idles."""
         self.steps_run = 0
         flags, events = self._flags, self._events
-        for step in range(steps):
-            self._run_step(rows)
-            self.steps_run += 1
+        replay = 0
+        while self.steps_run < steps:
+            count = self.steps_per_graph if steps - self.steps_run >= self.steps_per_graph else 1
+            self._run_steps(rows, count)
+            self.steps_run += count
             if not events:
                 if not bool(rows.alive.any()):
                     return
                 continue
-            flags[step % 2].copy_(rows.alive.any(), non_blocking=True)
-            events[step % 2].record()
-            if step > 0:
-                events[(step - 1) % 2].synchronize()
-                if not bool(flags[(step - 1) % 2]):
+            flags[replay % 2].copy_(rows.alive.any(), non_blocking=True)
+            events[replay % 2].record()
+            if replay > 0:
+                events[(replay - 1) % 2].synchronize()
+                if not bool(flags[(replay - 1) % 2]):
                     return
+            replay += 1
 
     def _results(self, rows: _Rows, count: int) -> list[RowResult]:
         start = self.rules.prompt_length

@@ -1,9 +1,10 @@
 """Whisper in PyTorch over the embedded CTranslate2 weights: the ASR backend for a GPU.
 
 ``TorchWhisperBackend`` transcribes a batch of clips at once: every clip's 30 s windows go through
-one encoder batch, then all rows decode together (:class:`~speech.asr.greedy_decode.GreedyDecoder`,
-its step in CUDA graphs on a GPU, on a high-priority CUDA stream unless
-``ASRConfig.cuda_stream_priority`` is "default"). It decodes as faster-whisper does with this
+one encoder batch (:class:`~speech.asr.encoder_graphs.EncoderGraphs`, from CUDA graphs on a GPU),
+then all rows decode together (:class:`~speech.asr.greedy_decode.GreedyDecoder`, ``graph_steps``
+steps a CUDA graph replay on a GPU), on a high-priority CUDA stream unless
+``ASRConfig.cuda_stream_priority`` is "default". It decodes as faster-whisper does with this
 project's settings (greedy, temperature 0, no timestamps, no previous text; the prefix forced on a
 clip's first window) and applies the same guards as
 :class:`~speech.asr.backend.FasterWhisperBackend`: a window whose no-speech probability is above
@@ -31,6 +32,7 @@ from tokenizers import Tokenizer
 
 from speech.asr.backend import ASRBackend, Decoded, resolve_device
 from speech.asr.ct2_weights import read_ct2_model
+from speech.asr.encoder_graphs import EncoderGraphs
 from speech.asr.greedy_decode import DecodeRules, GreedyDecoder, RowPrompt
 from speech.asr.log_mel import LogMel
 from speech.asr.whisper_model import TURBO_DIMS, WhisperDims, from_ct2, random_whisper
@@ -144,9 +146,13 @@ class TorchWhisperBackend(ASRBackend):
         stream = None
         if self.torch_device.type == "cuda" and config.cuda_stream_priority == "high":
             stream = torch.cuda.Stream(device=self.torch_device, priority=min(torch.cuda.Stream.priority_range()))
-        self.decoder = GreedyDecoder(self.model, rules, config.max_batch, config.cuda_graphs, stream)
+        # Off the GPU a multi-step replay would only add masked steps: one step, then the check.
+        steps = config.graph_steps if self.torch_device.type == "cuda" and config.cuda_graphs else 1
+        self.decoder = GreedyDecoder(self.model, rules, config.max_batch, config.cuda_graphs, stream, steps)
+        self.encoder = EncoderGraphs(self.model, config.max_batch, config.encoder_cuda_graphs, stream)
         self.mel = LogMel(self.model.dims.n_mels, self.torch_device)
         with self.gpu_lock, self.decoder.stream_context():
+            self.encoder.capture()
             self.decoder.capture()
         self._language_of = {token: code for code, token in special.languages.items()}
 
@@ -170,7 +176,7 @@ class TorchWhisperBackend(ASRBackend):
                                             if first_row[clip] != row else None))  # fmt: skip
             rows = []
             if prompts:
-                audio = torch.cat([self.model.encode(windows.features[i : i + self.max_batch])
+                audio = torch.cat([self.encoder.encode(windows.features[i : i + self.max_batch])
                                    for i in range(0, len(prompts), self.max_batch)])  # fmt: skip
                 rows = self.decoder.decode(audio, prompts)
         return [self._clip_result([r for r, c in zip(rows, windows.clip) if c == index], languages[index])
@@ -180,7 +186,7 @@ class TorchWhisperBackend(ASRBackend):
         """Device memory this backend holds, by owner: weights and the decoder's KV cache (CUDA
         graphs' private pool not included: PyTorch does not report it apart)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"asr weights": weights, "asr buffers": self.decoder.cache.nbytes}
+        return {"asr weights": weights, "asr buffers": self.decoder.cache.nbytes + self.encoder.nbytes}
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _language(self, language: str | None) -> str:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from speech.asr.backend import Decoded, FasterWhisperBackend
 from speech.asr.factory import backend_name, load_backend
 from speech.asr.ct2_weights import CT2FormatError, read_ct2_model, write_ct2_model
+from speech.asr.greedy_decode import GreedyDecoder
 from speech.asr.log_mel import LogMel, mel_filters
 from speech.asr.torch_backend import SpecialTokens, TorchWhisperBackend
 from speech.asr.whisper_model import TURBO_DIMS, parameter_count
@@ -152,6 +153,39 @@ def test_dummy_turbo_decodes_exactly_the_forced_token_count() -> None:
     assert memory["asr weights"] > 51866 * 64 * 4 and memory["asr buffers"] == backend.decoder.cache.nbytes > 0
 
 
+def test_several_steps_a_replay_decode_as_one_step_a_replay(question_clips, torch_tiny) -> None:
+    """The decoder run ``steps_per_graph`` steps between host checks (as its multi-step CUDA graph
+    runs them): the same rows as one step at a time, though rows end mid-replay and keep stepping
+    masked; the step count is rounded up to the replays it ran, never past the last position."""
+    decoder = torch_tiny.decoder
+    with torch.inference_mode():
+        windows = torch_tiny.mel.windows([audio16k(c) for c in question_clips[:3]] + [np.zeros(32000, np.float32)])
+        audio = torch_tiny.model.encode(windows.features)
+    prompts = [torch_tiny._prompt("en", "", None) for _ in range(len(audio))]
+    one = decoder.decode(audio, prompts)
+    one_steps = decoder.steps_run
+    several = GreedyDecoder(torch_tiny.model, decoder.rules, decoder.max_batch, cuda_graphs=False, steps_per_graph=5)
+    assert several.decode(audio, prompts) == one
+    assert one_steps <= several.steps_run < one_steps + 5
+    assert any(len(r.tokens) + 3 < one_steps for r in one)  # some rows did end before the others
+    with pytest.raises(ValueError, match="steps_per_graph"):
+        GreedyDecoder(torch_tiny.model, decoder.rules, decoder.max_batch, steps_per_graph=0)
+
+
+def test_the_encoder_pads_a_batch_to_its_bucket_without_changing_a_row() -> None:
+    """EncoderGraphs: eager off the GPU; its buckets cover every batch size up to max_batch, and a
+    row encoded in a zero-padded batch (as a graph replay encodes it) equals the row alone."""
+    backend = TorchWhisperBackend(ASRConfig(load_format="dummy", device="cpu", dummy_tokens=2, max_batch=6),
+                                  dummy_dims=TINY_DUMMY)  # fmt: skip
+    encoder = backend.encoder
+    assert encoder.captured == 0 and encoder.buckets == [1, 2, 4, 6] and encoder.nbytes == 0
+    mel = torch.randn(3, 128, 3000)
+    padded = torch.cat([mel, torch.zeros(1, 128, 3000)])
+    torch.testing.assert_close(encoder.encode(padded)[:3], encoder.encode(mel), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at most 6"):
+        encoder.encode(torch.zeros(7, 128, 3000))
+
+
 def test_a_batch_waits_for_the_gpu_lock_a_capture_holds() -> None:
     """The lock the process's CUDA graph captures hold (the engine's, while serving): a batch
     does not start while it is held, and runs once it is released."""
@@ -187,7 +221,7 @@ def test_backend_choice_and_settings() -> None:
     with pytest.raises(ConfigError, match="needs the torch backend"):
         load_backend(ASRConfig(backend="faster-whisper", load_format="dummy", device="cpu"))
     for bad in ({"device": "tpu"}, {"load_format": "gguf"}, {"cuda_stream_priority": "low"},
-                {"max_batch": 0}, {"dummy_tokens": 0}):  # fmt: skip
+                {"max_batch": 0}, {"dummy_tokens": 0}, {"graph_steps": 0}):  # fmt: skip
         with pytest.raises(ConfigError):
             ASRConfig(**bad)
     with pytest.raises(ConfigError, match="not a CTranslate2 Whisper directory"):
