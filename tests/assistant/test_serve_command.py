@@ -121,6 +121,9 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
     assert backend_name(asr) == "torch"
     voice = parse_config(["serve", "--asr-device", "cpu", "--asr-backend", "torch"])[0].voice
     assert (voice.asr_device, voice.asr_backend) == ("cpu", "torch")
+    assert (voice.asr_graph_steps, voice.asr_encoder_graphs) == (8, True)
+    voice = parse_config(["serve", "--asr-graph-steps", "1", "--no-asr-encoder-graphs"])[0].voice
+    assert (voice.asr_graph_steps, voice.asr_encoder_graphs) == (1, False)
 
 
 def test_the_gil_switch_interval_reaches_the_serving_process():
