@@ -99,9 +99,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--no-refusal-gate", dest="refusal_gate", action="store_false",
                    help="let the model answer every question, also those the refusal gate judges the handbook does not "
                         "answer (e.g. timing runs whose random-weight Whisper transcribes noise)")
-    s.add_argument("--switch-interval-ms", type=float, default=5.0,
-                   help="how long a thread may keep the GIL while another waits (sys.setswitchinterval; default 5, "
-                        "Python's own): lower lets the event loop and the GPU threads in sooner under load")
+    s.add_argument("--switch-interval-ms", type=float, default=1.0,
+                   help="how long a thread may keep the GIL while another waits (sys.setswitchinterval; default 1; "
+                        "Python's own is 5): lower lets the event loop and the GPU threads in sooner under load")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip computing the documents prefix at start")
     s.add_argument("--warm-documents", action="store_true",
                    help="at warm-up, also compute each document's part of a question's prompt, so a first question about "

@@ -128,7 +128,7 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
 
 def test_the_gil_switch_interval_reaches_the_serving_process():
     config = parse_config(["serve", "--switch-interval-ms", "0.5"])[0]
-    assert config.switch_interval_ms == 0.5 and parse_config(["serve"])[0].switch_interval_ms == 5.0
+    assert config.switch_interval_ms == 0.5 and parse_config(["serve"])[0].switch_interval_ms == 1.0
     before = sys.getswitchinterval()
     try:
         apply_switch_interval(config)
