@@ -186,16 +186,17 @@ class EngineConfig:
                                                    7168, 8192)
     mixed_cuda_graph_max_chunk: int = 512
     """Steps of decodes plus one prefill chunk of at most this many tokens run as one CUDA graph,
-    attention included, per (decode bucket, chunk length), captured the second time that shape
-    is seen (a long prompt chunked while others decode; a question after a cached prefix). 0: off
-    (such steps take the piecewise graphs, attention eager)."""
+    attention included, per (decode bucket, chunk bucket): the chunk is padded up to the next of
+    ``piecewise_cuda_graph_sizes``. A lone chunk (a question after a cached prefix) is captured at
+    start-up for every chunk bucket; other shapes the second time they are seen (a long prompt
+    chunked while others decode). 0: off (such steps take the piecewise graphs, attention eager)."""
     mixed_cuda_graph_max_decodes: int = 64
     """Mixed-step graphs only for steps of at most this many decodes: a step with more is
     device-bound (the host launches it while the device is still busy), so a capture (a stall of
     the engine: see ``mixed_cuda_graph_max_graphs``) would not pay; with
     256 (every size) the throughput run captured 39 shapes and fell from 9.2k to 8.4k out tok/s."""
     mixed_cuda_graph_max_graphs: int = 16
-    """How many mixed-step shapes are captured in the engine's life (each capture stalls the
+    """How many mixed-step shapes are captured while serving, in the engine's life (each capture stalls the
     engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first
     took 0.66 s of Triton compiles until the start-up warm-up ran a mixed step); later shapes
     take the piecewise graphs."""

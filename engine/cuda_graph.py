@@ -24,7 +24,7 @@ included, as one graph per (decode bucket, chunk length): no eager launch at all
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import logging
 import time
@@ -277,7 +277,7 @@ class PiecewiseGraphRunner:
 
 class MixedGraphRunner:
     """Steps of decodes plus one prefill chunk, attention included, as one CUDA graph per
-    (decode bucket, chunk length).
+    (decode bucket, chunk bucket).
 
     The piecewise runner leaves attention eager: ~32 x 5 Triton launches and their Python, 13-15
     ms of host time per step on the H200 host (docs/performance.md) - a step of 32 decodes and a
@@ -286,12 +286,19 @@ class MixedGraphRunner:
     others decode, or a question after a cached prefix, repeated step after step.
 
     Layout in the graph: rows ``[0, Db)`` decodes (real ones first, then padding rows with
-    context 1 on the null block), rows ``[Db, Db + C)`` the chunk. Everything a launch shape
-    depends on is fixed by the key: decode splits by Db, prefill tiles by C, prefill splits by
-    ``max_model_len`` (empty splits only write an empty partial). The per-step values (tokens,
-    positions, slots, context lengths, block tables) are copied into persistent buffers.
+    context 1 on the null block), rows ``[Db, Db + Cb)`` the chunk: its ``C`` real tokens, then
+    ``Cb - C`` padding tokens up to the chunk bucket (the smallest of ``chunk_buckets`` that holds
+    it). The chunk's context length counts the padding tokens, so its real rows sit at their own
+    positions of the causal mask and attend to nothing after themselves; the padding rows write
+    their keys and values into the null block's slot 0 and their outputs are never read. Bucketing
+    keeps the number of shapes small: a question after a cached prefix has any length, and one
+    graph per exact length would capture (and stall the engine) again and again. Everything a
+    launch shape depends on is fixed by the key: decode splits by Db, prefill tiles by Cb, prefill
+    splits by ``max_model_len`` (empty splits only write an empty partial). The per-step values
+    (tokens, positions, slots, context lengths, block tables) are copied into persistent buffers.
 
-    A key is captured the second time it is seen (a one-off shape is not worth a capture: a stall
+    :meth:`capture_lone_chunks` captures the keys ``(0, Cb)`` at start-up (a question after the
+    cached documents while nothing else runs: the voice turn's shape). Any other key is captured the second time it is seen (a one-off shape is not worth a capture: a stall
     for every running request, see EngineConfig.mixed_cuda_graph_max_graphs), and at most ``max_graphs`` keys in the
     runner's life: with eviction, shapes that keep changing (a serving mix of prompt lengths)
     would stall the engine again and again; later shapes take the piecewise path. On the CPU
@@ -302,12 +309,13 @@ class MixedGraphRunner:
     def __init__(
         self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         decode_buckets: list[int], max_chunk: int, max_blocks_per_seq: int, max_model_len: int, max_graphs: int,
-        device: torch.device, gemv: GemvPolicy, capture_lock: AbstractContextManager,
+        device: torch.device, gemv: GemvPolicy, capture_lock: AbstractContextManager, chunk_buckets: list[int] = (),
     ) -> None:
         self.model, self.backend, self.kv_layers, self.device, self.gemv = model, backend, kv_layers, device, gemv
         self.capture_lock = capture_lock  # held while capturing: no other GPU work of the process meanwhile
         self.decode_buckets = sorted({0, *decode_buckets})  # 0: a lone chunk (a question after a cached prefix)
         self.max_chunk, self.max_model_len, self.max_graphs = max_chunk, max_model_len, max_graphs
+        self.chunk_buckets = sorted({b for b in chunk_buckets if b < max_chunk} | {max_chunk})
         dmax = self.decode_buckets[-1]
         tmax = dmax + max_chunk
         self.input_ids = torch.zeros(tmax, dtype=torch.long, device=device)
@@ -322,6 +330,8 @@ class MixedGraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata] | None] = {}
         self.seen: Counter[tuple[int, int]] = Counter()
         self.padding_rows = 0  # decode rows padded so far (diagnostics, tests)
+        self.padding_tokens = 0  # chunk tokens padded so far
+        self.start_captures = 0  # keys captured at start-up (they do not count against max_graphs)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.pool_bytes = 0  # device memory reserved by the captures (after the KV budget was set)
 
@@ -331,18 +341,33 @@ class MixedGraphRunner:
         return sum(entry is not None for entry in self.graphs.values())
 
     def key(self, meta: AttentionMetadata, num_tokens: int) -> tuple[int, int] | None:
-        """(decode bucket, chunk length) for a step this runner can take, else None."""
+        """(decode bucket, chunk bucket) for a step this runner can take, else None (also when
+        the padded chunk would reach past ``max_model_len``)."""
         d = meta.num_decodes
-        if meta.num_requests != d + 1 or num_tokens - d > self.max_chunk:
+        c = num_tokens - d
+        if meta.num_requests != d + 1 or c > self.max_chunk:
             return None
         db = graph_bucket(self.decode_buckets, d)
-        return None if db is None else (db, num_tokens - d)
+        cb = graph_bucket(self.chunk_buckets, c)
+        if db is None or cb is None or meta.seq_lens_host[d] + cb - c > self.max_model_len:
+            return None
+        return db, cb
 
     def ready(self, key: tuple[int, int]) -> bool:
         """Counts a sighting; True when the key has a graph, or is seen for the second time and
-        fewer than ``max_graphs`` have been captured."""
+        fewer than ``max_graphs`` have been captured while serving."""
         self.seen[key] += 1
-        return key in self.graphs or (self.seen[key] >= 2 and len(self.graphs) < self.max_graphs)
+        return key in self.graphs or (self.seen[key] >= 2 and len(self.graphs) - self.start_captures < self.max_graphs)
+
+    def capture_lone_chunks(self) -> None:
+        """Capture ``(0, Cb)`` for every chunk bucket (CUDA only; the caller holds the capture
+        lock): a question after a cached prefix then never waits for a capture."""
+        if self.pool is None:
+            return
+        for cb in self.chunk_buckets:
+            if (0, cb) not in self.graphs:
+                self.graphs[(0, cb)] = self._capture(0, cb, nullcontext(), count_pool=False)
+                self.start_captures += 1
 
     def _meta(self, db: int, c: int, seq_lens_host: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
@@ -360,17 +385,22 @@ class MixedGraphRunner:
             sample_rows: torch.Tensor) -> torch.Tensor:
         """Hidden states [len(sample_rows), H] of the step's sampled rows (indices into its
         unpadded order: decodes, then the chunk)."""
-        db, c = key
+        db, cb = key
         d = meta.num_decodes
-        t = db + c
+        c = len(input_ids) - d
+        end, t = db + c, db + cb  # the real chunk's end, the padded one's
         self.input_ids[:d].copy_(input_ids[:d])
-        self.input_ids[db:t].copy_(input_ids[d:])
+        self.input_ids[db:end].copy_(input_ids[d:])
         self.positions[:d].copy_(positions[:d])
-        self.positions[db:t].copy_(positions[d:])
+        self.positions[db:end].copy_(positions[d:])
         self.slot_mapping[:d].copy_(meta.slot_mapping[:d])
-        self.slot_mapping[db:t].copy_(meta.slot_mapping[d:])
+        self.slot_mapping[db:end].copy_(meta.slot_mapping[d:])
         self.seq_lens[:d].copy_(meta.seq_lens[:d])
-        self.seq_lens[db : db + 1].copy_(meta.seq_lens[d:])
+        self.seq_lens[db : db + 1].copy_(meta.seq_lens[d:] + (cb - c))  # the padding tokens are the chunk's last
+        if cb > c:  # padding tokens: token 0 at position 0, their keys and values into the null block's slot 0
+            for buf in (self.input_ids, self.positions, self.slot_mapping):
+                buf[end:t].zero_()
+            self.padding_tokens += cb - c
         width = meta.block_tables.shape[1]
         self.block_tables[:d, :width].copy_(meta.block_tables[:d])
         self.block_tables[db, :width].copy_(meta.block_tables[d])
@@ -386,7 +416,7 @@ class MixedGraphRunner:
             self.graphs.setdefault(key, None)
             lens = meta.seq_lens_host
             hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend,
-                                self._meta(db, c, lens[:d] + [1] * (db - d) + lens[d:]), self.kv_layers, self.gemv)
+                                self._meta(db, cb, lens[:d] + [1] * (db - d) + [lens[d] + cb - c]), self.kv_layers, self.gemv)
         else:
             hidden = self._replay(key)
         rows = sample_rows + (sample_rows >= d).to(sample_rows.dtype) * (db - d)
@@ -395,12 +425,13 @@ class MixedGraphRunner:
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(*key)
+            entry = self.graphs[key] = self._capture(*key, self.capture_lock)
         graph, hidden, _ = entry
         graph.replay()
         return hidden
 
-    def _capture(self, db: int, c: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]:
+    def _capture(self, db: int, c: int, lock: AbstractContextManager, count_pool: bool = True,
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]:  # fmt: skip
         """Warm up (the step's own data is already in the buffers: its KV writes are the same
         on replay), then capture. The metadata's host values are the key's worst case, so the
         prefill splits do not depend on this step's context; its prefill tiles are built by the
@@ -416,7 +447,7 @@ class MixedGraphRunner:
             self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
             torch.cuda.synchronize(self.device)
             warmed = time.perf_counter()
-            with self.capture_lock:
+            with lock:
                 # Capturing empties the allocator's cache first: measured from after that, the
                 # difference is the pool's growth (from before the warm-up it went negative).
                 torch.cuda.empty_cache()
@@ -424,7 +455,8 @@ class MixedGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     hidden = self.model(self.input_ids[:t], self.positions[:t], self.backend, meta, self.kv_layers, self.gemv)
-                self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
+                if count_pool:  # (start-up captures are in the start-up graphs' pool figure)
+                    self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         # timed: the engine stalls for both parts, the process's other GPU users for the capture
         log.info("captured a mixed-step CUDA graph: %d decode rows + a %d-token chunk (warm-up %.0f ms, capture "
                  "%.0f ms under the lock)", db, c, (warmed - started) * 1000, (time.perf_counter() - warmed) * 1000)

@@ -141,7 +141,8 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
 def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, piecewise: list[int], memory: MemoryLedger,
                     capture_lock: AbstractContextManager) -> None:  # fmt: skip
     """Decode graphs, piecewise graphs for ``piecewise`` token counts, and the mixed-step
-    graphs' runner (it captures while serving); their memory pool goes into the ledger."""
+    graphs' runner, its chunks bucketed like the piecewise graphs' token counts, with its lone
+    chunks captured now (it captures other shapes while serving); their memory pool goes into the ledger."""
     device = runner.device
     sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
     torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
@@ -152,6 +153,7 @@ def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: in
     if config.mixed_cuda_graph_max_chunk > 0:
         decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
         runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, max_model_len, config.mixed_cuda_graph_max_graphs,
-                                   capture_lock)  # fmt: skip
+                                   capture_lock, list(config.piecewise_cuda_graph_sizes))  # fmt: skip
+        runner.mixed.capture_lone_chunks()
     memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(device) - before)
 

@@ -54,7 +54,7 @@ class StepInputs:
     sample_rows: torch.Tensor | None = None  # sample_rows_host on the device
     graph: DecodeGraphStep | None = None  # the GRAPH path's packed step
     pieces: int | None = None  # the PIECEWISE path's token bucket
-    mixed_key: tuple[int, int] | None = None  # the MIXED path's (decode bucket, chunk length)
+    mixed_key: tuple[int, int] | None = None  # the MIXED path's (decode bucket, chunk bucket)
 
 
 @dataclass
@@ -106,13 +106,13 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphRunner(self.model, token_sizes, self.device, self.gemv)
 
     def enable_mixed_graphs(self, decode_buckets: list[int], max_chunk: int, max_model_len: int, max_graphs: int,
-                            capture_lock: AbstractContextManager) -> None:  # fmt: skip
-        """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens replay whole
-        (attention included) once their shape repeats (engine/cuda_graph.py MixedGraphRunner);
-        each capture while serving holds ``capture_lock``."""
+                            capture_lock: AbstractContextManager, chunk_buckets: list[int] = ()) -> None:  # fmt: skip
+        """Steps of decodes plus one prefill chunk of at most ``max_chunk`` tokens (padded to the
+        next of ``chunk_buckets``) replay whole (attention included) once their shape repeats
+        (engine/cuda_graph.py MixedGraphRunner); each capture while serving holds ``capture_lock``."""
         self.mixed = MixedGraphRunner(
             self.model, self.backend, self.kv_layers, decode_buckets, max_chunk, -(-max_model_len // self.block_size),
-            max_model_len, max_graphs, self.device, self.gemv, capture_lock,
+            max_model_len, max_graphs, self.device, self.gemv, capture_lock, chunk_buckets,
         )
 
     def prepare(self, chunks: list[ScheduledChunk], pending: DeviceTokens | None = None) -> StepInputs:

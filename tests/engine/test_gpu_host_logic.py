@@ -158,20 +158,26 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     core = build_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8))
     runner = MixedGraphRunner(core.model, core.runner.backend, core.runner.kv_layers, [1, 2, 4], max_chunk=16,
                               max_blocks_per_seq=4, max_model_len=64, max_graphs=2, device=torch.device("cpu"),
-                              gemv=core.runner.gemv, capture_lock=nullcontext())
+                              gemv=core.runner.gemv, capture_lock=nullcontext(), chunk_buckets=[4, 8, 12])
 
     def meta(qlens):
         return AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, query_lens_host=qlens,
                                  seq_lens_host=[q + 5 for q in qlens], num_decodes=sum(q == 1 for q in qlens), max_seq_len=0)
 
-    assert runner.key(meta([1, 1, 1, 9]), 12) == (4, 9)  # three decodes pad to the bucket of four
-    assert runner.key(meta([9]), 9) == (0, 9)  # a lone chunk
+    assert runner.key(meta([1, 1, 1, 9]), 12) == (4, 12)  # three decodes pad to the bucket of four, 9 tokens to 12
+    assert runner.key(meta([9]), 9) == (0, 12)  # a lone chunk
+    assert runner.key(meta([3]), 3) == (0, 4) and runner.key(meta([13]), 13) == (0, 16)  # max_chunk is the last bucket
     assert runner.key(meta([1] * 5 + [9]), 14) is None  # more decodes than the largest bucket
     assert runner.key(meta([1, 17]), 18) is None  # a chunk longer than max_chunk
     assert runner.key(meta([1, 5, 9]), 15) is None  # two prefill chunks
-    assert not runner.ready((4, 9)) and runner.ready((4, 9))  # captured the second time a shape is seen
-    runner.graphs.update({(4, 9): None, (0, 9): None})  # max_graphs = 2 captured (on the CPU: no graph)
-    assert runner.ready((4, 9)) and not runner.ready((2, 3)) and not runner.ready((2, 3))  # no third capture, no eviction
+    near_the_end = AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
+                                     query_lens_host=[9], seq_lens_host=[62], num_decodes=0, max_seq_len=0)
+    assert runner.key(near_the_end, 9) is None  # padded to 12 its context would be 65 tokens > max_model_len 64
+    assert not runner.ready((4, 12)) and runner.ready((4, 12))  # captured the second time a shape is seen
+    runner.graphs.update({(4, 12): None, (0, 12): None})  # max_graphs = 2 captured (on the CPU: no graph)
+    assert runner.ready((4, 12)) and not runner.ready((2, 4)) and not runner.ready((2, 4))  # no third capture, no eviction
+    runner.capture_lone_chunks()  # on the CPU nothing is captured
+    assert runner.start_captures == 0
 
 
 def test_device_summary_sums_spans_by_mode_and_idle_gaps():

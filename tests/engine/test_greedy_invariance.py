@@ -129,14 +129,16 @@ def test_decode_graph_steps_leave_sampled_and_penalized_rows_to_the_sampler(smol
 
 def test_mixed_step_graph_layout_gives_the_same_output(smollm, llm_gguf_path, prompts, reference):
     """Steps of decodes plus one prefill chunk through MixedGraphRunner: decode rows padded up to
-    a bucket (null-block padding rows), the chunk after them, sampled rows mapped back. On a GPU
-    each shape is one CUDA graph; here the same padded batch runs eagerly."""
+    a bucket (null-block padding rows), the chunk after them padded up to its bucket (7 tokens to
+    8, the last chunks' 1-6 tokens to 4 or 8), sampled rows mapped back. On a GPU each shape is
+    one CUDA graph; here the same padded batch runs eagerly: the same tokens as unpadded."""
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, long_prefill_token_threshold=7)
     llm.core.runner.enable_mixed_graphs([2, 4], max_chunk=8, max_model_len=llm.core.max_model_len, max_graphs=4,
-                                        capture_lock=nullcontext())
+                                        capture_lock=nullcontext(), chunk_buckets=[4, 8])
     # each prompt is chunked (7 tokens a step) while the earlier ones decode
     assert generate_staggered(llm.core, prompts, PARAMS, steps_between=12) == reference
     mixed = llm.core.runner.mixed
-    assert llm.core.step_times.mixed_steps > 0 and mixed.padding_rows > 0
-    assert {(0, 7), (2, 7)} <= set(mixed.seen)  # a lone chunk; one or two decodes and a chunk
+    assert llm.core.step_times.mixed_steps > 0 and mixed.padding_rows > 0 and mixed.padding_tokens > 0
+    assert {(0, 8), (2, 8)} <= set(mixed.seen)  # a lone chunk; one or two decodes and a chunk
+    assert {c for _, c in mixed.seen} <= {4, 8}
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
