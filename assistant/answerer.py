@@ -115,6 +115,7 @@ class Answerer:
             max_num_batched_tokens=opts.max_num_batched_tokens,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             max_model_len=opts.max_model_len,
+            mixed_cuda_graph_max_graphs=opts.captures_while_serving,
         )
         engine = AsyncEngine(engine_config, step_bound=step_bound, capture_lock=gpu_lock)
         try:

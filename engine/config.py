@@ -199,7 +199,7 @@ class EngineConfig:
     """How many mixed-step shapes are captured while serving, in the engine's life (each capture stalls the
     engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first
     took 0.66 s of Triton compiles until the start-up warm-up ran a mixed step); later shapes
-    take the piecewise graphs."""
+    take the piecewise graphs. 0: none (only the lone chunks captured at start-up)."""
     batch1_gemv: bool = True
     """On CUDA, batch-1 decode steps run q|k|v, o_proj, gate|up (SwiGLU in its epilogue) and the
     lm_head as Triton GEMVs (engine/kernels/linear.py, measured faster than cuBLAS there); off:
@@ -240,8 +240,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mixed_cuda_graph_max_chunk < 0 or self.mixed_cuda_graph_max_decodes < 0 or self.mixed_cuda_graph_max_graphs < 1:
-            raise ConfigError("mixed_cuda_graph_max_chunk and _max_decodes must be >= 0 (chunk 0: off), _max_graphs >= 1; got "
+        if self.mixed_cuda_graph_max_chunk < 0 or self.mixed_cuda_graph_max_decodes < 0 or self.mixed_cuda_graph_max_graphs < 0:
+            raise ConfigError("mixed_cuda_graph_max_chunk and _max_decodes must be >= 0 (chunk 0: off), _max_graphs >= 0; got "
                               f"{self.mixed_cuda_graph_max_chunk}, {self.mixed_cuda_graph_max_decodes}, {self.mixed_cuda_graph_max_graphs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")

@@ -42,7 +42,8 @@ def test_mixed_step_graphs_match_the_piecewise_path(fixture, request):
     assert got == reference
     lazy = mixed.captures - mixed.start_captures
     assert lazy > 0 and llm.core.step_times.mixed_steps > lazy and mixed.padding_rows > 0 and mixed.padding_tokens > 0
-    assert dict(llm.core.memory_rows())["cuda_graphs (mixed steps, captured while serving)"] == mixed.pool_bytes > 0
+    # what later captures add to the pool the start-up captures reserved (here nothing: they fit in it)
+    assert dict(llm.core.memory_rows()).get("cuda_graphs (mixed steps, captured while serving)", 0) == mixed.pool_bytes >= 0
 
 
 @pytest.mark.parametrize("fixture", TINY_MODELS)

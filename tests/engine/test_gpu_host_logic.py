@@ -149,7 +149,7 @@ def test_late_release_names_known_projections():
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):
-    for bad in (dict(mixed_cuda_graph_max_chunk=-1), dict(mixed_cuda_graph_max_decodes=-2), dict(mixed_cuda_graph_max_graphs=0)):
+    for bad in (dict(mixed_cuda_graph_max_chunk=-1), dict(mixed_cuda_graph_max_decodes=-2), dict(mixed_cuda_graph_max_graphs=-1)):
         with pytest.raises(ConfigError, match="mixed_cuda_graph_max_chunk and _max_decodes must be >= 0"):
             EngineConfig(model=str(tiny_llama_dir), **bad).validate()
     from engine.attention import AttentionMetadata
@@ -178,6 +178,8 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     assert runner.ready((4, 12)) and not runner.ready((2, 4)) and not runner.ready((2, 4))  # no third capture, no eviction
     runner.capture_lone_chunks()  # on the CPU nothing is captured
     assert runner.start_captures == 0
+    runner.max_graphs = 0  # none while serving (the assistant's setting): a shape never becomes ready
+    assert not runner.ready((1, 4)) and not runner.ready((1, 4)) and runner.ready((4, 12))
 
 
 def test_device_summary_sums_spans_by_mode_and_idle_gaps():
