@@ -110,6 +110,9 @@ class VoiceConfig:
     large-v3-turbo shape with random weights, for timing).
     asr_graph_steps / asr_encoder_graphs: ``ASRConfig.graph_steps`` and ``encoder_cuda_graphs``
     (the torch Whisper on a GPU: decoder steps a CUDA graph replay runs; the encoder from graphs).
+    front_end_processes: worker processes for the callers' resampling and VAD
+    (``ASRConfig.front_end_processes``; None: a quarter of the cores, at most 8, when Whisper runs
+    on a GPU, where the server's GIL is the engine's and Whisper's; 0 on the CPU).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
     max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
@@ -139,6 +142,7 @@ class VoiceConfig:
     asr_load_format: str = "auto"
     asr_graph_steps: int = 8
     asr_encoder_graphs: bool = True
+    front_end_processes: int | None = None
     partial_interval_s: float | None = 0.5
     start_ms: int = 60
     hangover_ms: int = 500

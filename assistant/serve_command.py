@@ -68,6 +68,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                    help="dummy: a large-v3-turbo-shaped Whisper with random weights, for timing")
     s.add_argument("--asr-graph-steps", type=int, default=8,
                    help="the PyTorch Whisper on a GPU: decoder steps one CUDA graph replay runs (default 8; 1: one a token)")
+    s.add_argument("--asr-front-end-processes", type=int, default=None, metavar="N",
+                   help="worker processes for the callers' resampling and VAD (default: a quarter of the cores, "
+                        "at most 8, when Whisper runs on a GPU; 0: in the server's process)")
     s.add_argument("--asr-encoder-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="the PyTorch Whisper on a GPU: replay the encoder from CUDA graphs (default on)")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
@@ -121,7 +124,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                                      max_num_seqs=a.max_num_seqs))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,
-                        asr_encoder_graphs=a.asr_encoder_graphs, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
+                        asr_encoder_graphs=a.asr_encoder_graphs, front_end_processes=a.asr_front_end_processes, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         coscheduler=a.coscheduler == "on", endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,

@@ -14,6 +14,7 @@ the start of the question is already in the prefix cache and only the tail is pr
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import uuid
 from contextlib import AbstractContextManager
@@ -26,12 +27,20 @@ from assistant.config import VoiceConfig
 from assistant.coscheduler import CoScheduler
 from assistant.image_reading import ImageReading
 from assistant.models import resolve
-from speech.asr.backend import Decoded
+from speech.asr.backend import Decoded, resolve_device
 from speech.asr.worker import ASRJob, ASRWorker
 from speech.audio import Resampler
 from speech.cancel import CancelToken
 from speech.config import ASRConfig, TTSConfig
 from speech.tts.worker import TTSWorker
+
+
+def front_end_processes(config: VoiceConfig) -> int:
+    """``VoiceConfig.front_end_processes`` made concrete: a quarter of the cores (at most 8) when
+    Whisper runs on a GPU, else 0 (in this process)."""
+    if config.front_end_processes is not None:
+        return config.front_end_processes
+    return min(8, max(1, (os.cpu_count() or 4) // 4)) if resolve_device(config.asr_device) == "cuda" else 0
 
 
 @dataclass
@@ -58,7 +67,7 @@ class VoiceServices:
             cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
             device=config.asr_device, backend=config.asr_backend, load_format=config.asr_load_format,
             cuda_stream_priority=coscheduler.cuda_stream_priority, graph_steps=config.asr_graph_steps,
-            encoder_cuda_graphs=config.asr_encoder_graphs,
+            encoder_cuda_graphs=config.asr_encoder_graphs, front_end_processes=front_end_processes(config),
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
                                workers=config.tts_workers)  # fmt: skip

@@ -120,6 +120,8 @@ class ASRConfig:
     graph_steps: decoder steps one graph replay runs (1: a replay and a host check per token);
     encoder_cuda_graphs: replay the encoder from CUDA graphs too (per batch-size bucket). Both cut
     the Python calls a batch makes, each of which may wait for the GIL in a busy server.
+    front_end_processes: run the sessions' resampling and VAD in this many worker processes
+    (speech/front_end.py) instead of on the server's threads (0), which share its GIL.
     """
 
     model_path: Path | None = None
@@ -133,6 +135,7 @@ class ASRConfig:
     cuda_graphs: bool = True
     graph_steps: int = 8
     encoder_cuda_graphs: bool = True
+    front_end_processes: int = 0
     cpu_threads: int = 2
     language: str = "auto"
     beam_size: int = 1
@@ -161,6 +164,7 @@ class ASRConfig:
         )
         _check(self.dummy_tokens >= 1, f"ASRConfig.dummy_tokens={self.dummy_tokens}: must be >= 1")
         _check(1 <= self.max_batch <= 64, f"ASRConfig.max_batch={self.max_batch}: use 1 to 64")
+        _check(0 <= self.front_end_processes <= 64, f"ASRConfig.front_end_processes={self.front_end_processes}: use 0 to 64")
         _check(1 <= self.graph_steps <= 64, f"ASRConfig.graph_steps={self.graph_steps}: use 1 to 64")
         _check(self.beam_size >= 1, f"ASRConfig.beam_size={self.beam_size}: must be >= 1")
         _check(self.cpu_threads >= 0, f"ASRConfig.cpu_threads={self.cpu_threads}: must be >= 0")

@@ -26,12 +26,11 @@ import numpy as np
 from speech.asr.backend import ASR_SAMPLE_RATE, ASRError, Decoded
 from speech.asr.stable_prefix import StablePrefix
 from speech.asr.worker import ASRJob, ASRWorker
-from speech.audio import Resampler, check_rate, to_float32
+from speech.audio import check_rate
 from speech.config import ASRConfig, ConfigError, VADConfig
 from speech.messages import (
     ASREvent, SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted, Transcript, TranscriptionFailed,
 )  # fmt: skip
-from speech.vad import VoiceActivityDetector
 
 PARTIAL_MAX_SILENCE_S = 0.15  # no partial decodes once the speaker pauses: nothing new to hear
 
@@ -73,8 +72,7 @@ class ASRSession:
         self.id = worker.new_session_id()
         self._worker = worker
         self._on_event = on_event
-        self._resampler = Resampler(check_rate(input_rate), ASR_SAMPLE_RATE)
-        self._vad = VoiceActivityDetector(vad, worker.silero_scorer(vad) if vad.use_silero else None)
+        self._front = worker.front_end(check_rate(input_rate), vad)  # resampler and VAD
         self._lock = threading.Lock()
         self._audio = np.zeros(0, np.float32)
         self._audio_start = 0  # stream sample index of self._audio[0]
@@ -91,14 +89,14 @@ class ASRSession:
 
     def feed(self, audio: bytes | np.ndarray) -> None:
         """Feed the next piece of the stream (PCM16 bytes, int16 or float samples)."""
-        samples = self._resampler.process(to_float32(audio))
-        if not len(samples):
-            return
-        with self._lock:
-            self._audio = np.concatenate([self._audio, samples])
-            self._total += len(samples)
         with self._vad_lock:
-            for event in self._vad.process(samples):
+            samples, events = self._front.hear(audio)
+            if not len(samples):
+                return
+            with self._lock:
+                self._audio = np.concatenate([self._audio, samples])
+                self._total += len(samples)
+            for event in events:
                 if isinstance(event, SpeechStarted):
                     self._start(event)
                 elif isinstance(event, SpeechPaused):
@@ -113,7 +111,7 @@ class ASRSession:
     def commit(self) -> SpeechEnded | None:
         """End the current utterance now (the client says the turn is over); None if silent."""
         with self._vad_lock:
-            event = self._vad.commit()
+            event = self._front.commit()
             if event is not None:
                 self._finish(event)
         return event
@@ -122,7 +120,7 @@ class ASRSession:
         """End the current utterance now, as the hangover would (the caller judged it complete
         at a pause); None if silent."""
         with self._vad_lock:
-            event = self._vad.end_turn()
+            event = self._front.end_turn()
             if event is not None:
                 self._finish(event)
         return event
@@ -133,7 +131,7 @@ class ASRSession:
             self._closed = True
         self._worker.end_session(self.id)
         with self._vad_lock:
-            self._vad.close()
+            self._front.close()
 
     def _emit(self, event: ASREvent) -> None:
         if not self._closed:
@@ -209,7 +207,7 @@ class ASRSession:
                 return
             if self._total - self._speech_start < self.asr.min_partial_audio_s * ASR_SAMPLE_RATE:
                 return
-            if self._vad.silence_s > PARTIAL_MAX_SILENCE_S:
+            if self._front.silence_s > PARTIAL_MAX_SILENCE_S:
                 return  # keeps the worker free for the final that may follow
             self._last_partial = self._total
             job = self._job(self._utterance, False, self._total)

@@ -15,8 +15,10 @@ An :class:`ASRQueuePolicy`, given at construction, can turn the ordering off (ar
 comparison) and make partials wait for spare capacity: a partial submitted, or reaching its turn,
 while ``spare_capacity()`` says no is skipped (the session's next partial catches up).
 
-The worker also owns the process's Silero scorer (:meth:`ASRWorker.silero_scorer`): every session
-of the worker runs its VAD's Silero through it, so all callers' windows are scored in one call.
+The worker also owns its sessions' front ends (:meth:`ASRWorker.front_end`): in this process,
+every session's Silero through one scorer (:meth:`ASRWorker.silero_scorer`) so that all callers'
+windows are scored in one call; or, with ``front_end_processes``, in worker processes
+(:class:`~speech.front_end.FrontEndPool`), off the GIL the engine and Whisper need.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 from speech.asr.backend import ASRBackend, ASRError, Decoded
 from speech.asr.factory import load_backend
 from speech.config import ASRConfig, ConfigError, VADConfig
+from speech.front_end import FrontEnd, FrontEndPool, LocalFrontEnd
 from speech.priority_worker import PriorityWorker, arrival_order
 from speech.silero_batch import SileroScorer
 
@@ -102,9 +105,12 @@ class ASRWorker(PriorityWorker[ASRJob]):
     ``close()`` drops the queued partials, decodes the queued finals, then ends the thread.
     """
 
-    def __init__(self, backend: ASRBackend, queue_size: int = 8, policy: ASRQueuePolicy = ASRQueuePolicy()) -> None:
+    def __init__(self, backend: ASRBackend, queue_size: int = 8, policy: ASRQueuePolicy = ASRQueuePolicy(),
+                 front_end_processes: int = 0) -> None:  # fmt: skip
         if queue_size < 1:
             raise ConfigError(f"ASR worker queue_size={queue_size}: must be >= 1")
+        if front_end_processes < 0:
+            raise ConfigError(f"ASR worker front_end_processes={front_end_processes}: must be >= 0")
         self.backend = backend
         self.queue_size = queue_size
         self.policy = policy
@@ -119,6 +125,7 @@ class ASRWorker(PriorityWorker[ASRJob]):
         self.batch_limit = max(1, backend.max_batch)
         self._scorers: dict[tuple[Path | None, float], SileroScorer] = {}
         self._scorers_lock = threading.Lock()
+        self._front_ends = FrontEndPool(front_end_processes) if front_end_processes else None
         super().__init__("asr-worker", key=self._finals_first_then_round_robin if policy.urgent_first else arrival_order)
 
     @classmethod
@@ -126,13 +133,26 @@ class ASRWorker(PriorityWorker[ASRJob]):
                     gpu_lock: AbstractContextManager | None = None) -> ASRWorker:  # fmt: skip
         """Load the configured backend (``gpu_lock``: see :func:`~speech.asr.factory.load_backend`)
         and start a worker with the configured queue bound."""
-        return cls(load_backend(config, gpu_lock), config.queue_size, policy)
+        return cls(load_backend(config, gpu_lock), config.queue_size, policy, config.front_end_processes)
 
     def __enter__(self) -> ASRWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def front_end(self, input_rate: int, vad: VADConfig) -> FrontEnd:
+        """A new session's resampler and VAD: in a front-end process when the worker has them,
+        else here, Silero through the shared scorer."""
+        if self._front_ends is not None:
+            return self._front_ends.open(input_rate, vad)
+        return LocalFrontEnd(input_rate, vad, self.silero_scorer(vad) if vad.use_silero else None)
+
+    def close(self) -> None:
+        """As :meth:`PriorityWorker.close`, then stop the front-end processes."""
+        super().close()
+        if self._front_ends is not None:
+            self._front_ends.close()
 
     def silero_scorer(self, vad: VADConfig) -> SileroScorer:
         """The Silero scorer every session with this model and batch wait shares (loaded on first
