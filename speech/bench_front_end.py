@@ -16,6 +16,11 @@ the ASR worker runs it) and, as the baseline in the same run, through a Silero s
 (``time.thread_time``; ONNX Runtime runs on the calling thread): per packet, the GIL-held part
 (all but the ONNX calls) and the ONNX part, with the ceilings packet length / GIL-held time
 (callers per GIL) and packet length / both (callers per core).
+
+``--processes N``: with ``--callers``, also the server process's share when the front ends run
+in N worker processes (``speech.front_end.FrontEndPool``): the callers' threads' CPU time per
+packet (checking the packet, the pipe round trip, reading the reply), against the same callers'
+front ends in this process (shared Silero scorer) in the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 
 from speech.audio import Resampler, to_float32, to_pcm16
 from speech.config import TTSConfig, VADConfig
+from speech.front_end import FrontEndPool, LocalFrontEnd
 from speech.silero_batch import SileroScorer
 from speech.vad import VoiceActivityDetector
 
@@ -172,6 +178,55 @@ def measure_callers(audio: np.ndarray, rate: int, chunk_ms: int, callers: int, b
     )  # fmt: skip
 
 
+@dataclass
+class ServerShare:
+    """CPU microseconds per packet spent on the callers' threads of the server's process."""
+
+    where: str
+    callers: int
+    packets: int
+    server_us: float  # the callers' threads' CPU time per packet (in-process: ONNX included)
+    callers_per_core: float  # packet length / server_us
+    wall_s: float
+
+
+def measure_server_share(audio: np.ndarray, rate: int, chunk_ms: int, callers: int, processes: int) -> ServerShare:
+    """``callers`` callers on a thread each, their front ends in ``processes`` worker processes
+    (0: in this process, Silero through the shared scorer, as the server runs them without a pool)."""
+    config = VADConfig()
+    pool = FrontEndPool(processes) if processes else None
+    scorer = None if pool else SileroScorer(config.silero_model, config.silero_batch_wait_ms)
+    fronts = [pool.open(rate, config) if pool else LocalFrontEnd(rate, config, scorer) for _ in range(callers)]
+    step = rate * chunk_ms // 1000
+    pcm = to_pcm16(audio).astype("<i2")
+    packets = len(pcm) // step
+    cpu_s = [0.0] * callers
+    start = threading.Barrier(callers + 1)
+
+    def caller(i: int) -> None:
+        mine = np.roll(pcm, i * rate // 7).tobytes()
+        start.wait()
+        t0 = time.thread_time()
+        for k in range(packets):
+            fronts[i].hear(mine[k * step * 2 : (k + 1) * step * 2])
+        cpu_s[i] = time.thread_time() - t0
+        fronts[i].close()
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall_s = time.perf_counter() - t0
+    if pool is not None:
+        pool.close()
+    per = sum(cpu_s) * 1e6 / (packets * callers)
+    where = f"{processes} worker process{'es' if processes > 1 else ''}" if processes else "this process (baseline)"
+    return ServerShare(where, callers, packets * callers, round(per, 1), round(chunk_ms * 1000 / per, 1), round(wall_s, 2))
+
+
 def callers_list(text: str) -> list[int]:
     """``--callers``: comma-separated positive counts."""
     counts = [int(part) for part in text.split(",")]
@@ -188,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callers", type=callers_list, default=[], help="also feed N callers at once, for each N (e.g. 1,16,64)")
     p.add_argument("--batch-wait-ms", type=float, default=VADConfig.silero_batch_wait_ms,
                    help=f"the shared scorer's wait for the other callers (default {VADConfig.silero_batch_wait_ms}, VADConfig's)")
+    p.add_argument("--processes", type=int, default=0, help="with --callers: also the front ends in this many worker processes")
     p.add_argument("--json", type=Path, help="write the figures here")
     a = p.parse_args(argv)
     if a.chunk_ms < 10 or a.seconds <= 0:
@@ -211,10 +267,20 @@ def main(argv: list[str] | None = None) -> int:
         for c in many:
             print(f"| {c.variant} | {c.callers} | {c.gil_us} | {c.onnx_us} | {c.onnx_calls_per_packet} | {c.windows_per_call} "
                   f"| {c.callers_per_gil} | {c.callers_per_core} | {c.wall_s} |")  # fmt: skip
+    shares = [measure_server_share(audio, a.input_rate, a.chunk_ms, n, processes)
+              for n in a.callers for processes in ((a.processes, 0) if a.processes else ())]  # fmt: skip
+    if shares:
+        print(f"\n# The server process's share: the callers' threads' CPU µs per packet, front ends in {a.processes} worker "
+              "process(es) vs in this process")  # fmt: skip
+        print("| front ends in | callers | µs/packet in the server process | callers per core of it | wall s |")
+        print("|---|---:|---:|---:|---:|")
+        for sh in shares:
+            print(f"| {sh.where} | {sh.callers} | {sh.server_us} | {sh.callers_per_core} | {sh.wall_s} |")
     if a.json:
         a.json.write_text(json.dumps({"chunk_ms": a.chunk_ms, "input_rate": a.input_rate, "seconds": a.seconds,
                                       "batch_wait_ms": a.batch_wait_ms, "results": [asdict(r) for r in rows],
-                                      "callers": [asdict(c) for c in many]}, indent=1))  # fmt: skip
+                                      "callers": [asdict(c) for c in many], "server_share": [asdict(s) for s in shares]},
+                                     indent=1))  # fmt: skip
     return 0
 
 

@@ -9,7 +9,7 @@ from speech.bench_front_end import main
 
 def test_front_end_bench_reports_gil_held_time_and_its_ceiling(tmp_path, capsys) -> None:
     out = tmp_path / "front_end.json"
-    assert main(["--seconds", "2", "--chunk-ms", "20", "--callers", "1,3", "--json", str(out)]) == 0
+    assert main(["--seconds", "2", "--chunk-ms", "20", "--callers", "1,3", "--processes", "1", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     silero, baseline = figures["results"]
     assert silero["packets"] == baseline["packets"] == 100
@@ -25,5 +25,12 @@ def test_front_end_bench_reports_gil_held_time_and_its_ceiling(tmp_path, capsys)
     windows_per_packet = [c["windows_per_call"] * c["onnx_calls_per_packet"] for c in rows.values()]
     assert max(windows_per_packet) - min(windows_per_packet) < 0.02  # every variant scored the same windows
     assert rows[(3, "shared")]["onnx_calls_per_packet"] < rows[(3, "session")]["onnx_calls_per_packet"]  # callers shared calls
+    shares = {(sh["callers"], sh["where"]): sh for sh in figures["server_share"]}
+    assert sorted(shares) == [(1, "1 worker process"), (1, "this process (baseline)"), (3, "1 worker process"),
+                              (3, "this process (baseline)")]  # fmt: skip
+    for callers in (1, 3):  # in a worker process, the server's threads only send the packet and read the reply
+        remote, local = shares[(callers, "1 worker process")], shares[(callers, "this process (baseline)")]
+        assert remote["packets"] == local["packets"] == 100 * callers
+        assert 0 < remote["server_us"] < local["server_us"] / 2
     out_text = capsys.readouterr().out
     assert "callers per GIL" in out_text and "shared scorer (batched)" in out_text
