@@ -113,6 +113,8 @@ class VoiceConfig:
     front_end_processes: worker processes for the callers' resampling and VAD
     (``ASRConfig.front_end_processes``; None: a quarter of the cores, at most 8, when Whisper runs
     on a GPU, where the server's GIL is the engine's and Whisper's; 0 on the CPU).
+    tts_processes: each TTS voice instance in a worker process of its own (``TTSConfig.processes``;
+    None: when Whisper runs on a GPU, for the same reason).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
     max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
     partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
@@ -143,6 +145,7 @@ class VoiceConfig:
     asr_graph_steps: int = 8
     asr_encoder_graphs: bool = True
     front_end_processes: int | None = None
+    tts_processes: bool | None = None
     partial_interval_s: float | None = 0.5
     start_ms: int = 60
     hangover_ms: int = 500

@@ -71,6 +71,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--asr-front-end-processes", type=int, default=None, metavar="N",
                    help="worker processes for the callers' resampling and VAD (default: a quarter of the cores, "
                         "at most 8, when Whisper runs on a GPU; 0: in the server's process)")
+    s.add_argument("--tts-processes", action=argparse.BooleanOptionalAction, default=None,
+                   help="each TTS voice instance in a worker process of its own (default: when Whisper runs on a GPU)")
     s.add_argument("--asr-encoder-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="the PyTorch Whisper on a GPU: replay the encoder from CUDA graphs (default on)")
     s.add_argument("--hangover-ms", type=int, default=500, help="silence that ends a turn (default 500)")
@@ -124,7 +126,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                                      max_num_seqs=a.max_num_seqs))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,
-                        asr_encoder_graphs=a.asr_encoder_graphs, front_end_processes=a.asr_front_end_processes, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
+                        asr_encoder_graphs=a.asr_encoder_graphs, front_end_processes=a.asr_front_end_processes,
+                        tts_processes=a.tts_processes, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
                         partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
                         coscheduler=a.coscheduler == "on", endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,

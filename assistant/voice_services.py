@@ -43,6 +43,11 @@ def front_end_processes(config: VoiceConfig) -> int:
     return min(8, max(1, (os.cpu_count() or 4) // 4)) if resolve_device(config.asr_device) == "cuda" else 0
 
 
+def tts_processes(config: VoiceConfig) -> bool:
+    """``VoiceConfig.tts_processes`` made concrete: voices in worker processes when Whisper runs on a GPU."""
+    return config.tts_processes if config.tts_processes is not None else resolve_device(config.asr_device) == "cuda"
+
+
 @dataclass
 class VoiceServices:
     """What every session shares: the answerer (engine + documents), ASR worker and TTS worker."""
@@ -70,7 +75,7 @@ class VoiceServices:
             encoder_cuda_graphs=config.asr_encoder_graphs, front_end_processes=front_end_processes(config),
         )  # fmt: skip
         tts_config = TTSConfig(backend=config.tts_backend, model_path=config.tts_model, voice=config.tts_voice,
-                               workers=config.tts_workers)  # fmt: skip
+                               workers=config.tts_workers, processes=tts_processes(config))  # fmt: skip
         asr = ASRWorker.from_config(asr_config, coscheduler.asr_policy(), gpu_lock)
         tts = TTSWorker.from_config(tts_config, first_pieces_first=coscheduler.enabled)
         return cls(answerer, asr, asr_config, tts, config, coscheduler)

@@ -202,6 +202,8 @@ class TTSConfig:
     side (one ONNX session cannot keep up with many concurrent answers); ``threads`` is each
     instance's intra-op threads, so it must be 1 when there are several workers. None:
     :func:`default_tts_workers` for hibari and espeak, 1 for coqui (a large model, maybe on a GPU).
+    processes: each voice instance in a worker process of its own (speech/tts/process.py), so its
+    Python does not hold the server's GIL; its worker thread only sends the text and reads pieces.
     """
 
     backend: str = "hibari"
@@ -215,6 +217,7 @@ class TTSConfig:
     threads: int = 1
     workers: int | None = None  # set in __post_init__ when None
     seed: int | None = None
+    processes: bool = False
 
     def __post_init__(self) -> None:
         _check(

@@ -52,6 +52,9 @@ class TTSBackend(ABC):
         pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return AudioChunk(pcm, self.sample_rate)
 
+    def close(self) -> None:
+        """Release what the voice holds beyond memory (a worker process: speech/tts/process.py)."""
+
     @abstractmethod
     def _synthesize(self, text: str) -> Iterator[np.ndarray]:
         """The audio of ``text`` as float32 pieces in order, each synthesized when asked for."""

@@ -15,7 +15,12 @@ BACKENDS = {  # name -> (module, class); imported on demand: coqui pulls in torc
 
 
 def load_tts(config: TTSConfig | None = None) -> TTSBackend:
-    """The configured backend, loaded; raises TTSUnavailable naming what to install if missing."""
+    """The configured backend, loaded (in a worker process of its own with ``config.processes``);
+    raises TTSUnavailable naming what to install if missing."""
     config = config or TTSConfig()
+    if config.processes:
+        from speech.tts.process import ProcessVoice
+
+        return ProcessVoice(config)
     module, name = BACKENDS[config.backend]  # TTSConfig only accepts these names
     return getattr(importlib.import_module(module), name)(config)

@@ -94,6 +94,12 @@ class TTSWorker(PriorityWorker[TTSJob]):
                 raise item
             yield item  # type: ignore[misc]
 
+    def close(self) -> None:
+        """As :meth:`PriorityWorker.close`, then close the voice instances."""
+        super().close()
+        for backend in self.backends:
+            backend.close()
+
     def _closed_error(self) -> Exception:
         return RuntimeError("the TTS worker is closed")
 

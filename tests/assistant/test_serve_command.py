@@ -124,11 +124,12 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
     assert (voice.asr_graph_steps, voice.asr_encoder_graphs) == (8, True)
     voice = parse_config(["serve", "--asr-graph-steps", "1", "--no-asr-encoder-graphs"])[0].voice
     assert (voice.asr_graph_steps, voice.asr_encoder_graphs) == (1, False)
-    from assistant.voice_services import front_end_processes
+    from assistant.voice_services import front_end_processes, tts_processes
 
     assert voice.front_end_processes is None and front_end_processes(voice) == 0  # no GPU here: in-process
-    voice = parse_config(["serve", "--asr-front-end-processes", "2"])[0].voice
-    assert front_end_processes(voice) == 2
+    voice = parse_config(["serve", "--asr-front-end-processes", "2", "--tts-processes"])[0].voice
+    assert front_end_processes(voice) == 2 and tts_processes(voice)
+    assert not tts_processes(parse_config(["serve"])[0].voice)  # no GPU here: voices in this process
 
 
 def test_the_gil_switch_interval_reaches_the_serving_process():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +26,32 @@ FOUR_SENTENCES = (
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=["hibari", "espeak", "coqui"])
-def backend(request, coqui_checkpoint: Path) -> TTSBackend:
-    """Each backend once: hibari (bundled voice), espeak-ng, coqui (random VITS: noise)."""
-    model_path = coqui_checkpoint if request.param == "coqui" else None
-    return load_tts(TTSConfig(backend=request.param, model_path=model_path, seed=0))
+@pytest.fixture(scope="module", params=["hibari", "hibari in a process", "espeak", "coqui"])
+def backend(request, coqui_checkpoint: Path) -> Iterator[TTSBackend]:
+    """Each backend once: hibari (bundled voice; also in a worker process of its own, as a GPU
+    server runs it), espeak-ng, coqui (random VITS: noise)."""
+    name = request.param.split()[0]
+    model_path = coqui_checkpoint if name == "coqui" else None
+    voice = load_tts(TTSConfig(backend=name, model_path=model_path, seed=0, processes=request.param.endswith("process")))
+    yield voice
+    voice.close()
+
+
+def test_a_voice_in_a_process_speaks_as_in_this_one() -> None:
+    """The same pieces, sample for sample, from the process as from the voice here; a config
+    error raised there is raised here as the same error."""
+    here, there = load_tts(TTSConfig(seed=0)), load_tts(TTSConfig(seed=0, processes=True))
+    try:
+        assert there.name == "hibari (process)" and there.sample_rate == here.sample_rate
+        ours, theirs = list(here.stream(FOUR_SENTENCES)), list(there.stream(FOUR_SENTENCES))
+        assert len(ours) == len(theirs) >= 4
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a.pcm, b.pcm)
+    finally:
+        there.close()
+    assert not there._process.is_alive()
+    with pytest.raises(ConfigError, match="hibari voice speaks English only"):
+        load_tts(TTSConfig(language="zh", processes=True))
 
 
 def assert_audible(pcm: np.ndarray) -> None:

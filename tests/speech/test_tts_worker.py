@@ -74,12 +74,18 @@ def test_a_first_piece_goes_before_queued_later_pieces_on_any_free_worker(pool) 
     assert seen.span("first")[0] < seen.span("queued-later")[0]
 
 
-def test_close_joins_every_worker_thread() -> None:
-    worker = TTSWorker.from_config(TTSConfig(backend="hibari", seed=0, workers=2))
+def test_voices_in_worker_processes_serve_and_close_joins_every_thread_and_process() -> None:
+    """Two voice instances in processes of their own (as a GPU server runs them): a reply comes
+    through; close joins the worker threads and stops the processes."""
+    worker = TTSWorker.from_config(TTSConfig(backend="hibari", seed=0, workers=2, processes=True))
     threads = [t for t in threading.enumerate() if t.name.startswith("tts-worker-")]
-    assert len(threads) >= 2
+    assert len(threads) >= 2 and all(b.name == "hibari (process)" for b in worker.backends)
+    seen = Arrivals()
+    worker.submit(seen.job("a", LONG, True))
+    assert seen.done["a"].wait(120) and len(seen.chunks) >= 3
     worker.close()
     assert not any(t.is_alive() for t in worker._threads)
+    assert not any(b._process.is_alive() for b in worker.backends)
     with pytest.raises(RuntimeError, match="closed"):
         worker.submit(TTSJob("Too late.", CancelToken(), True, lambda item: None))
 
