@@ -66,6 +66,12 @@ class _ResetCounters:
     done: threading.Event
 
 
+def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
+    """On the caller's loop: each output into its stream's queue."""
+    for _, queue_, item in batch:
+        queue_.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(
         self, config: EngineConfig | None = None, *, core: EngineCore | None = None, step_bound: StepBoundPolicy | None = None,
@@ -213,8 +219,7 @@ class AsyncEngine:
                     core.abort_request(rid)
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
                 outputs = []
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
             self._stats = core.stats()
 
     def _warn_stalls(self, core: EngineCore, now: float | None = None) -> list[str]:
@@ -282,18 +287,28 @@ class AsyncEngine:
         self._stats = self.core.stats()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, RequestOutput) and item.finished:
-            for listener in self._finish_listeners:
-                try:
-                    listener(item)
-                except Exception:  # an observer's bug must not stop the engine
-                    log.exception("finish listener failed")
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their callers: one wake-up per event loop, not one per request
+        (64 answers decoding together would otherwise wake the server's loop 64 times a step)."""
+        for _, item in items:
+            if isinstance(item, RequestOutput) and item.finished:
+                for listener in self._finish_listeners:
+                    try:
+                        listener(item)
+                    except Exception:  # an observer's bug must not stop the engine
+                        log.exception("finish listener failed")
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, object]]] = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        stream.delivered += 1
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            self._commands.put(_Abort(request_id))
+            for rid, item in items:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.delivered += 1
+                    by_loop.setdefault(stream.loop, []).append((rid, stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                for rid, _, _ in batch:
+                    self._commands.put(_Abort(rid))

@@ -81,6 +81,27 @@ async def test_a_request_without_output_for_long_is_logged_once_with_the_engines
     await wait_idle(engine)
 
 
+async def test_a_steps_outputs_wake_the_callers_loop_once(engine):
+    """Four answers decoding together: their deltas reach the loop in one wake-up a step, not one
+    per answer (the loop counts the engine thread's calls), and each stream gets all its tokens."""
+    loop = asyncio.get_running_loop()
+    wakeups = []
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        wakeups.append(callback)
+        return original(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        results = await asyncio.gather(*(collect(engine, list(range(10 + i, 30 + i)), params) for i in range(4)))
+    finally:
+        del loop.call_soon_threadsafe
+    assert [sum(len(d.token_ids) for d in r) for r in results] == [16] * 4
+    assert len(wakeups) < 40  # 64 deltas, about 16-20 steps (the four may start a step or two apart)
+
+
 async def test_client_that_goes_away_aborts_its_request(engine):
     async def consume_two():
         async for d in engine.generate(list(range(10, 60)), SamplingParams(max_tokens=500, ignore_eos=True)):
