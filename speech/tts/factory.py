@@ -21,6 +21,11 @@ def load_tts(config: TTSConfig | None = None) -> TTSBackend:
     if config.processes:
         from speech.tts.process import ProcessVoice
 
-        return ProcessVoice(config)
+        return ProcessVoice(config, load_here)
+    return load_here(config)
+
+
+def load_here(config: TTSConfig) -> TTSBackend:
+    """The configured backend, loaded in this process (``config.processes`` aside)."""
     module, name = BACKENDS[config.backend]  # TTSConfig only accepts these names
     return getattr(importlib.import_module(module), name)(config)

@@ -13,7 +13,7 @@ One text at a time per instance (the TTS worker gives each thread an instance of
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -23,12 +23,10 @@ from speech.config import ConfigError, TTSConfig
 from speech.tts.base import TTSBackend, TTSUnavailable
 
 
-def _serve(conn: Connection, config: TTSConfig) -> None:
+def _serve(conn: Connection, config: TTSConfig, load: Callable[[TTSConfig], TTSBackend]) -> None:
     """The worker process: load the voice, then answer start / next / stop until the pipe closes."""
-    from speech.tts.factory import load_tts
-
     try:
-        backend = load_tts(config)
+        backend = load(config)
     except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it as the same kind
         kind = "unavailable" if isinstance(exc, TTSUnavailable) else "config" if isinstance(exc, ConfigError) else "error"
         conn.send((kind, str(exc) if kind != "error" else f"{type(exc).__name__}: {exc}"))
@@ -58,13 +56,14 @@ def _serve(conn: Connection, config: TTSConfig) -> None:
 
 
 class ProcessVoice(TTSBackend):
-    """The backend ``config`` names, loaded in a worker process; pieces fetched one at a time."""
+    """The backend ``config`` names, loaded by ``load`` (a module-level function: it goes to the
+    worker process by name) in a worker process; pieces fetched one at a time."""
 
-    def __init__(self, config: TTSConfig) -> None:
+    def __init__(self, config: TTSConfig, load: Callable[[TTSConfig], TTSBackend]) -> None:
         super().__init__(config)
         context = multiprocessing.get_context("spawn")  # the parent may hold CUDA
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, replace(config, processes=False)),
+        self._process = context.Process(target=_serve, args=(child, replace(config, processes=False), load),
                                         name=f"tts-voice-{config.backend}", daemon=True)  # fmt: skip
         self._process.start()
         child.close()
