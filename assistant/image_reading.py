@@ -115,14 +115,22 @@ class ImageReader(Protocol):
 
 class OcrReader:
     """PP-OCRv4 detection and recognition (Chinese and English), ONNX on the CPU, through
-    ``rapidocr-onnxruntime``. The models load on first use (about half a second); calls are
-    serialized (one session per model, its threads given by ``threads``; 0: onnxruntime's choice)."""
+    ``rapidocr-onnxruntime``'s models. The models load on first use (about half a second); calls
+    are serialized (one session per model, its threads given by ``threads``; 0: onnxruntime's choice).
+
+    Detection runs on a copy scaled to at most ``det_side`` pixels a side (the library's own
+    pipeline detects a 1,280 px picture at full size: its size limit only picks between 960,
+    1,500 and 2,000); each found line is then cut from the full-size picture (a plain slice when
+    the line is upright, as on receipts, forms and screenshots; the library's perspective crop
+    otherwise) and recognized at full resolution, so small text keeps its pixels.
+    """
 
     name = "rapidocr-ppocrv4"
 
-    def __init__(self, threads: int = 0, min_score: float = 0.5) -> None:
+    def __init__(self, threads: int = 0, min_score: float = 0.5, det_side: int = 736) -> None:
         self.threads = threads
         self.min_score = min_score
+        self.det_side = det_side
         self._ocr: object | None = None
         self._lock = threading.Lock()
 
@@ -130,23 +138,42 @@ class OcrReader:
         from rapidocr_onnxruntime import RapidOCR  # heavy (onnxruntime sessions): only when first needed
 
         threads = {f"{part}_intra_op_num_threads": self.threads or -1 for part in ("det", "cls", "rec")}
-        # Detection on the longer side scaled down to at most 960 px (the library's default only
-        # scales the shorter side up to 736 px, never down: a 1,600 px picture would be detected at
-        # full size); text of a phone-sized picture stays legible. Receipts, forms and screenshots
-        # are upright: no angle classifier.
-        return RapidOCR(det_limit_side_len=960, det_limit_type="max", use_cls=False, text_score=self.min_score, **threads)
+        return RapidOCR(use_cls=False, text_score=self.min_score, **threads)  # upright pictures: no angle classifier
 
     def read(self, image: Image.Image) -> list[TextLine]:
         with self._lock:
             if self._ocr is None:
                 self._ocr = self._load()
-            result, _ = self._ocr(np.asarray(image.convert("RGB"))[:, :, ::-1])  # type: ignore[operator]  # BGR, as OpenCV
+            ocr = self._ocr
+            picture = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])  # BGR, as OpenCV
+            scale = min(1.0, self.det_side / max(picture.shape[:2]))
+            small = picture if scale == 1.0 else np.asarray(image.convert("RGB").resize(
+                (max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.Resampling.BILINEAR))[:, :, ::-1]
+            boxes, _ = ocr.text_det(np.ascontiguousarray(small))  # type: ignore[attr-defined]
+            if boxes is None or len(boxes) == 0:
+                return []
+            boxes = [np.asarray(box, np.float32) / scale for box in ocr.sorted_boxes(boxes)]  # type: ignore[attr-defined]
+            crops = [_crop(ocr, picture, box) for box in boxes]
+            recognized, _ = ocr.text_rec(crops)  # type: ignore[attr-defined]
         lines = []
-        for box, text, score in result or []:
-            xs, ys = [p[0] for p in box], [p[1] for p in box]
-            if text.strip():
-                lines.append(TextLine(text.strip(), float(score), (min(xs), min(ys), max(xs), max(ys))))
+        for box, (text, score) in zip(boxes, recognized):
+            if text.strip() and score >= self.min_score:
+                xs, ys = box[:, 0], box[:, 1]
+                lines.append(TextLine(text.strip(), float(score), (float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max()))))
         return lines
+
+
+def _crop(ocr: object, picture: np.ndarray, box: np.ndarray) -> np.ndarray:
+    """The line's pixels: a slice when the box is an upright rectangle (within a pixel), else the
+    library's perspective crop."""
+    (x0, y0), (x1, y1), (x2, y2), (x3, y3) = box
+    if max(abs(y0 - y1), abs(y3 - y2), abs(x0 - x3), abs(x1 - x2)) <= 1.0:
+        h, w = picture.shape[:2]
+        top, bottom = max(0, int(min(y0, y1))), min(h, int(np.ceil(max(y2, y3))))
+        left, right = max(0, int(min(x0, x3))), min(w, int(np.ceil(max(x1, x2))))
+        if bottom > top and right > left:
+            return picture[top:bottom, left:right]
+    return ocr.get_crop_img_list(picture, [box])[0]  # type: ignore[attr-defined]
 
 
 def image_bytes(url: str) -> bytes:

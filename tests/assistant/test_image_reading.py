@@ -109,3 +109,30 @@ def test_rows_join_boxes_in_reading_order():
     assert text.rows == ["Receipt no. 5", "Total | GBP 187.40"]
     prompt = image_prompt([text], "Can I claim this?")
     assert prompt.index("Total | GBP 187.40") < prompt.index("Can I claim this?")
+
+
+def test_detection_on_a_scaled_copy_reads_as_full_size_detection():
+    """OcrReader finds lines on a copy scaled to ``det_side`` and recognizes them from the full
+    picture: the same lines as detecting at full size (their text within a space or so), boxes in
+    the full picture's coordinates."""
+    import numpy as np
+
+    from assistant.image_reading import OcrReader, _crop
+
+    picture = _picture("hotel-receipt-manchester")
+    image = open_image(render(picture))
+    full = OcrReader(det_side=max(image.size)).read(image)  # no scaling
+    scaled = OcrReader(det_side=max(image.size) // 2).read(image)
+    assert len(scaled) == len(full)
+    joined = "\n".join(line.text for line in scaled)
+    assert character_error_rate("\n".join(line.text for line in full), joined) < 0.01
+    assert character_error_rate(picture.reference, ImageText("", image.size, tuple(scaled), 1.0).text) < 0.03
+    for a, b in zip(scaled, full):
+        assert max(abs(p - q) for p, q in zip(a.box, b.box)) < 8  # pixels of the full picture
+    pixels = np.arange(40 * 60 * 3, dtype=np.uint8).reshape(40, 60, 3)
+    upright = np.array([[10.2, 5.0], [50.0, 5.4], [50.0, 30.0], [10.0, 30.0]], np.float32)
+    np.testing.assert_array_equal(_crop(None, pixels, upright), pixels[5:30, 10:50])  # a slice, no resampling
+    reader = OcrReader()
+    reader.read(image)  # loads the models
+    tilted = np.array([[10, 5], [50, 12], [48, 30], [8, 24]], np.float32)
+    assert _crop(reader._ocr, pixels, tilted).shape[:2] == (19, 40)  # the library's perspective crop
