@@ -68,6 +68,7 @@ from speech.audio import Resampler, to_float32, to_pcm16
 from speech.cancel import Generation
 from speech.chunker import Chunker
 from speech.config import VADConfig
+from speech.front_end import FrontEndError
 from speech.messages import SpeechEnded, SpeechPaused, SpeechResumed, SpeechStarted, Transcript, TranscriptionFailed
 from speech.turn_completion import is_complete
 
@@ -167,7 +168,11 @@ class VoicePipeline:
         to_float32(pcm16)  # validates
         self.clock.received(len(pcm16) / 2 / self.config.sample_rate, time.perf_counter())
         assert self._asr is not None
-        await asyncio.to_thread(self._asr.feed, pcm16)
+        try:
+            await asyncio.to_thread(self._asr.feed, pcm16)
+        except FrontEndError:
+            self._open_asr()  # a new stream, in a restarted process: the utterance in progress is lost
+            raise
 
     def commit(self) -> None:
         """End the utterance in progress now (the client says the turn is over)."""

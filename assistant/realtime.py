@@ -38,6 +38,7 @@ from assistant.timeline import TimelineMetrics
 from assistant.token_bucket import TokenBucket
 from assistant.voice_services import VoiceServices
 from speech.audio import AudioFormatError
+from speech.front_end import FrontEndError
 from speech.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,11 @@ class RealtimeSession:
             self._refuse(exc.code, str(exc), event_id)
         except ImageError as exc:
             self._refuse(exc.code, str(exc), event_id, "item.content")
+        except FrontEndError as exc:  # the server's fault, not the client's: not counted as an invalid event
+            log.error("session %s: %s", self.pipeline.id, exc)
+            self.pipeline.outbox.put(error_event(
+                "speech_front_end_restarted", "the speech front end stopped and was restarted; the audio of the utterance "
+                "in progress was lost, please say it again", event_id, "audio", kind="server_error"))  # fmt: skip
         except AudioFormatError as exc:
             self._refuse("invalid_audio_format", f"{exc} (expected PCM16 mono at {self.services.config.sample_rate} Hz)",
                          event_id, "audio")  # fmt: skip

@@ -147,6 +147,10 @@ class _Worker:
             raise FrontEndError(f"the speech front-end process {self.process.name} failed: {reply}")
         return reply
 
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
     def stop(self) -> None:
         self.conn.close()
         self.process.join(timeout=5)
@@ -189,21 +193,27 @@ class RemoteFrontEnd:
 
 class FrontEndPool:
     """``processes`` worker processes (spawned: the parent may hold CUDA) serving streams' front
-    ends, assigned round-robin."""
+    ends, assigned round-robin. A worker process found dead when a stream is opened is replaced;
+    its old streams fail with :class:`FrontEndError` and their sessions open new ones."""
 
     def __init__(self, processes: int) -> None:
         if processes < 1:
             raise ValueError(f"a front-end pool needs at least 1 process, got {processes}")
-        context = multiprocessing.get_context("spawn")
-        self._workers = [_Worker(context, i) for i in range(processes)]
+        self._context = multiprocessing.get_context("spawn")
+        self._workers = [_Worker(self._context, i) for i in range(processes)]
         self._streams = itertools.count()
         self._lock = threading.Lock()
 
     def open(self, input_rate: int, vad: VADConfig) -> RemoteFrontEnd:
-        """A new stream's front end, in the next worker process."""
+        """A new stream's front end, in the next worker process (restarted first if it died)."""
         with self._lock:
             stream = next(self._streams)
-        return RemoteFrontEnd(self._workers[stream % len(self._workers)], stream, input_rate, vad)
+            index = stream % len(self._workers)
+            if not self._workers[index].alive:
+                self._workers[index].stop()
+                self._workers[index] = _Worker(self._context, index)
+            worker = self._workers[index]
+        return RemoteFrontEnd(worker, stream, input_rate, vad)
 
     @property
     def processes(self) -> list[multiprocessing.process.BaseProcess]:

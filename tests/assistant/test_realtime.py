@@ -361,6 +361,35 @@ async def test_commit_ends_the_turn_and_clear_drops_it(server, clips) -> None:
         assert word_error_rate(clip.text, transcript) <= 0.2, transcript
 
 
+async def test_a_speech_front_end_process_that_dies_costs_one_utterance_not_the_session(server, clips) -> None:
+    """The shared server runs its callers' front ends in a worker process. Killed mid-utterance:
+    the caller gets a server_error event (not counted against it), its next question is heard
+    through a restarted process and answered, and so is a new session's."""
+    pool = server.services.asr._front_ends
+    clip = clips[0]
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        await recv_until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4})
+        await send_audio(conn, clip.pcm[: len(clip.pcm) // 3], speed=4.0)  # the question under way...
+        victim = pool.processes[0]
+        victim.kill()
+        victim.join(10)
+        await send_audio(conn, bytes(2 * RATE), speed=4.0)  # ...is lost: the next packet finds the process gone
+        error = first(await recv_until(conn, "error"), "error").error
+        assert (error.type, error.code) == ("server_error", "speech_front_end_restarted")
+        await send_audio(conn, clips[1].pcm, speed=4.0)
+        events = await recv_until(conn, "response.done")
+        transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
+        assert word_error_rate(clips[1].text, transcript) <= 0.2, transcript
+    assert pool.processes[0].is_alive() and pool.processes[0] is not victim
+    async with realtime(server).realtime.connect(model="handbook") as conn:
+        await recv_until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4})
+        await send_audio(conn, clips[2].pcm, speed=4.0)
+        events = await recv_until(conn, "response.done")
+        assert first(events, "conversation.item.input_audio_transcription.completed").transcript
+
+
 async def test_a_push_to_talk_turn_keeps_its_voice_timeline_and_shows_the_wait_for_response_create(server, clips) -> None:
     """turn_detection null: the client commits, gets the transcript, waits, then asks for the
     answer. The turn is a voice turn with its speech stages, and the client's wait is the share of

@@ -86,6 +86,8 @@ def test_a_worker_process_that_dies_fails_its_streams_clearly_and_spares_the_oth
             first.hear(np.zeros(960, np.int16).tobytes())
         assert len(second.hear(np.zeros(960, np.int16).tobytes())[0]) > 0  # the other process goes on
         first.close()  # a stream whose process is gone closes quietly
+        third = pool.open(RATE, VADConfig(use_silero=False))  # lands on the dead one's place: restarted
+        assert len(third.hear(np.zeros(960, np.int16).tobytes())[0]) > 0 and pool.processes[0].is_alive()
     finally:
         pool.close()
     assert not any(p.is_alive() for p in pool.processes)
