@@ -51,6 +51,8 @@ def pool():
 
 def test_two_workers_synthesize_two_replies_at_once(pool) -> None:
     assert len(pool.backends) == 2 and pool.backends[0] is not pool.backends[1]
+    # the warm-up loaded each instance's out-of-vocabulary net (hibari's), not the first answer with an unknown word
+    assert all(backend._tts.g2p._oov is not None for backend in pool.backends)
     seen = Arrivals()
     pool.submit(seen.job("a", LONG, False))
     pool.submit(seen.job("b", LONG, False))
