@@ -34,6 +34,9 @@ from speech.config import VADConfig
 from speech.messages import SpeechEnded
 from speech.vad import SharedScorer, VADEvent, VoiceActivityDetector
 
+REPLY_TIMEOUT_S = 10.0  # a worker process this late with a reply is taken for hung: stopped, restarted on the next open
+
+
 class FrontEndError(RuntimeError):
     """The front end's worker process stopped (or failed): the stream cannot be heard any more."""
 
@@ -135,10 +138,14 @@ class _Worker:
         child.close()
         self.lock = threading.Lock()
 
-    def call(self, request: _Request) -> object:
+    def call(self, request: _Request, timeout: float = REPLY_TIMEOUT_S) -> object:
         with self.lock:
             try:
                 self.conn.send(request)
+                if not self.conn.poll(timeout):
+                    self.process.kill()  # hung: its streams fail now, and the pool restarts it on the next open
+                    raise FrontEndError(f"the speech front-end process {self.process.name} gave no reply in {timeout:g} s "
+                                        "and was stopped")  # fmt: skip
                 status, reply = self.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as exc:
                 raise FrontEndError(f"the speech front-end process {self.process.name} stopped "

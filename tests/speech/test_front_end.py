@@ -15,7 +15,7 @@ from speech.asr.session import AsyncASRSession
 from speech.asr.worker import ASRWorker
 from speech.audio import AudioFormatError, resample
 from speech.config import VADConfig
-from speech.front_end import FrontEndError, FrontEndPool, LocalFrontEnd, RemoteFrontEnd
+from speech.front_end import FrontEndError, FrontEndPool, LocalFrontEnd, RemoteFrontEnd, _Request
 from speech.messages import SpeechEnded, SpeechStarted
 from tests.speech.test_asr_streaming import chunks
 
@@ -108,3 +108,24 @@ async def test_sessions_with_front_end_processes_transcribe_as_in_process(questi
             assert isinstance(AsyncASRSession(worker, config, input_rate=RATE)._session._front,
                               RemoteFrontEnd if processes else LocalFrontEnd)  # fmt: skip
     assert finals[1] == finals[0] and all(finals[1])
+
+
+def test_a_worker_process_that_hangs_is_stopped_and_its_stream_fails_clearly() -> None:
+    """A worker process that does not answer (stopped with SIGSTOP here) within the reply timeout
+    is killed; the call raises FrontEndError saying so, and the next stream there gets a new process."""
+    import os
+    import signal
+
+    pool = FrontEndPool(1)
+    try:
+        front = pool.open(RATE, VADConfig(use_silero=False))
+        hung = pool.processes[0]
+        os.kill(hung.pid, signal.SIGSTOP)
+        with pytest.raises(FrontEndError, match="gave no reply in 0.5 s"):
+            front._worker.call(_Request("hear", front._stream, np.zeros(480, np.float32).tobytes()), timeout=0.5)
+        hung.join(10)
+        assert not hung.is_alive()
+        again = pool.open(RATE, VADConfig(use_silero=False))
+        assert len(again.hear(np.zeros(960, np.int16).tobytes())[0]) > 0 and pool.processes[0] is not hung
+    finally:
+        pool.close()
