@@ -23,6 +23,10 @@ from speech.config import ConfigError, TTSConfig
 from speech.tts.base import TTSBackend, TTSUnavailable
 
 
+LOAD_TIMEOUT_S = 300.0  # loading a voice (coqui's model may take minutes on a slow disk)
+PIECE_TIMEOUT_S = 60.0  # one piece of audio: a voice this late is taken for hung
+
+
 def _serve(conn: Connection, config: TTSConfig, load: Callable[[TTSConfig], TTSBackend]) -> None:
     """The worker process: load the voice, then answer start / next / stop until the pipe closes."""
     try:
@@ -67,15 +71,18 @@ class ProcessVoice(TTSBackend):
                                         name=f"tts-voice-{config.backend}", daemon=True)  # fmt: skip
         self._process.start()
         child.close()
-        status, reply = self._receive()
+        status, reply = self._receive(LOAD_TIMEOUT_S)
         if status != "ready":
             self.close()
             raise {"unavailable": TTSUnavailable, "config": ConfigError}.get(status, RuntimeError)(reply)
         name, self.sample_rate, self.device = reply  # type: ignore[misc]
         self.name = f"{name} (process)"
 
-    def _receive(self) -> tuple[str, object]:
+    def _receive(self, timeout: float = PIECE_TIMEOUT_S) -> tuple[str, object]:
         try:
+            if not self._conn.poll(timeout):
+                self._process.kill()
+                raise RuntimeError(f"the voice process {self._process.name} gave no reply in {timeout:g} s and was stopped")
             return self._conn.recv()
         except (EOFError, OSError) as exc:
             raise RuntimeError(f"the voice process {self._process.name} stopped (exit code {self._process.exitcode})") from exc
