@@ -65,10 +65,16 @@ class ProcessVoice(TTSBackend):
 
     def __init__(self, config: TTSConfig, load: Callable[[TTSConfig], TTSBackend]) -> None:
         super().__init__(config)
+        self._load = load
+        self._start()
+        self.restarts = 0  # worker processes started again after one stopped
+
+    def _start(self) -> None:
+        """Start the worker process and wait for its voice to load."""
         context = multiprocessing.get_context("spawn")  # the parent may hold CUDA
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, replace(config, processes=False), load),
-                                        name=f"tts-voice-{config.backend}", daemon=True)  # fmt: skip
+        self._process = context.Process(target=_serve, args=(child, replace(self.config, processes=False), self._load),
+                                        name=f"tts-voice-{self.config.backend}", daemon=True)  # fmt: skip
         self._process.start()
         child.close()
         status, reply = self._receive(LOAD_TIMEOUT_S)
@@ -98,6 +104,10 @@ class ProcessVoice(TTSBackend):
         return reply
 
     def _synthesize(self, text: str) -> Iterator[np.ndarray]:
+        if not self._process.is_alive():  # it stopped (or hung and was stopped) during an earlier text
+            self.close()
+            self._start()
+            self.restarts += 1
         self._call("start", text)
         try:
             while (piece := self._call("next")) is not None:

@@ -47,6 +47,9 @@ def test_a_voice_in_a_process_speaks_as_in_this_one() -> None:
         assert len(ours) == len(theirs) >= 4
         for a, b in zip(ours, theirs):
             np.testing.assert_array_equal(a.pcm, b.pcm)
+        there._process.kill()  # a voice process that dies: its next text starts a new one
+        there._process.join(10)
+        assert len(there.synthesize(ENGLISH).pcm) > 0 and there.restarts == 1
     finally:
         there.close()
     assert not there._process.is_alive()
