@@ -219,12 +219,13 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
         for pattern in patterns:
             for n in caller_counts:
                 await asyncio.to_thread(wait_sessions_closed, http_base(url))
-                lag_before = loop_lag_of(await asyncio.to_thread(scrape_metrics, http_base(url)))
+                before = await asyncio.to_thread(scrape_metrics, http_base(url))
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress, cfg.client_processes)
                 after = await asyncio.to_thread(scrape_metrics, http_base(url))
-                memory, lag = memory_of(after), lag_quantiles(lag_before, loop_lag_of(after))
+                lag, gil = (lag_quantiles(histogram_of(before, name_), histogram_of(after, name_)) for name_ in (LOOP_LAG, GIL_WAIT))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
-                               "false_endpoints": false_endpoints(turns), "results": caller_count_results(turns, memory, lag),
+                               "false_endpoints": false_endpoints(turns),
+                               "results": caller_count_results(turns, memory_of(after), lag, gil),
                                "turns": [asdict(r) for r in turns]})  # fmt: skip
         ok = all(not p["results"]["lost_turns"] for p in phases)
     finally:
@@ -260,10 +261,14 @@ def scrape_metrics(http_url: str) -> str:
         return ""
 
 
-def loop_lag_of(metrics: str) -> dict[float, float]:
-    """The event-loop lag histogram in a ``/metrics`` text: bucket bound (s) -> cumulative count ({} if none)."""
+LOOP_LAG = "assistant_event_loop_lag_seconds"
+GIL_WAIT = "assistant_gil_wait_seconds"
+
+
+def histogram_of(metrics: str, name: str) -> dict[float, float]:
+    """Histogram ``name`` in a ``/metrics`` text: bucket bound (s) -> cumulative count ({} if none)."""
     return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(metrics)
-            for sample in family.samples if sample.name == "assistant_event_loop_lag_seconds_bucket"}  # fmt: skip
+            for sample in family.samples if sample.name == name + "_bucket"}  # fmt: skip
 
 
 def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, float | None] | None:

@@ -7,7 +7,9 @@ Per caller count, ``results`` holds (milliseconds; p50/p95/p99 over the turns th
 client), ``stages`` (each stage's share, see :mod:`assistant.timeline`), ``turns``, ``lost_turns``
 (no answer audio or no timeline), ``breakdown`` (where the ASR final's and the first token's time
 went: queue, model, hand-off to the event loop), ``event_loop_lag_ms`` (p50/p95/p99 of the server
-event loop's lag during the phase, as bucket bounds of ``assistant_event_loop_lag_seconds``) and
+event loop's lag during the phase, as bucket bounds of ``assistant_event_loop_lag_seconds``),
+``gil_wait_ms`` (the same of ``assistant_gil_wait_seconds``: how long a thread waking from a 5 ms
+sleep waited to run Python again, as the GPU threads do after each CUDA call) and
 ``memory_bytes`` (device -> owner -> bytes, from the server's ``/metrics`` after the phase).
 """
 
@@ -100,11 +102,13 @@ def table(phases: list[dict[str, Any]]) -> str:
             s = p["summary"].get(key)
             cells.append(f"{s['p50']:.0f} / {s['p95']:.0f} / {s['p99']:.0f}" if s else "n/a")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    if any(p["results"].get("event_loop_lag_ms") for p in phases):
-        lags = [p["results"].get("event_loop_lag_ms") for p in phases]
-        lines.append("| server event loop lag, 20 ms timer (bucket bound) | " + " | ".join(
-            " / ".join("over 5000" if g[k] is None else f"{g[k]:g}" for k in ("p50", "p95", "p99")) if g else "n/a"
-            for g in lags) + " |")  # fmt: skip
+    for key, label in (("event_loop_lag_ms", "server event loop lag, 20 ms timer (bucket bound)"),
+                       ("gil_wait_ms", "server GIL wait after a 5 ms sleep (bucket bound)")):
+        if any(p["results"].get(key) for p in phases):
+            lags = [p["results"].get(key) for p in phases]
+            lines.append(f"| {label} | " + " | ".join(
+                " / ".join("over the top bucket" if g[k] is None else f"{g[k]:g}" for k in ("p50", "p95", "p99")) if g else "n/a"
+                for g in lags) + " |")  # fmt: skip
     turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
     lines.append(f"| turns with a timeline | {turns} |")
     false = " | ".join(f"{f['paused']['false']} of {f['paused']['n']} / {f['whole']['false']} of {f['whole']['n']}"
@@ -165,7 +169,8 @@ def percentiles(summary: dict[str, dict[str, float]], key: str) -> dict[str, flo
 
 
 def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[str, float]],
-                         loop_lag_ms: dict[str, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
+                         loop_lag_ms: dict[str, float | None] | None = None,
+                         gil_wait_ms: dict[str, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """One caller count's entry of ``results`` (see the module docstring)."""
     summary = summarize(turns)
     return {
@@ -175,6 +180,7 @@ def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[s
         "stages": {stage: percentiles(summary, stage) for stage in STAGES[1:] if stage in summary},
         "breakdown": {part: percentiles(summary, part) for part in BREAKDOWN if part in summary},
         "event_loop_lag_ms": loop_lag_ms,
+        "gil_wait_ms": gil_wait_ms,
         "turns": len(turns),
         "lost_turns": sum(t.lost for t in turns),
         "false_endpoints": false_endpoints(turns),

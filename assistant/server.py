@@ -24,6 +24,7 @@ from assistant.config import ServerConfig
 from assistant.device_memory import MemoryCollector, ServerModels
 from assistant.coscheduler import CoScheduler
 from assistant.image_reading import NO_TEXT, ImageError, check_count, image_prompt
+from assistant.gil_wait import GilWait
 from assistant.loop_lag import LoopLag
 from assistant.prompt import PromptTooLong
 from assistant.realtime import RealtimeSession, reject
@@ -60,6 +61,7 @@ class AssistantServer:
         self.models = ServerModels(engine.core, self.services.asr.backend, self.services.tts.backends[0])
         registry.register(MemoryCollector(self.models))
         self.loop_lag = LoopLag(registry)
+        self.gil_wait = GilWait(registry)
         self.engine_metrics = EngineMetrics(engine, self.model_name, engine.core.max_model_len)
         self.app: FastAPI = create_app(
             engine, self.model_name, chat_prompt=self.grounded_prompt,
@@ -147,6 +149,7 @@ class AssistantServer:
             return
         await ws.accept()
         self.loop_lag.ensure_running()
+        self.gil_wait.ensure_running()
         session = RealtimeSession(ws, self.services, self.config, self.model_name, self.timelines)
         self.sessions.add(session)
         self._active.set(len(self.sessions))
@@ -163,5 +166,6 @@ class AssistantServer:
         self.engine_metrics.reset()
 
     def close(self) -> None:
+        self.gil_wait.stop()
         self.services.close()
         self.answerer.shutdown()

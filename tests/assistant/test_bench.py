@@ -64,6 +64,7 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst_then_
     assert set(two["stages"]) == set(HANDS_FREE[1:]) and all(set(v) == {"p50", "p95", "p99"} for v in two["stages"].values())
     assert set(two["breakdown"]) == set(BREAKDOWN) and "| - of which (ASR): waiting in the ASR worker's queue |" in r.stdout
     assert two["event_loop_lag_ms"]["n"] > 0 and "| server event loop lag, 20 ms timer (bucket bound) |" in r.stdout
+    assert two["gil_wait_ms"]["n"] > 0 and "| server GIL wait after a 5 ms sleep (bucket bound) |" in r.stdout
     assert two["memory_bytes"]["cpu"]["llm weights"] > 0 and two["memory_bytes"]["cpu"]["llm kv_cache"] > 0
     conversation = report["phases"][0]["turns"]
     assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]
