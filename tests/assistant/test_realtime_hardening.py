@@ -7,11 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import threading
+import time
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
+from websockets.client import ClientProtocol
+from websockets.uri import parse_uri
 from websockets.exceptions import ConnectionClosed
 
 from assistant.config import HANDBOOK_DIR, AssistantConfig, RefusalConfig, ServerConfig, VoiceConfig
@@ -221,29 +226,49 @@ async def test_sessions_per_client_address_are_limited_with_1013(server) -> None
             await ws.close()
 
 
+def non_reading_client(url: str) -> tuple[ClientProtocol, socket.socket]:
+    """A WebSocket client on a plain socket that never reads after the handshake (websockets'
+    sans-I/O protocol frames what it sends). A library client keeps reading its socket into its
+    own buffers even with ``max_queue=1``, so the server's sends never block on it."""
+    protocol = ClientProtocol(parse_uri(url))
+    parts = urlparse(url)
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    protocol.send_request(protocol.connect())
+    sock.sendall(b"".join(protocol.data_to_send()))
+    while not protocol.events_received():  # the handshake's response
+        protocol.receive_data(sock.recv(65536))
+    sock.setblocking(False)
+    return protocol, sock
+
+
 async def test_a_client_that_stops_reading_is_closed_and_its_session_released(server) -> None:
+    """The server's sends block once the socket's buffers are full; one that waits
+    ``send_timeout_s`` closes the session, well before the keepalive ping would."""
     await until(lambda: not server.sessions)
-    # max_queue=1: the client library stops reading the socket once one frame waits unread
-    ws = await ws_connect(raw_url(server), max_queue=1, max_size=None)
+    protocol, sock = non_reading_client(raw_url(server))
     try:
         await until(lambda: len(server.sessions) == 1)
         session = next(iter(server.sessions))
         big = "a" * MAX_ITEM
-        try:  # each pair comes back four times over (added + done); the client reads none of it
-            for _ in range(200):
-                await ws.send(user_item(big))
-                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-                    "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": big}]}}))  # fmt: skip
-                await asyncio.sleep(0.05)  # under the event rate
-                if session not in server.sessions:
+        started = time.perf_counter()
+        for _ in range(200):  # each pair comes back four times over (added + done); the client reads none of it
+            for text in (user_item(big), json.dumps({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": big}]}})):  # fmt: skip
+                protocol.send_text(text.encode())
+                try:
+                    sock.sendall(b"".join(protocol.data_to_send()))
+                except (BlockingIOError, OSError):  # the server stopped reading too, or closed
                     break
-        except ConnectionClosed:
-            pass
-        await until(lambda: session not in server.sessions)
+            await asyncio.sleep(0.05)  # under the event rate
+            if session not in server.sessions:
+                break
+        await until(lambda: session not in server.sessions, timeout=30)
+        assert time.perf_counter() - started < 20  # the send timeout closed it, not uvicorn's 20 s ping (+20 s timeout)
         async with httpx.AsyncClient() as http:  # the server itself is fine
             assert (await http.get(server.url + "/health")).status_code == 200  # type: ignore[attr-defined]
     finally:
-        ws.transport.abort()
+        sock.close()
 
 
 # ---- the fuzz program's core --------------------------------------------------------------------------------
@@ -260,7 +285,6 @@ async def test_audio_sent_faster_than_real_time_is_heard_and_another_session_is_
     another speaks a question at real-time pace meanwhile. Every question is transcribed right,
     the paced speaker gets its answer, and neither session gets an error."""
     import base64
-    import time
 
     import numpy as np
 
