@@ -30,6 +30,7 @@ import json
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,37 @@ def measure(audio: np.ndarray, rate: int, chunk_ms: int, silero: bool) -> FrontE
     )  # fmt: skip
 
 
+def feed_callers(audio: np.ndarray, rate: int, chunk_ms: int, callers: int, feed: Callable[[int, bytes], object],
+                 close: Callable[[int], object]) -> tuple[list[float], float, int]:
+    """``callers`` callers, each on a thread of its own: caller ``i`` sends ``audio`` (at ``rate``)
+    shifted by ``i`` sevenths of a second, so callers say different things at once, in
+    ``chunk_ms`` PCM16 packets through ``feed(i, packet)`` as fast as they go, then ``close(i)``.
+    Returns each caller's thread CPU seconds, the run's wall seconds and the packets per caller."""
+    step = rate * chunk_ms // 1000
+    pcm = to_pcm16(audio).astype("<i2")
+    packets = len(pcm) // step
+    cpu_s = [0.0] * callers
+    start = threading.Barrier(callers + 1)
+
+    def caller(i: int) -> None:
+        mine = np.roll(pcm, i * rate // 7).tobytes()
+        start.wait()
+        t0 = time.thread_time()
+        for k in range(packets):
+            feed(i, mine[k * step * 2 : (k + 1) * step * 2])
+        cpu_s[i] = time.thread_time() - t0
+        close(i)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return cpu_s, time.perf_counter() - t0, packets
+
+
 def measure_callers(audio: np.ndarray, rate: int, chunk_ms: int, callers: int, batched: bool, wait_ms: float) -> CallersCost:
     """``callers`` callers, each feeding ``audio`` (shifted, so they say different things at once)
     on a thread of its own; Silero through one shared scorer (``batched``) or a session each."""
@@ -144,30 +176,11 @@ def measure_callers(audio: np.ndarray, rate: int, chunk_ms: int, callers: int, b
         timed = [_TimedSession(vad._silero._session, time.thread_time) for vad in vads]  # type: ignore[union-attr]
         for vad, probe in zip(vads, timed):
             vad._silero._session = probe  # type: ignore[union-attr]
-    step = rate * chunk_ms // 1000
-    pcm = to_pcm16(audio).astype("<i2")
-    cpu_s = [0.0] * callers
-    packets = len(pcm) // step
-    start = threading.Barrier(callers + 1)
-
-    def caller(i: int) -> None:
-        resampler, vad = Resampler(rate, VADConfig.sample_rate), vads[i]
-        mine = np.roll(pcm, i * rate // 7).tobytes()
-        start.wait()
-        t0 = time.thread_time()
-        for k in range(packets):
-            vad.process(resampler.process(to_float32(mine[k * step * 2 : (k + 1) * step * 2])))
-        cpu_s[i] = time.thread_time() - t0
-        vad.close()
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - t0
+    resamplers = [Resampler(rate, VADConfig.sample_rate) for _ in range(callers)]
+    cpu_s, wall_s, packets = feed_callers(
+        audio, rate, chunk_ms, callers, lambda i, packet: vads[i].process(resamplers[i].process(to_float32(packet))),
+        lambda i: vads[i].close(),
+    )
     total = packets * callers
     onnx_s, calls, windows = (sum(getattr(t, name) for t in timed) for name in ("seconds", "calls", "windows"))
     gil_us, onnx_us = (sum(cpu_s) - onnx_s) * 1e6 / total, onnx_s * 1e6 / total
@@ -197,29 +210,9 @@ def measure_server_share(audio: np.ndarray, rate: int, chunk_ms: int, callers: i
     pool = FrontEndPool(processes) if processes else None
     scorer = None if pool else SileroScorer(config.silero_model, config.silero_batch_wait_ms)
     fronts = [pool.open(rate, config) if pool else LocalFrontEnd(rate, config, scorer) for _ in range(callers)]
-    step = rate * chunk_ms // 1000
-    pcm = to_pcm16(audio).astype("<i2")
-    packets = len(pcm) // step
-    cpu_s = [0.0] * callers
-    start = threading.Barrier(callers + 1)
-
-    def caller(i: int) -> None:
-        mine = np.roll(pcm, i * rate // 7).tobytes()
-        start.wait()
-        t0 = time.thread_time()
-        for k in range(packets):
-            fronts[i].hear(mine[k * step * 2 : (k + 1) * step * 2])
-        cpu_s[i] = time.thread_time() - t0
-        fronts[i].close()
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - t0
+    cpu_s, wall_s, packets = feed_callers(
+        audio, rate, chunk_ms, callers, lambda i, packet: fronts[i].hear(packet), lambda i: fronts[i].close(),
+    )
     if pool is not None:
         pool.close()
     per = sum(cpu_s) * 1e6 / (packets * callers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from speech.asr.greedy_decode import BUCKETS
+from speech.asr.greedy_decode import batch_buckets
 from speech.asr.log_mel import WINDOW_FRAMES
 from speech.asr.whisper_model import Whisper
 
@@ -29,7 +29,7 @@ class EncoderGraphs:
         self.device = weight.device
         self.enabled = enabled and self.device.type == "cuda"
         self.stream = stream
-        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.buckets = batch_buckets(max_batch)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._input: torch.Tensor | None = None
         self._output: dict[int, torch.Tensor] = {}

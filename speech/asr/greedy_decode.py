@@ -33,6 +33,11 @@ from speech.asr.whisper_model import KVCache, Whisper
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes captured for ``max_batch`` rows: the :data:`BUCKETS` below it, and itself."""
+    return sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+
+
 @dataclass(frozen=True)
 class DecodeRules:
     """What the step needs to know of the vocabulary, for every row of a batch."""
@@ -113,7 +118,7 @@ class GreedyDecoder:
         self.suppress_begin[rules.suppress_begin] = True
         self.stream = stream
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.buckets = batch_buckets(max_batch)
         self._rows = {b: _Rows(self.full, b, self.cache, self.positions, self.device) for b in self.buckets}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, steps) -> graph
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -286,4 +291,4 @@ class GreedyDecoder:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
 
-__all__ = ["BUCKETS", "DecodeRules", "GreedyDecoder", "RowPrompt", "RowResult"]
+__all__ = ["BUCKETS", "batch_buckets", "DecodeRules", "GreedyDecoder", "RowPrompt", "RowResult"]
