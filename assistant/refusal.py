@@ -35,7 +35,9 @@ The refusal names a contact from the handbook itself: its contacts document is t
 whose sections give an e-mail address (the bundled "Who to Contact"). The contact is the section
 of it that best matches the question, with the title and heading of the question's best-matching
 section when that section's document holds two or more of the question's words (the VPN question
-is about working from home and installing: the IT Helpdesk); with no match, the document's first
+is about working from home: its best section is the home office allowance, on the equipment page,
+so the IT Helpdesk). A Chinese unit counts as words by its length, two characters a word: "家办公"
+(of 居家办公, "home office") is two words, as "home" and "office" are in English. With no match, the document's first
 section (the bundled Human Resources, for "leave, pay, contracts and PeopleHub questions", the
 broadest it lists). That section is also the refusal's citation: where to look the contact up.
 """
@@ -54,7 +56,8 @@ EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _CJK_RUN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 _SUFFIX = re.compile(r"(?:ing|ed|es|s)$")
 MIN_UNKNOWN_CJK = 2  # uncovered Chinese characters in a row that count as an unknown word
-MIN_TOPIC_UNITS = 2  # words of a question its best document must hold for the refusal to name that topic's contact
+MIN_TOPIC_WORDS = 2  # words of a question its best document must hold for the refusal to name that topic's contact
+CJK_CHARS_PER_WORD = 2  # most Chinese words are two characters: a held substring of n counts as ceil(n / 2) words
 
 # Words that ask for a figure, a time or a step, or that converse ("hello", "thanks", "again"), rather
 # than name a topic (after retrieval's stop words). A turn made only of them is left to the model.
@@ -155,11 +158,11 @@ class RefusalGate:
     def contact_for(self, question: str, evidence: Evidence) -> Section | None:
         """The contact section to name (None: the handbook has none): the one best matching the
         question, with the title and heading of its best-matching section when that section's
-        document holds ``MIN_TOPIC_UNITS`` of its words (one shared word, "office", is no topic);
+        document holds ``MIN_TOPIC_WORDS`` of its words (one shared word, "office", is no topic);
         else, or with no match, the contacts document's first."""
         if not self.contacts:
             return None
-        topic = evidence.best if len(evidence.covered) >= MIN_TOPIC_UNITS else None
+        topic = evidence.best if sum(map(_words, evidence.covered)) >= MIN_TOPIC_WORDS else None
         topic = topic if topic is not None and topic.path != self.contacts[0].path else None
         scores = self._contact_index.scores(question + (f"\n{topic.title}\n{topic.heading}" if topic else ""))
         return self.contacts[max(range(len(scores)), key=scores.__getitem__)]  # no match (all equal): the first
@@ -198,6 +201,11 @@ class RefusalGate:
             df = sum(unit in t for t in self._term_sets)
         n = len(self._texts)
         return math.log(1 + (n - df + 0.5) / (df + 0.5))
+
+
+def _words(unit: str) -> int:
+    """How many words a content unit counts as: an English stem one, a Chinese substring one per two characters."""
+    return -(-len(unit) // CJK_CHARS_PER_WORD) if _CJK_RUN.fullmatch(unit) else 1
 
 
 def _pieces(gap: str) -> list[str]:

@@ -34,8 +34,9 @@ def test_every_eval_question_the_handbook_does_not_answer_is_refused_and_no_fact
     assert len(refusals) == 8 and len(facts) == 17
     assert [v.question for v in refusals if not v.refused] == []
     assert [v.question for v in facts if v.refused] == []
-    # graded as the full eval grades a refusal (names the topic's contact): 7/8 en, 6/8 zh when written
-    assert sum(v.graded for v in refusals) >= {"en": 7, "zh": 6}[lang]
+    # graded as the full eval grades a refusal (names the topic's contact): 7/8 in each language since a
+    # Chinese substring counts as words by its length (the VPN question's 家办公, "home office", is two)
+    assert sum(v.graded for v in refusals) >= 7
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
@@ -58,6 +59,7 @@ def test_colloquial_questions_written_apart_from_the_eval_stay_within_the_measur
         ("en", "Can I keep the air miles from business flights?", "travel@northwind.example"),
         ("zh", "丧假有几天？", "hr@northwind.example"),
         ("zh", "可以把机密文件粘贴到AI聊天机器人里吗？", "security@northwind.example"),
+        ("zh", "在家办公需要安装哪个VPN客户端？", "helpdesk@northwind.example"),
     ],
 )
 def test_a_refusal_says_so_in_the_questions_language_and_names_a_contact_from_the_handbook(library, lang, question, contact):
