@@ -190,11 +190,14 @@ class PromptBuilder:
         return [self._ids([], self._user_content("", [s for s in self.docs.sections if s.path == p])) for p in paths]
 
     def _user_content(self, question: str, sections: Sequence[Section]) -> str:
-        """The last user message: the sections given with the question, the question, the answer's form."""
+        """The last user message: the sections given with the question, the answer's form, the question.
+
+        The question comes last so that everything before it is the same for every question about a
+        document: warmed once (:meth:`warm_prompts`), a question then prefills only its own words."""
         if not sections:
-            return f"{question}\n\n{self.labels.reminder}"
+            return f"{self.labels.reminder}\n\n{self.labels.question}{question}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
-        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.question}{question}\n\n{self.labels.reminder}"
+        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}"
 
     def _ids(self, history: list[Message], content: str) -> list[int]:
         messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": content}]
