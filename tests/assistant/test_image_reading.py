@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
+
 import pytest
 from PIL import Image
 
@@ -115,7 +117,6 @@ def test_detection_on_a_scaled_copy_reads_as_full_size_detection():
     """OcrReader finds lines on a copy scaled to ``det_side`` and recognizes them from the full
     picture: the same lines as detecting at full size (their text within a space or so), boxes in
     the full picture's coordinates."""
-    import numpy as np
 
     from assistant.image_reading import OcrReader, _crop
 
@@ -136,3 +137,35 @@ def test_detection_on_a_scaled_copy_reads_as_full_size_detection():
     reader.read(image)  # loads the models
     tilted = np.array([[10, 5], [50, 12], [48, 30], [8, 24]], np.float32)
     assert _crop(reader._ocr, pixels, tilted).shape[:2] == (19, 40)  # the library's perspective crop
+
+
+def test_each_line_is_recognized_at_its_own_width_and_reads_as_the_librarys_padded_batch():
+    """The recognizer gets each line scaled to its height at the line's own width (the library
+    pads every line to at least 320 px): short labels are narrow inputs, and every line's text is
+    what the library's own padded recognition reads. The real model runs; a wrapper around its
+    session only records the input widths."""
+    from assistant.image_reading import REC_HEIGHT, OcrReader, _crop
+
+    image = open_image(render(_picture("expense-claim-form")))
+    reader = OcrReader()
+    lines = reader.read(image)  # loads the models
+    rec, shapes = reader._ocr.text_rec, []
+    session = rec.session
+
+    class Recording:
+        def __call__(self, x):
+            shapes.append(x.shape)
+            return session(x)
+
+    rec.session = Recording()
+    try:
+        again = reader.read(image)
+    finally:
+        rec.session = session
+    assert [line.text for line in again] == [line.text for line in lines]
+    assert len(shapes) == len(lines) and all(s[0] == 1 and s[2] == REC_HEIGHT for s in shapes)  # one line a call
+    assert min(s[3] for s in shapes) < 160 < 320 <= max(s[3] for s in shapes)  # short labels are narrow inputs
+    picture = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
+    boxes = [np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float32) for x0, y0, x1, y1 in (line.box for line in lines)]
+    padded, _ = rec([_crop(reader._ocr, picture, box) for box in boxes])  # the library's batches, padded
+    assert [text.strip() for text, _ in padded] == [line.text for line in lines]
