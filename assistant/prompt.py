@@ -69,7 +69,8 @@ class Labels:
     contents: str  # heads the table of contents
     sections: str  # heads the retrieved sections
     question: str  # precedes the question after them
-    reminder: str  # the answer's form, last before the answer
+    reminder: str  # the answer's form, before the question (shared by every question about a document)
+    nudge: str  # the answer's form again in a few words, after the question: what the model reads last
 
 
 LABELS_EN = Labels(
@@ -77,12 +78,14 @@ LABELS_EN = Labels(
     "Handbook sections:",
     "Question: ",
     "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names.",
+    "(Give the exact figure and the form code.)",
 )
 LABELS_ZH = Labels(
     "手册的文件和章节如下；与问题相关的章节随问题一起给出。",
     "手册相关章节：",
     "问题：",
     "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。",
+    "（写出确切数字和表格编号。）",
 )
 
 
@@ -190,14 +193,17 @@ class PromptBuilder:
         return [self._ids([], self._user_content("", [s for s in self.docs.sections if s.path == p])) for p in paths]
 
     def _user_content(self, question: str, sections: Sequence[Section]) -> str:
-        """The last user message: the sections given with the question, the answer's form, the question.
+        """The last user message: the sections given with the question, the answer's form, the
+        question, the answer's form again in a few words.
 
-        The question comes last so that everything before it is the same for every question about a
-        document: warmed once (:meth:`warm_prompts`), a question then prefills only its own words."""
+        The question comes late so that everything before it is the same for every question about
+        a document: warmed once (:meth:`warm_prompts`), a question then prefills only its own words
+        and the short nudge."""
         if not sections:
-            return f"{self.labels.reminder}\n\n{self.labels.question}{question}"
+            return f"{self.labels.reminder}\n\n{self.labels.question}{question}\n{self.labels.nudge}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
-        return f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}"
+        return (f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}\n"
+                f"{self.labels.nudge}")
 
     def _ids(self, history: list[Message], content: str) -> list[int]:
         messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": content}]

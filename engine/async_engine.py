@@ -34,7 +34,7 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
-STALL_WARNING_S = 20.0  # a request this long without its first output is logged (once), with the engine's view of it
+STALL_WARNING_S = 20.0  # a request this long without its first output or any progress is logged (once), with the engine's view of it
 
 
 @dataclass
@@ -44,6 +44,8 @@ class _Stream:
     opened_at: float = 0.0
     delivered: int = 0  # outputs handed to the caller's loop
     warned: bool = False
+    computed: int = 0  # the request's prompt tokens computed when the watchdog last looked
+    progressed_at: float = 0.0  # when the watchdog last saw that number grow (0: not since it opened)
 
 
 @dataclass
@@ -223,13 +225,19 @@ class AsyncEngine:
             self._stats = core.stats()
 
     def _warn_stalls(self, core: EngineCore, now: float | None = None) -> list[str]:
-        """Log each stream that has waited ``STALL_WARNING_S`` for its first output, once, with what
-        the engine knows of its request (queue, tokens computed, blocks free): a turn a caller gives
-        up on leaves this line in the server's log. Returns the lines logged."""
+        """Log each stream that has waited ``STALL_WARNING_S`` for its first output, with no prompt
+        token computed meanwhile, once, with what the engine knows of its request (queue, tokens
+        computed, blocks free): a turn a caller gives up on leaves this line in the server's log. A
+        long prompt still being prefilled (on a CPU, 2,500 tokens of a 1.5B model take a minute)
+        is progress, not a stall. Returns the lines logged."""
         now = time.perf_counter() if now is None else now
         with self._lock:
+            for rid, s in self._streams.items():
+                req = core.requests.get(rid)
+                if req is not None and req.num_computed_tokens != s.computed:
+                    s.computed, s.progressed_at = req.num_computed_tokens, now
             stalled = [(rid, s) for rid, s in self._streams.items()
-                       if not s.warned and s.delivered == 0 and now - s.opened_at > STALL_WARNING_S]  # fmt: skip
+                       if not s.warned and s.delivered == 0 and now - max(s.opened_at, s.progressed_at) > STALL_WARNING_S]  # fmt: skip
             for _, s in stalled:
                 s.warned = True
         lines = []

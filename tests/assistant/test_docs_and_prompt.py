@@ -143,13 +143,14 @@ def test_every_prompt_starts_with_the_same_prefix_tokens(smollm_tokenizer):
     assert len(prefix) > 1500  # the whole handbook is in it
     # the prompt is exactly what the chat template renders
     text = smollm_tokenizer.decode(a, skip_special_tokens=False)
-    # after the prefix: the best-matching document again, the answer's form, the question (last: all before it is shared)
+    # after the prefix: the best-matching document again, the answer's form, the question, a short nudge (all before the question is shared)
     rest = text[len(builder.prefix.rendered) :]
     assert rest.index("[Annual Leave — Entitlement]") < rest.index("[Annual Leave — How to apply]")
     assert "Submit a Leave Request form (HR-01)" in rest and "[Sick Leave" not in rest
     # documents and excerpts are named by their titles, not their file names (no ".md" to quote as a form code)
     assert ".md" not in text
-    assert rest.endswith(f"{LABELS_EN.reminder}\n\nQuestion: How do I apply for annual leave?<|im_end|>\n<|im_start|>assistant\n")
+    assert rest.endswith(
+        f"{LABELS_EN.reminder}\n\nQuestion: How do I apply for annual leave?\n{LABELS_EN.nudge}<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")

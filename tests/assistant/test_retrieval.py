@@ -134,7 +134,8 @@ def test_documents_too_large_for_the_context_switch_to_retrieval_with_a_stable_p
         assert len(prompt.token_ids) <= SMOLLM2.prompt_limit
         assert prompt.sections[0].path == file and fact in prompt.sections[0].text
         rest = tokenizer.decode(prompt.token_ids[len(prefix) :], skip_special_tokens=False)
-        assert fact in rest and rest.rstrip().endswith(f"{builder.labels.reminder}\n\n{builder.labels.question}{question}<|im_end|>\n<|im_start|>assistant")
+        assert fact in rest and rest.rstrip().endswith(
+            f"{builder.labels.reminder}\n\n{builder.labels.question}{question}\n{builder.labels.nudge}<|im_end|>\n<|im_start|>assistant")
 
 
 # Measured with the smallest contexts that leave sections room after the system prompt, the

@@ -78,6 +78,39 @@ async def test_a_request_without_output_for_long_is_logged_once_with_the_engines
     waiting.cancel()
     await asyncio.gather(*busy, waiting, return_exceptions=True)
     await queued.aclose()
+
+
+async def test_a_long_prefill_that_progresses_is_not_a_stall(engine):
+    """The watchdog counts from a request's last progress: prompt tokens computed since it last
+    looked restart the clock (a long prompt prefilled on a slow CPU), and only that long without
+    any is a stall."""
+    from engine.async_engine import STALL_WARNING_S
+
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    firsts = [asyncio.Event() for _ in range(4)]
+
+    async def run(i: int) -> None:
+        async for _ in engine.generate(list(range(10 + i, 40 + i)), params, request_id=f"busy{i}"):
+            firsts[i].set()
+
+    busy = [asyncio.create_task(run(i)) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+    queued = engine.generate(list(range(100, 130)), params, request_id="queued")
+    waiting = asyncio.create_task(queued.__anext__())
+    await asyncio.sleep(0.2)  # the add command reaches the engine thread
+    later = time.perf_counter() + STALL_WARNING_S + 1
+    # as a prefill chunk would; the engine leaves a waiting request alone while every seat is busy
+    engine.core.requests["queued"].num_computed_tokens = 16
+    assert engine._warn_stalls(engine.core, now=later) == []  # it progressed since the last look
+    assert engine._warn_stalls(engine.core, now=later + STALL_WARNING_S - 1) == []  # not long enough since
+    lines = engine._warn_stalls(engine.core, now=later + STALL_WARNING_S + 1)
+    assert len(lines) == 1 and "16 of 30 prompt tokens computed" in lines[0]
+    engine.core.requests["queued"].num_computed_tokens = 0
+    for task in busy:
+        task.cancel()
+    waiting.cancel()
+    await asyncio.gather(*busy, waiting, return_exceptions=True)
+    await queued.aclose()
     await wait_idle(engine)
 
 
