@@ -251,7 +251,7 @@ class Answerer:
                 delta.citation = builder.index.cite(question, answer)
                 delta.mode, delta.docs_version = builder.mode, builder.docs.version
                 if conversation is not None and out.finish_reason != "abort":
-                    conversation.add(question, answer)
+                    conversation.add(question, answer, prompt.content)
             yield delta
 
     @staticmethod

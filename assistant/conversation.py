@@ -17,6 +17,11 @@ Message = dict[str, str]  # {"role": "user" | "assistant" | "system", "content":
 class Turn:
     question: str
     answer: str
+    # The user message as the model saw it (the question with the handbook document repeated in
+    # front of it and the answer's form); None: the question itself. Later prompts render it
+    # verbatim, so their tokens start with the ones this turn computed and the prefix cache has
+    # them, answer included (a follow-up prefills only its own message).
+    content: str | None = None
 
 
 @dataclass
@@ -27,10 +32,11 @@ class Conversation:
 
     def messages(self) -> list[Message]:
         """The turns as alternating user/assistant chat messages."""
-        return [m for t in self.turns for m in ({"role": "user", "content": t.question}, {"role": "assistant", "content": t.answer})]
+        return [m for t in self.turns
+                for m in ({"role": "user", "content": t.content or t.question}, {"role": "assistant", "content": t.answer})]  # fmt: skip
 
-    def add(self, question: str, answer: str) -> None:
-        self.turns.append(Turn(question, answer))
+    def add(self, question: str, answer: str, content: str | None = None) -> None:
+        self.turns.append(Turn(question, answer, content))
 
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest turns (they no longer fit the context, and never will again)."""

@@ -628,11 +628,12 @@ class VoicePipeline:
         was heard (not at all if nothing was: its question is then answered with the next one)."""
         self.services.coscheduler.waits(self.id, reply.id, None)
         if reply.status == "cancelled":
+            content = None
             if reply.recorded:
-                self.conversation.turns.pop()  # the whole answer was added; only part of it was heard
+                content = self.conversation.turns.pop().content  # the whole answer was added; only part of it was heard
                 reply.recorded = False
             if reply.sent_text:
-                self.conversation.add(reply.question, reply.sent_text)
+                self.conversation.add(reply.question, reply.sent_text, content)
             else:
                 self._pending.insert(0, reply.question)
                 self._pending_images[:0] = reply.images  # not read into the question yet

@@ -104,6 +104,7 @@ class Prompt:
     token_ids: list[int]
     sections: tuple[Section, ...]  # the sections sent with the question (retrieval: best first; whole: the best document)
     dropped_turns: int  # oldest history turns left out to fit the context
+    content: str = ""  # the last user message as sent (the conversation keeps it: Conversation.add)
 
 
 class PromptBuilder:
@@ -205,6 +206,10 @@ class PromptBuilder:
         return (f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}\n"
                 f"{self.labels.nudge}")
 
+    def _follow_up(self, question: str) -> str:
+        """The last user message when the conversation already carries the question's document: the question and the nudge."""
+        return f"{self.labels.question}{question}\n{self.labels.nudge}"
+
     def _ids(self, history: list[Message], content: str) -> list[int]:
         messages = [{"role": "system", "content": self.prefix.system_text}, *history, {"role": "user", "content": content}]
         full = self.tokenizer.render_chat(messages, add_generation_prompt=True)
@@ -214,13 +219,19 @@ class PromptBuilder:
         return list(self.prefix.token_ids) + list(self.tokenizer.hf(rest, add_special_tokens=False)["input_ids"])
 
     def prompt(self, history: list[Message], question: str) -> Prompt:
-        """The prompt for the next answer: prefix, as many recent turns as fit, (sections +) question."""
+        """The prompt for the next answer: prefix, as many recent turns as fit, (sections +) question.
+
+        Whole-context mode: a document that a kept earlier turn already carries in front of its
+        question is not repeated; the follow-up is then only the question and the nudge (its KV is
+        all that is left to compute: the earlier turn, answer included, is in the prefix cache)."""
         sections = self.select(question) if self.mode == RETRIEVAL else self.best_document(question)
-        content = self._user_content(question, sections)
         for kept, dropped in oldest_first_cuts(history):
+            repeated = self.mode == WHOLE and bool(sections) and any(
+                m["role"] == "user" and self._excerpt(sections[0]) in m["content"] for m in kept)
+            content = self._follow_up(question) if repeated else self._user_content(question, sections)
             ids = self._ids(kept, content)
             if self.budget is None or len(ids) <= self.budget.prompt_limit:
-                return Prompt(ids, sections, dropped)
+                return Prompt(ids, () if repeated else sections, dropped, content)
         raise PromptTooLong(
             f"the question needs {len(ids) - len(self.prefix.token_ids)} tokens after the {len(self.prefix.token_ids)}-token "
             f"prefix; at most {self.budget.prompt_limit - len(self.prefix.token_ids)} fit"

@@ -112,13 +112,20 @@ async def test_earlier_turns_are_cached_and_the_conversation_keeps_them(answerer
     finals = [await ask(answerer, q, conversation) for q in questions]
     assert [t.question for t in conversation.turns] == questions
     assert all(t.answer for t in conversation.turns)
-    # each turn reuses the prefix and every turn before the newest (whole blocks of them): the
-    # newest was sent with its sections, the history holds it without them
-    prefix = len(answerer.builders[answerer.language_for(questions[0])].prefix.token_ids) // BLOCK * BLOCK
+    # each turn reuses the prefix and every turn before the newest (whole blocks of them, answers
+    # included): the history holds each user message as it was sent, its document included
+    builder = answerer.builders[answerer.language_for(questions[0])]
+    prefix = len(builder.prefix.token_ids) // BLOCK * BLOCK
     assert all(f.cached_tokens >= prefix for f in finals[1:])
     for before, after in pairwise(finals):
         assert after.cached_tokens >= before.cached_tokens
     assert finals[2].cached_tokens > finals[1].cached_tokens
+    assert "Employees get 20 days" in conversation.turns[0].content
+    # the follow-up's document is already in the conversation: not repeated, and all the follow-up
+    # computes is its own message (the question and the nudge, a few template tokens, a block's remainder)
+    assert conversation.turns[1].content == f"{builder.labels.question}{questions[1]}\n{builder.labels.nudge}"
+    assert finals[1].prompt_tokens - finals[1].cached_tokens <= BLOCK + 32
+    assert conversation.messages()[0]["content"] == conversation.turns[0].content
 
 
 async def test_a_long_conversation_is_trimmed_to_the_engines_context(answerer):
