@@ -35,7 +35,7 @@ Configurations (``--config``; server options given as well are passed after them
 - ``8b``: the Llama-3.1-8B shape with random weights (engine/configs/llama-3.1-8b.json) and the
   bundled handbook as its cached prefix, answers capped at 24 tokens, a Whisper large-v3-turbo
   shape with random weights, the hibari voice (ONNX, on the CPU); the LLM and Whisper on CUDA;
-- ``real``: the embedded models (Whisper base, SmolLM2, hibari) with the engine on CUDA.
+- ``real``: the embedded models (Whisper base, the default LLM, hibari) with the engine on CUDA.
 Any other ``python -m assistant serve`` option reaches the server with ``--server-arg=--flag=value``.
 """
 

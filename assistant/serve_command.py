@@ -45,7 +45,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1; any other host requires an API key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--docs", type=Path, default=HANDBOOK_DIR, help="documents folder (default: the bundled handbook)")
-    s.add_argument("--model", type=Path, help="HF model directory or llama/qwen2 .gguf (default: the embedded LLM, SmolLM2-135M, or the role in $ASSISTANT_LLM, e.g. llm-qwen-1.5b)")
+    s.add_argument("--model", type=Path, help="HF model directory or llama/qwen2 .gguf (default: the embedded LLM, Qwen2.5-Coder-1.5B, or the role in $ASSISTANT_LLM, e.g. llm-qwen-0.5b)")
     s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the shape in --model (a config.json, e.g. engine/configs/llama-3.1-8b.json), for timing")
     s.add_argument("--tokenizer", type=Path, help="tokenizer of another model (default: the model's; dummy weights: the embedded SmolLM2's)")
