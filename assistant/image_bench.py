@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from assistant.eval_images import Picture, character_error_rate, render
-from assistant.image_reading import ImageReading, ImageText, OcrReader, TextLine, open_image
+from assistant.image_reading import ImageReading, ImageText, OcrReader, TextLine, bgr, open_image, text_lines
 
 PICTURE = Picture("expense-claim-15-lines", "form", (
     ("Expense Claim (FIN-01)",), ("Employee", "A. Employee"), ("Cost centre", "CC-4410"), ("Line manager", "J. Smith"),
@@ -49,14 +49,9 @@ class LibraryDefaults(OcrReader):
     def read(self, image: Image.Image) -> list[TextLine]:
         if self._ocr is None:
             self._ocr = self._load()
-        picture = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])  # BGR, as OpenCV
-        result, _ = self._ocr(picture)  # type: ignore[operator]
-        lines = []
-        for box, text, score in result or []:
-            xs, ys = [p[0] for p in box], [p[1] for p in box]
-            if text.strip() and float(score) >= self.min_score:
-                lines.append(TextLine(text.strip(), float(score), (min(xs), min(ys), max(xs), max(ys))))
-        return lines
+        result, _ = self._ocr(bgr(image))  # type: ignore[operator]
+        result = result or []
+        return text_lines([box for box, _, _ in result], [(text, score) for _, text, score in result], self.min_score)
 
 
 def time_readers(readers: list[OcrReader], data: bytes, runs: int) -> list[tuple[list[float], list[TextLine]]]:

@@ -150,7 +150,7 @@ class OcrReader:
             if self._ocr is None:
                 self._ocr = self._load()
             ocr = self._ocr
-            picture = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])  # BGR, as OpenCV
+            picture = bgr(image)
             scale = min(1.0, self.det_side / max(picture.shape[:2]))
             small = picture if scale == 1.0 else np.asarray(image.convert("RGB").resize(
                 (max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.Resampling.BILINEAR))[:, :, ::-1]
@@ -159,29 +159,33 @@ class OcrReader:
                 return []
             boxes = [np.asarray(box, np.float32) / scale for box in ocr.sorted_boxes(boxes)]  # type: ignore[attr-defined]
             recognized = [_recognize(ocr.text_rec, _crop(ocr, picture, box)) for box in boxes]  # type: ignore[attr-defined]
-        lines = []
-        for box, (text, score) in zip(boxes, recognized):
-            if text.strip() and score >= self.min_score:
-                xs, ys = box[:, 0], box[:, 1]
-                lines.append(TextLine(text.strip(), float(score), (float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max()))))
-        return lines
+        return text_lines(boxes, recognized, self.min_score)
 
 
-REC_HEIGHT = 48  # the recognizer's input height (PP-OCRv4)
+def bgr(image: Image.Image) -> np.ndarray:
+    """The picture as OpenCV's BGR pixels, which the OCR models take."""
+    return np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
+
+
+def text_lines(boxes: Sequence, recognized: Sequence[tuple[str, float]], min_score: float) -> list[TextLine]:
+    """The recognized lines with text and a score of at least ``min_score``, each with its box's bounds."""
+    lines = []
+    for box, (text, score) in zip(boxes, recognized):
+        if text.strip() and float(score) >= min_score:
+            xs, ys = np.asarray(box, np.float32)[:, 0], np.asarray(box, np.float32)[:, 1]
+            lines.append(TextLine(text.strip(), float(score), (float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max()))))
+    return lines
 
 
 def _recognize(rec: object, line: np.ndarray) -> tuple[str, float]:
     """One line's text and score, the line scaled to the recognizer's height at its own width.
 
     The library pads every line to at least 320 px wide (its batches' shape); a form's short
-    labels ("Taxi", "4") are mostly padding then. Read at their own width, the 28 lines of the
-    image bench's picture took 365 ms instead of 550 on the 2-core CPU, every character the same."""
-    import cv2  # rapidocr's own dependency, loaded with it: the resize it uses
-
+    labels ("Taxi", "4") are mostly padding then. Read at their own width (the library's own
+    resize and normalization, given the line's width-to-height ratio as the batch's), the 28 lines
+    of the image bench's picture took 365 ms instead of 550 on the 2-core CPU, every character the same."""
     h, w = line.shape[:2]
-    width = max(1, int(np.ceil(REC_HEIGHT * w / h)))
-    x = cv2.resize(line, (width, REC_HEIGHT)).astype(np.float32).transpose(2, 0, 1) / 255.0
-    x = (x - 0.5) / 0.5  # to [-1, 1], as the model was trained
+    x = rec.resize_norm_img(line, w / h)  # type: ignore[attr-defined]
     preds = rec.session(x[None])[0]  # type: ignore[attr-defined]
     text, score = rec.postprocess_op(preds)[0][:2]  # type: ignore[attr-defined]
     return text, float(score)

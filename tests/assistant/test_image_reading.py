@@ -144,7 +144,7 @@ def test_each_line_is_recognized_at_its_own_width_and_reads_as_the_librarys_padd
     pads every line to at least 320 px): short labels are narrow inputs, and every line's text is
     what the library's own padded recognition reads. The real model runs; a wrapper around its
     session only records the input widths."""
-    from assistant.image_reading import REC_HEIGHT, OcrReader, _crop
+    from assistant.image_reading import OcrReader, _crop, bgr
 
     image = open_image(render(_picture("expense-claim-form")))
     reader = OcrReader()
@@ -163,9 +163,9 @@ def test_each_line_is_recognized_at_its_own_width_and_reads_as_the_librarys_padd
     finally:
         rec.session = session
     assert [line.text for line in again] == [line.text for line in lines]
-    assert len(shapes) == len(lines) and all(s[0] == 1 and s[2] == REC_HEIGHT for s in shapes)  # one line a call
+    assert len(shapes) == len(lines) and all(s[0] == 1 and s[2] == 48 for s in shapes)  # one line a call, 48 px high (PP-OCRv4)
     assert min(s[3] for s in shapes) < 160 < 320 <= max(s[3] for s in shapes)  # short labels are narrow inputs
-    picture = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
+    picture = bgr(image)
     boxes = [np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float32) for x0, y0, x1, y1 in (line.box for line in lines)]
     padded, _ = rec([_crop(reader._ocr, picture, box) for box in boxes])  # the library's batches, padded
     assert [text.strip() for text, _ in padded] == [line.text for line in lines]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -49,11 +50,10 @@ async def test_abort_ends_the_stream_and_frees_every_block(engine):
     await wait_idle(engine)
 
 
-async def test_a_request_without_output_for_long_is_logged_once_with_the_engines_view(engine, caplog):
-    """The stall watchdog: a stream that has had no output for STALL_WARNING_S is logged once,
-    with where its request is (here the fifth of five, waiting for one of the four running slots)."""
-    from engine.async_engine import STALL_WARNING_S
-
+@asynccontextmanager
+async def four_busy_and_one_queued(engine):
+    """Four long requests fill the engine's four seats (each has had its first output); a fifth,
+    "queued" (a 30-token prompt), waits for one. Everything is cancelled on exit."""
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     firsts = [asyncio.Event() for _ in range(4)]
 
@@ -62,22 +62,33 @@ async def test_a_request_without_output_for_long_is_logged_once_with_the_engines
             firsts[i].set()
 
     busy = [asyncio.create_task(run(i)) for i in range(4)]
-    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
     queued = engine.generate(list(range(100, 130)), params, request_id="queued")
-    waiting = asyncio.create_task(queued.__anext__())
-    await asyncio.sleep(0.2)  # the add command reaches the engine thread
-    later = time.perf_counter() + STALL_WARNING_S + 1
-    with caplog.at_level("WARNING", logger="engine.async_engine"):
-        lines = engine._warn_stalls(engine.core, now=later)
-    assert len(lines) == 1 and lines[0].startswith("request queued has had no output")
-    assert "WAITING (waiting, 1 of 1)" in lines[0] and "0 of 30 prompt tokens computed" in lines[0]
-    assert lines[0] in caplog.text
-    assert engine._warn_stalls(engine.core, now=later) == []  # once per request
-    for task in busy:
-        task.cancel()
-    waiting.cancel()
-    await asyncio.gather(*busy, waiting, return_exceptions=True)
-    await queued.aclose()
+    waiting = None
+    try:
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+        waiting = asyncio.create_task(queued.__anext__())
+        await asyncio.sleep(0.2)  # the add command reaches the engine thread
+        yield
+    finally:
+        for task in [*busy, *([waiting] if waiting else [])]:
+            task.cancel()
+        await asyncio.gather(*busy, *([waiting] if waiting else []), return_exceptions=True)
+        await queued.aclose()
+
+
+async def test_a_request_without_output_for_long_is_logged_once_with_the_engines_view(engine, caplog):
+    """The stall watchdog: a stream that has had no output for STALL_WARNING_S is logged once,
+    with where its request is (here the fifth of five, waiting for one of the four running slots)."""
+    from engine.async_engine import STALL_WARNING_S
+
+    async with four_busy_and_one_queued(engine):
+        later = time.perf_counter() + STALL_WARNING_S + 1
+        with caplog.at_level("WARNING", logger="engine.async_engine"):
+            lines = engine._warn_stalls(engine.core, now=later)
+        assert len(lines) == 1 and lines[0].startswith("request queued has had no output")
+        assert "WAITING (waiting, 1 of 1)" in lines[0] and "0 of 30 prompt tokens computed" in lines[0]
+        assert lines[0] in caplog.text
+        assert engine._warn_stalls(engine.core, now=later) == []  # once per request
 
 
 async def test_a_long_prefill_that_progresses_is_not_a_stall(engine):
@@ -86,32 +97,15 @@ async def test_a_long_prefill_that_progresses_is_not_a_stall(engine):
     any is a stall."""
     from engine.async_engine import STALL_WARNING_S
 
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
-    firsts = [asyncio.Event() for _ in range(4)]
-
-    async def run(i: int) -> None:
-        async for _ in engine.generate(list(range(10 + i, 40 + i)), params, request_id=f"busy{i}"):
-            firsts[i].set()
-
-    busy = [asyncio.create_task(run(i)) for i in range(4)]
-    await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
-    queued = engine.generate(list(range(100, 130)), params, request_id="queued")
-    waiting = asyncio.create_task(queued.__anext__())
-    await asyncio.sleep(0.2)  # the add command reaches the engine thread
-    later = time.perf_counter() + STALL_WARNING_S + 1
-    # as a prefill chunk would; the engine leaves a waiting request alone while every seat is busy
-    engine.core.requests["queued"].num_computed_tokens = 16
-    assert engine._warn_stalls(engine.core, now=later) == []  # it progressed since the last look
-    assert engine._warn_stalls(engine.core, now=later + STALL_WARNING_S - 1) == []  # not long enough since
-    lines = engine._warn_stalls(engine.core, now=later + STALL_WARNING_S + 1)
-    assert len(lines) == 1 and "16 of 30 prompt tokens computed" in lines[0]
-    engine.core.requests["queued"].num_computed_tokens = 0
-    for task in busy:
-        task.cancel()
-    waiting.cancel()
-    await asyncio.gather(*busy, waiting, return_exceptions=True)
-    await queued.aclose()
-    await wait_idle(engine)
+    async with four_busy_and_one_queued(engine):
+        later = time.perf_counter() + STALL_WARNING_S + 1
+        # as a prefill chunk would; the engine leaves a waiting request alone while every seat is busy
+        engine.core.requests["queued"].num_computed_tokens = 16
+        assert engine._warn_stalls(engine.core, now=later) == []  # it progressed since the last look
+        assert engine._warn_stalls(engine.core, now=later + STALL_WARNING_S - 1) == []  # not long enough since
+        lines = engine._warn_stalls(engine.core, now=later + STALL_WARNING_S + 1)
+        assert len(lines) == 1 and "16 of 30 prompt tokens computed" in lines[0]
+        engine.core.requests["queued"].num_computed_tokens = 0
 
 
 async def test_a_steps_outputs_wake_the_callers_loop_once(engine):
