@@ -220,12 +220,14 @@ async def run_server(cfg: BenchConfig, name: str, args: tuple[str, ...], caller_
             for n in caller_counts:
                 await asyncio.to_thread(wait_sessions_closed, http_base(url))
                 before = await asyncio.to_thread(scrape_metrics, http_base(url))
+                started = time.monotonic()
                 turns = await run_phase(url, n, questions, paused, pattern, cfg.progress, cfg.client_processes)
+                wall_s = time.monotonic() - started
                 after = await asyncio.to_thread(scrape_metrics, http_base(url))
                 lag, gil = (lag_quantiles(histogram_of(before, name_), histogram_of(after, name_)) for name_ in (LOOP_LAG, GIL_WAIT))
                 phases.append({"callers": n, "pattern": pattern.name, "server": name, "summary": summarize(turns),
                                "false_endpoints": false_endpoints(turns),
-                               "results": caller_count_results(turns, memory_of(after), lag, gil),
+                               "results": caller_count_results(turns, memory_of(after), lag, gil, engine_steps(before, after, wall_s)),
                                "turns": [asdict(r) for r in turns]})  # fmt: skip
         ok = all(not p["results"]["lost_turns"] for p in phases)
     finally:
@@ -293,6 +295,38 @@ def memory_of(metrics: str) -> dict[str, dict[str, float]]:
             if sample.name == "assistant_memory_bytes":
                 memory.setdefault(sample.labels["device"], {})[sample.labels["owner"]] = sample.value
     return memory
+
+
+def counters_of(metrics: str, name: str) -> dict[str, float]:
+    """Counter ``name`` in a ``/metrics`` text: its ``mode`` label ("" if none) -> value, summed over the other labels."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == name + "_total":
+                mode = sample.labels.get("mode", "")
+                out[mode] = out.get(mode, 0.0) + sample.value
+    return out
+
+
+def engine_steps(before: str, after: str, wall_s: float) -> dict[str, Any] | None:
+    """Where the engine's time went in a phase, from two ``/metrics`` texts ``wall_s`` apart: by
+    execution path its steps, mean host and device ms a step and tokens a step, and the shares of
+    the phase the engine thread spent in steps (``host_busy``) and the GPU in them (``device_busy``;
+    None without CUDA). None if the server exports no engine step counters."""
+    def delta(name: str) -> dict[str, float]:
+        old = counters_of(before, name)
+        return {k: v - old.get(k, 0.0) for k, v in counters_of(after, name).items()}
+
+    steps, host, tokens, device = (delta("engine_" + n) for n in ("steps", "step_seconds", "step_tokens", "step_device_seconds"))
+    if not steps or wall_s <= 0:
+        return None
+    by_mode = {mode: {"steps": int(n), "host_ms": round(1e3 * host.get(mode, 0.0) / n, 2),
+                      "device_ms": round(1e3 * device[mode] / n, 2) if mode in device else None,
+                      "tokens": round(tokens.get(mode, 0.0) / n, 1)}
+               for mode, n in sorted(steps.items()) if n > 0}  # fmt: skip
+    return {"by_mode": by_mode, "host_busy": round(sum(host.values()) / wall_s, 3),
+            "device_busy": round(sum(device.values()) / wall_s, 3) if device else None,
+            "device_idle_between_steps_s": round(delta("engine_device_idle_seconds").get("", 0.0), 3) if device else None}
 
 
 def gpu_name() -> str | None:

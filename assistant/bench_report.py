@@ -10,7 +10,10 @@ went: queue, model, hand-off to the event loop), ``event_loop_lag_ms`` (p50/p95/
 event loop's lag during the phase, as bucket bounds of ``assistant_event_loop_lag_seconds``),
 ``gil_wait_ms`` (the same of ``assistant_gil_wait_seconds``: how long a thread waking from a 5 ms
 sleep waited to run Python again, as the GPU threads do after each CUDA call) and
-``memory_bytes`` (device -> owner -> bytes, from the server's ``/metrics`` after the phase).
+``memory_bytes`` (device -> owner -> bytes, from the server's ``/metrics`` after the phase) and
+``engine_steps`` (where the engine's time went in the phase, :func:`assistant.bench.engine_steps`:
+by execution path the steps, host and device ms a step, tokens a step; the engine thread's and
+the GPU's busy shares).
 """
 
 from __future__ import annotations
@@ -109,12 +112,37 @@ def table(phases: list[dict[str, Any]]) -> str:
             lines.append(f"| {label} | " + " | ".join(
                 " / ".join("over the top bucket" if g[k] is None else f"{g[k]:g}" for k in ("p50", "p95", "p99")) if g else "n/a"
                 for g in lags) + " |")  # fmt: skip
+    lines += engine_rows(phases)
     turns = " | ".join(f"{sum(1 for t in p['turns'] if t['timeline'])} of {len(p['turns'])}" for p in phases)
     lines.append(f"| turns with a timeline | {turns} |")
     false = " | ".join(f"{f['paused']['false']} of {f['paused']['n']} / {f['whole']['false']} of {f['whole']['n']}"
                        for f in (p.get("false_endpoints") or _NONE for p in phases))  # fmt: skip
     lines.append(f"| false endpoints: questions with a pause / spoken whole | {false} |")
     return "\n".join(lines)
+
+
+def engine_rows(phases: list[dict[str, Any]]) -> list[str]:
+    """The table's rows for the engine's steps: busy shares, then per execution path the steps
+    and their mean host / device ms and tokens (none if no phase has step counters)."""
+    steps = [p["results"].get("engine_steps") for p in phases]
+    if not any(steps):
+        return []
+
+    def share(s: dict[str, Any] | None) -> str:
+        if not s:
+            return "n/a"
+        gpu = "n/a" if s["device_busy"] is None else f"{100 * s['device_busy']:.0f} %"
+        return f"{100 * s['host_busy']:.0f} % / {gpu}"
+
+    rows = ["| engine busy in steps: its thread / the GPU (share of the phase) | " + " | ".join(share(s) for s in steps) + " |"]
+    for mode in sorted({m for s in steps if s for m in s["by_mode"]}):
+        cells = []
+        for s in steps:
+            m = (s or {}).get("by_mode", {}).get(mode)
+            dev = "" if not m or m["device_ms"] is None else f", device {m['device_ms']:g} ms"
+            cells.append(f"{m['steps']} steps: host {m['host_ms']:g} ms{dev}, {m['tokens']:g} tokens" if m else "n/a")
+        rows.append(f"| engine steps ({mode}), mean a step | " + " | ".join(cells) + " |")
+    return rows
 
 
 _NONE = {"paused": {"false": 0, "n": 0}, "whole": {"false": 0, "n": 0}}
@@ -170,7 +198,8 @@ def percentiles(summary: dict[str, dict[str, float]], key: str) -> dict[str, flo
 
 def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[str, float]],
                          loop_lag_ms: dict[str, float | None] | None = None,
-                         gil_wait_ms: dict[str, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
+                         gil_wait_ms: dict[str, float | None] | None = None,
+                         engine_steps: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One caller count's entry of ``results`` (see the module docstring)."""
     summary = summarize(turns)
     return {
@@ -185,6 +214,7 @@ def caller_count_results(turns: list[TurnResult], memory_bytes: dict[str, dict[s
         "lost_turns": sum(t.lost for t in turns),
         "false_endpoints": false_endpoints(turns),
         "memory_bytes": memory_bytes,
+        "engine_steps": engine_steps,
     }
 
 

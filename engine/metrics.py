@@ -89,6 +89,12 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # by execution path ("graph", "mixed", ...): [host seconds, steps, tokens] of engine steps, and
+    # on CUDA [device seconds, steps] (StepTimes.by_mode, .device_span); the device's idle seconds
+    # between chained steps (StepTimes.device_idle). Cumulative since the last counter reset.
+    step_host: dict[str, tuple[float, int, int]] = field(default_factory=dict)
+    step_device: dict[str, tuple[float, int]] = field(default_factory=dict)
+    device_idle_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -130,10 +136,16 @@ class StepTimes:
     # time the host failed to hide.
     device_span: dict[str, list[float]] = field(default_factory=dict)  # mode -> [seconds, steps]
     device_idle: float = 0.0
+    # mode -> [host seconds of whole steps (schedule to outputs), steps, tokens], every step
+    by_mode: dict[str, list[float]] = field(default_factory=dict)
 
     def record(self, t0: float, t1: float, t2: float, t3: float, t4: float, path: ExecutionPath, requests: int, tokens: int) -> None:
         """Account one step: phase boundaries t0..t4, how the forward ran, batch shape."""
         self.steps += 1
+        total = self.by_mode.setdefault(path.value, [0.0, 0, 0])
+        total[0] += t4 - t0
+        total[1] += 1
+        total[2] += tokens
         self.schedule += t1 - t0
         self.prepare += t2 - t1
         self.forward += t3 - t2

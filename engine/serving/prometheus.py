@@ -9,6 +9,12 @@ Two sources, no global state (each :class:`EngineMetrics` has its own ``Collecto
   request's :class:`~engine.metrics.RequestMetrics` (every request, HTTP or not);
 - gauges and engine-wide counters are read from :meth:`AsyncEngine.stats` at scrape time.
 
+Where the engine's time goes has no vLLM equivalent, so it has names of its own (``engine_``,
+labelled by ``mode``, the step's execution path: graph, mixed, piecewise, native, eager): steps,
+their host seconds (schedule to outputs; with async scheduling this includes waiting for the step
+before), their tokens, and on CUDA their device seconds (CUDA events) and the device's idle seconds
+between chained steps. Two scrapes give a phase's engine-busy and GPU-busy shares.
+
 A server that warms its engine up with requests of its own calls :meth:`EngineMetrics.reset`
 afterwards, so a fresh server reports no request (the engine's own start-up warm-up is never seen).
 """
@@ -23,9 +29,11 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
+from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
 
 PREFIX = "vllm:"
+OWN_PREFIX = "engine_"  # metrics with no vLLM counterpart
 LABELS = ("model_name",)
 
 # vLLM's buckets, so histogram_quantile() over our series compares with vLLM's.
@@ -152,3 +160,22 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             c.add_metric([self.model_name], value)
             yield c
+        yield from self._steps(s)
+
+    def _steps(self, s: EngineStats) -> Iterator[Metric]:
+        """The step counters by execution path (see the module docstring)."""
+        labels = (*LABELS, "mode")
+        steps = CounterMetricFamily(OWN_PREFIX + "steps", "Engine steps, by execution path.", labels=labels)
+        host = CounterMetricFamily(OWN_PREFIX + "step_seconds", "Host seconds of engine steps, schedule to outputs.", labels=labels)
+        tokens = CounterMetricFamily(OWN_PREFIX + "step_tokens", "Tokens computed by engine steps.", labels=labels)
+        device = CounterMetricFamily(OWN_PREFIX + "step_device_seconds", "Device seconds of engine steps (CUDA events).", labels=labels)
+        for mode, (seconds, n, t) in s.step_host.items():
+            steps.add_metric([self.model_name, mode], n)
+            host.add_metric([self.model_name, mode], seconds)
+            tokens.add_metric([self.model_name, mode], t)
+        for mode, (seconds, _) in s.step_device.items():
+            device.add_metric([self.model_name, mode], seconds)
+        idle = CounterMetricFamily(OWN_PREFIX + "device_idle_seconds", "Device idle seconds between chained engine steps: "
+                                   "host time async scheduling failed to hide.", labels=LABELS)  # fmt: skip
+        idle.add_metric([self.model_name], s.device_idle_s)
+        yield from (steps, host, tokens, device, idle)

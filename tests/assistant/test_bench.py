@@ -66,6 +66,10 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst_then_
     assert two["event_loop_lag_ms"]["n"] > 0 and "| server event loop lag, 20 ms timer (bucket bound) |" in r.stdout
     assert two["gil_wait_ms"]["n"] > 0 and "| server GIL wait after a 5 ms sleep (bucket bound) |" in r.stdout
     assert two["memory_bytes"]["cpu"]["llm weights"] > 0 and two["memory_bytes"]["cpu"]["llm kv_cache"] > 0
+    steps = two["engine_steps"]  # the engine's step counters over the phase: busy, not always (callers speak), no GPU
+    assert 0 < steps["host_busy"] < 1 and steps["device_busy"] is None and steps["by_mode"]
+    assert all(m["steps"] > 0 and m["host_ms"] > 0 and m["tokens"] >= 1 and m["device_ms"] is None for m in steps["by_mode"].values())
+    assert "| engine busy in steps: its thread / the GPU (share of the phase) |" in r.stdout and "| engine steps (" in r.stdout
     conversation = report["phases"][0]["turns"]
     assert sorted((t["caller"], t["turn"]) for t in conversation) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -93,6 +93,20 @@ async def test_counters_and_histograms_move_by_the_known_traffic(server, engine,
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0.0
 
+    # Where the engine's time went, by execution path: every token computed is in exactly one step
+    # (the uncached prompt tokens, then one a decode step for each token but a request's last).
+    def by_mode(name: str) -> dict[str, float]:
+        prefix = f"engine_{name}_total{{mode="
+        return {k[len(prefix):-1]: delta(k) for k in after if k.startswith(prefix) and delta(k)}
+
+    steps, tokens, host = by_mode("steps"), by_mode("step_tokens"), by_mode("step_seconds")
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert sum(tokens.values()) == prompt_tokens - cached + sum(u.completion_tokens - 1 for u in usages)
+    assert set(steps) == set(tokens) == set(host) and set(steps) <= {"native", "eager"}  # a CPU engine's paths
+    assert sum(steps.values()) >= max(u.completion_tokens for u in usages) and all(h > 0 for h in host.values())
+    assert not any(k.startswith("engine_step_device_seconds") for k in after)  # CUDA events only
+    assert after["engine_device_idle_seconds_total"] == 0
+
 
 async def test_gauges_show_a_running_request_and_its_kv(server, engine, aclient):
     await wait_idle(engine)
