@@ -53,6 +53,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                    help="share of the GPU the engine plans its weights, KV cache and graphs in (default 0.9)")
     s.add_argument("--max-num-seqs", type=int, default=EngineOptions.max_num_seqs,
                    help=f"answers the engine decodes at once; more wait (default {EngineOptions.max_num_seqs})")
+    s.add_argument("--graph-start-chunk", type=int, default=EngineOptions.graph_start_chunk, metavar="TOKENS",
+                   help="CUDA: at start-up, capture a graph for every (answers decoding, question length) bucket with questions "
+                        f"of up to this many uncached tokens; 0: none (default {EngineOptions.graph_start_chunk})")
     s.add_argument("--served-model-name", help="the model name clients see (default: the model file's stem)")
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
@@ -123,7 +126,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
                                                      quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
-                                                     max_num_seqs=a.max_num_seqs))  # fmt: skip
+                                                     max_num_seqs=a.max_num_seqs, graph_start_chunk=a.graph_start_chunk))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,
                         asr_encoder_graphs=a.asr_encoder_graphs, front_end_processes=a.asr_front_end_processes,

@@ -195,6 +195,13 @@ class EngineConfig:
     device-bound (the host launches it while the device is still busy), so a capture (a stall of
     the engine: see ``mixed_cuda_graph_max_graphs``) would not pay; with
     256 (every size) the throughput run captured 39 shapes and fell from 9.2k to 8.4k out tok/s."""
+    mixed_cuda_graph_start_chunk: int = 0
+    """At start-up, besides the lone chunks, capture every (decode bucket, chunk bucket) whose chunk
+    bucket is at most this many tokens (decode buckets up to ``mixed_cuda_graph_max_decodes``):
+    about 60 ms each on the H200 (warm-up and capture), so 128 with 64 decodes is ~70 graphs, ~4 s.
+    For a server whose questions arrive while other answers decode and whose process has other
+    Python threads (the voice assistant): there a piecewise step's eager attention waits for the
+    GIL launch after launch. 0: lone chunks only."""
     mixed_cuda_graph_max_graphs: int = 16
     """How many mixed-step shapes are captured while serving, in the engine's life (each capture stalls the
     engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first
@@ -240,9 +247,11 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mixed_cuda_graph_max_chunk < 0 or self.mixed_cuda_graph_max_decodes < 0 or self.mixed_cuda_graph_max_graphs < 0:
-            raise ConfigError("mixed_cuda_graph_max_chunk and _max_decodes must be >= 0 (chunk 0: off), _max_graphs >= 0; got "
-                              f"{self.mixed_cuda_graph_max_chunk}, {self.mixed_cuda_graph_max_decodes}, {self.mixed_cuda_graph_max_graphs}")
+        if (self.mixed_cuda_graph_max_chunk < 0 or self.mixed_cuda_graph_max_decodes < 0 or self.mixed_cuda_graph_max_graphs < 0
+                or self.mixed_cuda_graph_start_chunk < 0):
+            raise ConfigError("mixed_cuda_graph_max_chunk and _max_decodes must be >= 0 (chunk 0: off), _max_graphs and _start_chunk "
+                              f">= 0; got {self.mixed_cuda_graph_max_chunk}, {self.mixed_cuda_graph_max_decodes}, "
+                              f"{self.mixed_cuda_graph_max_graphs}, {self.mixed_cuda_graph_start_chunk}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2 (one is the reserved null block), got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

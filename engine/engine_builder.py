@@ -142,7 +142,8 @@ def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: in
                     capture_lock: AbstractContextManager) -> None:  # fmt: skip
     """Decode graphs, piecewise graphs for ``piecewise`` token counts, and the mixed-step
     graphs' runner, its chunks bucketed like the piecewise graphs' token counts, with its lone
-    chunks captured now (it captures other shapes while serving); their memory pool goes into the ledger."""
+    chunks (and up to ``mixed_cuda_graph_start_chunk``, every decode bucket's) captured now (it
+    captures other shapes while serving); their memory pool goes into the ledger."""
     device = runner.device
     sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [config.max_num_seqs]
     torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
@@ -154,6 +155,6 @@ def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: in
         decodes = [b for b in sizes if b <= config.mixed_cuda_graph_max_decodes]
         runner.enable_mixed_graphs(decodes, config.mixed_cuda_graph_max_chunk, max_model_len, config.mixed_cuda_graph_max_graphs,
                                    capture_lock, list(config.piecewise_cuda_graph_sizes))  # fmt: skip
-        runner.mixed.capture_lone_chunks()
+        runner.mixed.capture_at_start(config.mixed_cuda_graph_start_chunk)
     memory.record("cuda_graphs (pool)", torch.cuda.memory_reserved(device) - before)
 

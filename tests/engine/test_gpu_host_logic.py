@@ -149,7 +149,8 @@ def test_late_release_names_known_projections():
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):
-    for bad in (dict(mixed_cuda_graph_max_chunk=-1), dict(mixed_cuda_graph_max_decodes=-2), dict(mixed_cuda_graph_max_graphs=-1)):
+    for bad in (dict(mixed_cuda_graph_max_chunk=-1), dict(mixed_cuda_graph_max_decodes=-2), dict(mixed_cuda_graph_max_graphs=-1),
+                dict(mixed_cuda_graph_start_chunk=-1)):
         with pytest.raises(ConfigError, match="mixed_cuda_graph_max_chunk and _max_decodes must be >= 0"):
             EngineConfig(model=str(tiny_llama_dir), **bad).validate()
     from engine.attention import AttentionMetadata
@@ -176,8 +177,11 @@ def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_d
     assert not runner.ready((4, 12)) and runner.ready((4, 12))  # captured the second time a shape is seen
     runner.graphs.update({(4, 12): None, (0, 12): None})  # max_graphs = 2 captured (on the CPU: no graph)
     assert runner.ready((4, 12)) and not runner.ready((2, 4)) and not runner.ready((2, 4))  # no third capture, no eviction
-    runner.capture_lone_chunks()  # on the CPU nothing is captured
+    runner.capture_at_start(8)  # on the CPU nothing is captured
     assert runner.start_captures == 0
+    # start-up keys: every lone chunk, and every decode bucket's chunks up to the start chunk
+    assert runner.start_keys(0) == [(0, 4), (0, 8), (0, 12), (0, 16)]
+    assert runner.start_keys(8) == [(0, 4), (0, 8), (0, 12), (0, 16), (1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8)]
     runner.max_graphs = 0  # none while serving (the assistant's setting): a shape never becomes ready
     assert not runner.ready((1, 4)) and not runner.ready((1, 4)) and runner.ready((4, 12))
 
