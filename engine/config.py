@@ -201,7 +201,9 @@ class EngineConfig:
     about 60 ms each on the H200 (warm-up and capture), so 128 with 64 decodes is ~70 graphs, ~4 s.
     For a server whose questions arrive while other answers decode and whose process has other
     Python threads (the voice assistant): there a piecewise step's eager attention waits for the
-    GIL launch after launch. 0: lone chunks only."""
+    GIL launch after launch. The scheduler then keeps every step with decodes to one prefill chunk
+    of at most this many tokens (SchedulerConfig.beside_decodes_max_chunk), so that it fits a
+    graph. 0: lone chunks only, and no such limit."""
     mixed_cuda_graph_max_graphs: int = 16
     """How many mixed-step shapes are captured while serving, in the engine's life (each capture stalls the
     engine: 31-74 ms on the H200, timed on their own in the chunked suite, 2026-11-30; the first

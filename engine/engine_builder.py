@@ -81,6 +81,7 @@ def build_engine(
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_model_len=max_model_len,
             step_token_buckets=tuple(sorted(set(piecewise))),
+            beside_decodes_max_chunk=config.mixed_cuda_graph_start_chunk,
         ),
         block_manager,
         step_bound,

@@ -38,6 +38,11 @@ class SchedulerConfig:
     # runs as the bucket above T, its padding rows computing nothing useful; with chunked
     # prefill a large step is trimmed down to a bucket instead (see Scheduler._fit_to_bucket).
     step_token_buckets: tuple[int, ...] = ()
+    # While requests decode, a step holds at most one prefill chunk, of at most this many tokens
+    # (0: no such limit): the shapes of the mixed-step CUDA graphs captured at start-up
+    # (EngineConfig.mixed_cuda_graph_start_chunk), so such a step replays one graph instead of
+    # running its attention eagerly. A second question then waits a step (~15-25 ms on the H200).
+    beside_decodes_max_chunk: int = 0
 
 
 @dataclass
@@ -143,6 +148,9 @@ class Scheduler:
         admission_open = True
         oversize_used = False
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
+        # beside decodes, one prefill chunk of at most this many tokens (0: any number, any size)
+        beside = self.config.beside_decodes_max_chunk if any(not r.is_prefilling for r in self.running) else 0
+        prefill_chunks = 0
         for cls in classes:
             if bound is not None and cls > bound.priority and budget.remaining > bound.tokens:
                 budget.remaining = bound.tokens  # what the classes from here on share
@@ -153,6 +161,10 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING or budget.remaining <= 0 or self._awaits_last_token(req):
                     continue
                 n = self._chunk_size(req, budget.remaining)
+                if beside and req.is_prefilling:
+                    if prefill_chunks:
+                        continue
+                    n, prefill_chunks = min(n, beside), 1
                 while not self.block_manager.allocate_slots(req, n):
                     victim = self.running[-1]
                     if victim is req and len(self.running) == 1:
@@ -172,10 +184,11 @@ class Scheduler:
                 if req in out.preempted:  # not re-admitted in the step that preempted it
                     admission_open = False
                     break
-                if budget.remaining <= 0:
+                if budget.remaining <= 0 or (beside and prefill_chunks):
                     break
-                admitted, oversize = self._try_admit(req, scheduled, budget, out, oversize_used)
+                admitted, oversize = self._try_admit(req, scheduled, budget, out, oversize_used, beside or None)
                 oversize_used |= oversize
+                prefill_chunks += admitted and beside > 0
                 if not admitted:
                     admission_open = False  # FCFS: nobody behind it jumps the queue this step
                     break
@@ -226,10 +239,12 @@ class Scheduler:
         )
 
     def _try_admit(
-        self, req: Request, scheduled: dict[int, ScheduledChunk], budget: TokenBudget, out: SchedulerOutput, oversize_used: bool
+        self, req: Request, scheduled: dict[int, ScheduledChunk], budget: TokenBudget, out: SchedulerOutput, oversize_used: bool,
+        max_chunk: int | None = None,
     ) -> tuple[bool, bool]:
-        """Admit one waiting request (possibly preempting lower classes). Returns (admitted, used the
-        one oversize slot that non-chunked prefill gets per step)."""
+        """Admit one waiting request (possibly preempting lower classes), its first chunk at most
+        ``max_chunk`` tokens when given (chunked prefill only). Returns (admitted, used the one
+        oversize slot that non-chunked prefill gets per step)."""
         while len(self.running) >= self.config.max_num_seqs:
             if not self._preempt_lower(req, scheduled, budget, out):
                 return False, False
@@ -243,6 +258,8 @@ class Scheduler:
             n = min(remaining, budget.remaining)
             if self.config.long_prefill_token_threshold:
                 n = min(n, self.config.long_prefill_token_threshold)
+            if max_chunk:
+                n = min(n, max_chunk)
             # A first chunk that fits the free blocks beats waiting for the whole chunk's worth.
             n = max(1, min(n, self.block_manager.free_token_capacity(req, cached)))
         elif remaining <= budget.remaining:

@@ -159,3 +159,25 @@ def test_the_token_budget_is_taken_and_given_back():
     budget.give_back(3)  # a preempted request's chunk returns its tokens
     budget.take(9)
     assert budget.remaining == 0
+
+
+def test_beside_decodes_a_step_holds_one_prefill_chunk_of_a_graph_shape():
+    """With beside_decodes_max_chunk (the start-up mixed-step graphs' largest chunk), a step that
+    has decodes takes one prefill chunk of at most that many tokens, the most urgent first: a
+    second question waits a step instead of making the step one no graph holds. With nothing
+    decoding, prompts share a step as before."""
+    eng = SimulatedEngine(num_blocks=200, block_size=4, max_num_batched_tokens=64, beside_decodes_max_chunk=8)
+    eng.add(make_request("a", 5, max_tokens=20, start_token=100))
+    eng.add(make_request("b", 5, max_tokens=20, start_token=200))
+    assert chunks(eng.step()) == {"a": 5, "b": 5}  # nothing decodes yet: no limit
+    eng.add(make_request("q1", 20, max_tokens=2, priority=5, start_token=300))
+    eng.add(make_request("q2", 6, max_tokens=2, priority=5, start_token=400))
+    eng.add(make_request("urgent", 12, max_tokens=2, priority=0, start_token=500))
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "urgent": 8}  # the urgent one first, capped at 8
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "urgent": 4}  # its rest; nobody else admitted beside it
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "urgent": 1, "q1": 8}  # then FCFS: q1, still capped
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "q1": 8}  # urgent is done (2 tokens); q2 waits behind q1
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "q1": 4}
+    assert chunks(eng.step()) == {"a": 1, "b": 1, "q1": 1, "q2": 6}
+    eng.run()
+    eng.assert_idle_and_clean()

@@ -26,11 +26,12 @@ event = st.tuples(
     budget=st.integers(8, 64),
     chunked=st.booleans(),
     prefix=st.booleans(),
+    beside=st.sampled_from([0, 1, 8]),  # beside decodes: one prefill chunk of at most this many tokens (0: off)
 )
-def test_no_leaks_no_negative_refs_no_starvation(events, num_blocks, block_size, max_num_seqs, budget, chunked, prefix):
+def test_no_leaks_no_negative_refs_no_starvation(events, num_blocks, block_size, max_num_seqs, budget, chunked, prefix, beside):
     eng = SimulatedEngine(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, prefix=prefix,
+        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, prefix=prefix, beside_decodes_max_chunk=beside,
     )
     capacity = (num_blocks - 1) * block_size
     to_abort = []
