@@ -116,7 +116,8 @@ class Answerer:
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             max_model_len=opts.max_model_len,
             mixed_cuda_graph_max_graphs=opts.captures_while_serving,
-            mixed_cuda_graph_start_chunk=opts.graph_start_chunk,
+            # graphs exist only on CUDA; on the CPU a step keeps taking several prompts, and long chunks
+            mixed_cuda_graph_start_chunk=opts.graph_start_chunk if resolve_device(opts.device).type == "cuda" else 0,
             mixed_cuda_graph_max_decodes=max(opts.max_num_seqs, EngineConfig.mixed_cuda_graph_max_decodes),  # every batch the engine runs
         )
         engine = AsyncEngine(engine_config, step_bound=step_bound, capture_lock=gpu_lock)
