@@ -74,6 +74,20 @@ REFUSAL = {
 }
 
 
+# Saying yes to a question whose right answer is no ("Is this London hotel within the limit?" of a
+# GBP 214 room under a GBP 200 limit): opening with yes, or putting the amount within the limit.
+AFFIRMS = {
+    "en": re.compile(r"^\W*yes\b|(?<!not )(?<!n't )\b(?:is|are|falls|stays|it's) (?:well )?within\b|\bcan claim (?:the|this|it) whole\b",
+                     re.IGNORECASE),
+    "zh": re.compile(r"^\W*(?:是|可以|能)|(?<![不没])(?:可以|能)全部报销|(?<!不)在(?:[^。！？，,]{0,6})(?:上限|限额)(?:之内|以内|内)"),
+}
+
+
+def affirms(answer: str, lang: str) -> bool:
+    """Whether ``answer`` says yes (see ``AFFIRMS``): a picture question whose verdict is "no" then fails."""
+    return AFFIRMS[lang].search(answer.strip()) is not None
+
+
 def contains_fact(answer: str, fact: str) -> bool:
     """Whether ``fact`` appears in ``answer``: a number as a whole number, text case-insensitively."""
     if FACT_NUMBER.fullmatch(fact):
@@ -114,7 +128,8 @@ def grade(answer: str, item: dict, lang: str, source: str) -> bool:
     A fact: every expected fact is present, the answer does not refuse, no expected number is one
     of several offered as alternatives, and every other number it states is one its handbook
     document or the contacts state (quoting the handbook's other figures is fine, inventing one is
-    not: a list of guesses fails on its first invented number). A question the handbook does not answer: the
+    not: a list of guesses fails on its first invented number), and when the item has ``verdict`` "no"
+    (a picture's amount over the limit), the answer does not say yes. A question the handbook does not answer: the
     answer says the handbook does not say, names the contact to ask, and states no number beyond
     those of the contacts (no invented answer).
     """
@@ -124,7 +139,9 @@ def grade(answer: str, item: dict, lang: str, source: str) -> bool:
         return refuses(answer, lang) and any(names(answer, c) for c in item["contact_any"]) and not invented
     expected = item["answer_contains"]
     hedged = any(contains_fact(run, f) for run in alternatives(answer) for f in expected if FACT_NUMBER.fullmatch(f))
-    return all(contains_fact(answer, f) for f in expected) and not refuses(answer, lang) and not hedged and not invented
+    wrong_verdict = item.get("verdict") == "no" and affirms(answer, lang)
+    return (all(contains_fact(answer, f) for f in expected) and not refuses(answer, lang) and not hedged and not invented
+            and not wrong_verdict)  # fmt: skip
 
 
 @dataclass
@@ -202,7 +219,8 @@ async def grade_variant(variant: str, items: list[dict], langs: list[str], max_t
             for picture in (p for p in pictures if p.lang == lang):
                 read = reading.read(render(picture))
                 cer = character_error_rate(picture.reference, read.text)
-                item = {f"question_{lang}": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file}
+                item = {f"question_{lang}": picture.question, "answer_contains": list(picture.answer_contains), "file": picture.file,
+                        "verdict": picture.verdict}  # fmt: skip
                 start = time.perf_counter()
                 text, final = "", None
                 async for delta in answerer.answer(image_prompt([read], picture.question), gate=False):

@@ -35,6 +35,7 @@ class Picture:
     answer_contains: tuple[str, ...]
     file: str  # the handbook file with the fact
     lang: str = "en"
+    verdict: str | None = None  # "no": the picture's amount is over the handbook's limit, and a "yes" answer is wrong
 
     @property
     def reference(self) -> str:
@@ -48,11 +49,11 @@ PICTURES: tuple[Picture, ...] = (
         ("Date", "12 March 2026"), ("Guest", "A. Employee"), ("Room, 1 night", "GBP 187.40"),
         ("Total paid", "GBP 187.40"), ("Paid by card",), ("Thank you for staying with us",),
     ), "Can I claim this whole hotel bill? What is the limit per night outside London?", ("150",),
-        "04-business-travel.md"),  # fmt: skip
+        "04-business-travel.md", verdict="no"),  # fmt: skip
     Picture("hotel-receipt-london", "receipt", (
         ("Thames Court Hotel",), ("22 Strand, London WC2N 5HR",), ("Receipt no. 99120",),
         ("Date", "3 April 2026"), ("Room, 1 night", "GBP 214.00"), ("Total paid", "GBP 214.00"),
-    ), "Is this London hotel within the limit per night?", ("200",), "04-business-travel.md"),  # fmt: skip
+    ), "Is this London hotel within the limit per night?", ("200",), "04-business-travel.md", verdict="no"),  # fmt: skip
     Picture("meal-receipt", "receipt", (
         ("The Canal Kitchen",), ("Birmingham B1 2HF",), ("Table 7",), ("Dinner for one", "GBP 52.30"),
         ("Total", "GBP 52.30"), ("Card payment approved",),
@@ -72,7 +73,7 @@ PICTURES: tuple[Picture, ...] = (
     Picture("hotel-receipt-zh", "receipt", (
         ("曼彻斯特快捷酒店",), ("发票号码 58213",), ("日期", "2026年3月12日"), ("住宿 1晚", "187.40 英镑"),
         ("合计", "187.40 英镑"),
-    ), "这张酒店发票能全部报销吗？伦敦以外每晚的住宿上限是多少？", ("150",), "04-business-travel.md", "zh"),  # fmt: skip
+    ), "这张酒店发票能全部报销吗？伦敦以外每晚的住宿上限是多少？", ("150",), "04-business-travel.md", "zh", verdict="no"),  # fmt: skip
     Picture("travel-form-zh", "form", (
         ("出差申请表 (FIN-02)",), ("申请人", "王小明"), ("目的地", "上海"), ("出发日期", "2026年5月20日"),
         ("经理审批", "待审批"),

@@ -128,3 +128,27 @@ def test_a_picture_answer_may_quote_the_pictures_numbers_but_not_invent_others()
     assert grade("The receipt shows GBP 187.40 for one night; outside London the limit is £150 per night.", item, "en", source)
     assert not grade("The receipt shows GBP 187.40; the limit is £175 per night.", item, "en", source)
     assert not grade("The receipt shows GBP 187.40 for one night; the limit is £150.", item, "en", source_text(item, "en"))
+
+
+def test_a_picture_over_the_limit_is_not_within_it_whatever_figure_the_answer_names():
+    """The London receipt (GBP 214 a night, limit 200): naming 200 is not enough when the answer
+    says the room is within the limit; the Chinese Manchester receipt likewise."""
+    from assistant.eval_images import PICTURES
+
+    by_name = {p.name: p for p in PICTURES}
+    london, zh = by_name["hotel-receipt-london"], by_name["hotel-receipt-zh"]
+    assert london.verdict == zh.verdict == by_name["hotel-receipt-manchester"].verdict == "no"
+    assert by_name["expense-claim-form"].verdict is None
+
+    def graded(picture, answer: str) -> bool:
+        item = {f"question_{picture.lang}": picture.question, "answer_contains": list(picture.answer_contains),
+                "file": picture.file, "verdict": picture.verdict}  # fmt: skip
+        return grade(answer, item, picture.lang, source_text(item, picture.lang) + "\n" + picture.reference)
+
+    assert graded(london, "No: in London the limit is £200 per night, and this room cost GBP 214.00.")
+    assert graded(london, "The London limit is £200 a night; at GBP 214.00 this room is not within it.")
+    assert not graded(london, "The handbook's limit per night is £200. The room charge of £214.00 is within the limit.")
+    assert not graded(london, "Yes, the London limit is £200 per night.")
+    assert graded(zh, "不能全部报销。伦敦以外每晚的住宿上限是150英镑。")
+    assert not graded(zh, "可以全部报销，伦敦以外每晚的住宿上限是150英镑。")
+    assert not graded(zh, "能全部报销。伦敦以外的上限是150英镑。")
