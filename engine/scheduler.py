@@ -14,6 +14,10 @@ A step bound (:class:`StepBound`, asked for once per step from the ``step_bound`
 at construction) caps the tokens handed to classes after a given one: while an urgent request is
 on its way, or waits for its first token, a long prefill chunk of background work does not make
 the step it runs in (or the step in flight when it arrives) long.
+
+With ``beside_decodes_max_chunk`` (a GPU server whose mixed-step CUDA graphs were captured at
+start-up) a step that has decodes takes one prefill chunk of at most that many tokens, the most
+urgent first, so that it replays a graph; with nothing decoding, prompts share steps as above.
 """
 
 from __future__ import annotations
