@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from speech.asr.greedy_decode import DecodeRules, GreedyDecoder, RowPrompt
@@ -44,7 +45,13 @@ def test_rows_padded_to_a_bucket_decode_as_without_padding() -> None:
     prompts = [prompt(LANGUAGES[1]), prompt(None, [400, 401]), prompt(LANGUAGES[0], [402])]
     features = audio(3)
     expected = plain.decode(features, prompts)
-    assert padded.decode(features, prompts) == expected
+    got = padded.decode(features, prompts)
+    # the same tokens and languages; the float sums may differ in the last digits (a batch of 8
+    # rows can take another matmul reduction order than a batch of 3: seen on a loaded CPU)
+    assert [(r.tokens, r.language_token) for r in got] == [(r.tokens, r.language_token) for r in expected]
+    for row, want in zip(got, expected):
+        assert row.sum_logprob == pytest.approx(want.sum_logprob, rel=1e-5)
+        assert row.no_speech_prob == pytest.approx(want.no_speech_prob, rel=1e-4, abs=1e-7)
     assert [len(row.tokens) for row in expected] == [6, 2 + 6, 1 + 6]  # prefix, then exactly max_new
     assert expected[1].tokens[:2] == [400, 401] and expected[2].tokens[0] == 402
     assert all(0.0 <= row.no_speech_prob <= 1.0 for row in expected)
