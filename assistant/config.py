@@ -125,7 +125,12 @@ class VoiceConfig:
     None: when Whisper runs on a GPU, for the same reason).
     start_ms / hangover_ms: voiced audio that starts an utterance, silence that ends it.
     max_utterance_s: longer speech is cut there and transcribed as a turn (None: no limit).
-    partial_interval_s: re-decode the growing utterance this often for partial transcripts (None: off).
+    partial_interval_s: re-decode the growing utterance this often for partial transcripts; 0: off;
+    None (the default): every 0.5 s when Whisper runs on a GPU or early prefill wants them, off on the
+    CPU. There a Whisper base decode takes about a second on 2 cores, as long as the VAD hangover: the
+    final waited behind a partial still running and the LLM shared the cores with it, and no partial
+    reached the caller before its final (1.5B voice bench, 1 caller: 3.6-3.9 s end of speech to first
+    audio without partials, 4.6-5.4 s with them).
     output_lead_ms: answer audio is sent at real-time pace, at most this far ahead of playback,
     so a barge-in has little audio on the wire to take back.
     tts_workers: voice instances synthesizing side by side, a thread each (None: the speech
@@ -154,7 +159,7 @@ class VoiceConfig:
     asr_encoder_graphs: bool = True
     front_end_processes: int | None = None
     tts_processes: bool | None = None
-    partial_interval_s: float | None = 0.5
+    partial_interval_s: float | None = None
     start_ms: int = 60
     hangover_ms: int = 500
     max_utterance_s: float | None = 30.0

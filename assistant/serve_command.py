@@ -90,7 +90,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--tts-model", type=Path, help="coqui: a checkpoint directory (model.pth + config.json)")
     s.add_argument("--tts-workers", type=int, help="voice instances synthesizing side by side, a thread each "
                                                   "(default: half the cores, 1 to 8; coqui: 1)")
-    s.add_argument("--partial-interval", type=float, default=0.5, help="seconds between partial transcripts; 0: off")
+    s.add_argument("--partial-interval", type=float, metavar="S",
+                   help="seconds between partial transcripts; 0: off (default: 0.5 when Whisper runs on a GPU or with "
+                        "--early-prefill, off on the CPU, where a partial decode delays the final)")
     s.add_argument("--early-prefill", action="store_true", help="prefill the prompt on partial transcripts")
     s.add_argument("--coscheduler", choices=("on", "off"), default="on",
                    help="on (default): ASR finals, then the turn's prefill, then its first audio go first, partials and "
@@ -131,7 +133,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                         asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,
                         asr_encoder_graphs=a.asr_encoder_graphs, front_end_processes=a.asr_front_end_processes,
                         tts_processes=a.tts_processes, hangover_ms=a.hangover_ms, max_utterance_s=a.max_utterance_s or None,
-                        partial_interval_s=a.partial_interval or None, early_prefill=a.early_prefill,
+                        partial_interval_s=a.partial_interval, early_prefill=a.early_prefill,
                         coscheduler=a.coscheduler == "on", endpointing=a.endpointing, speculative_pause_ms=a.speculative_pause_ms,
                         output_lead_ms=a.output_lead_ms, tts_backend=a.tts_backend, tts_model=a.tts_model,
                         tts_voice=a.tts_voice, tts_workers=a.tts_workers)  # fmt: skip

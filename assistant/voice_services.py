@@ -43,6 +43,17 @@ def front_end_processes(config: VoiceConfig) -> int:
     return min(8, max(1, (os.cpu_count() or 4) // 4)) if resolve_device(config.asr_device) == "cuda" else 0
 
 
+PARTIAL_INTERVAL_S = 0.5  # the partials' cadence when they are on by default
+
+
+def partial_interval(config: VoiceConfig) -> float | None:
+    """``VoiceConfig.partial_interval_s`` made concrete (None: no partials): as given (0: off), or by
+    default every 0.5 s when Whisper runs on a GPU or early prefill needs partials, else off."""
+    if config.partial_interval_s is not None:
+        return config.partial_interval_s or None
+    return PARTIAL_INTERVAL_S if config.early_prefill or resolve_device(config.asr_device) == "cuda" else None
+
+
 def tts_processes(config: VoiceConfig) -> bool:
     """``VoiceConfig.tts_processes`` made concrete: voices in worker processes when Whisper runs on a GPU."""
     return config.tts_processes if config.tts_processes is not None else resolve_device(config.asr_device) == "cuda"
@@ -69,7 +80,7 @@ class VoiceServices:
         captures hold, which Whisper holds around its GPU batches)."""
         asr_config = ASRConfig(
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
-            cpu_threads=config.asr_threads, partial_interval_s=config.partial_interval_s,
+            cpu_threads=config.asr_threads, partial_interval_s=partial_interval(config),
             device=config.asr_device, backend=config.asr_backend, load_format=config.asr_load_format,
             cuda_stream_priority=coscheduler.cuda_stream_priority, graph_steps=config.asr_graph_steps,
             encoder_cuda_graphs=config.asr_encoder_graphs, front_end_processes=front_end_processes(config),

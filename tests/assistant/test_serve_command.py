@@ -130,6 +130,13 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
     voice = parse_config(["serve", "--asr-front-end-processes", "2", "--tts-processes"])[0].voice
     assert front_end_processes(voice) == 2 and tts_processes(voice)
     assert not tts_processes(parse_config(["serve"])[0].voice)  # no GPU here: voices in this process
+    from assistant.voice_services import partial_interval
+
+    assert partial_interval(parse_config(["serve"])[0].voice) is None  # no GPU here: no partials by default
+    assert partial_interval(parse_config(["serve", "--early-prefill"])[0].voice) == 0.5  # early prefill needs them
+    assert partial_interval(parse_config(["serve", "--partial-interval", "0.3"])[0].voice) == 0.3
+    assert partial_interval(parse_config(["serve", "--partial-interval", "0", "--early-prefill"])[0].voice) is None
+    assert partial_interval(parse_config(["serve", "--asr-device", "cuda"])[0].voice) == 0.5  # Whisper on a GPU
 
 
 def test_the_gil_switch_interval_reaches_the_serving_process():
