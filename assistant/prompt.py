@@ -11,13 +11,17 @@ for the conversation):
 - whole-context: all documents are in the prefix; every prompt is prefix + history + the last
   user message, which repeats the best-matching document (BM25, ``assistant.retrieval``) in
   front of the question: a small model reads the figures and form codes next to the question
-  far better than 2k tokens back (Qwen2.5-Coder-1.5B named FIN-01 and HR-04 only so).
+  far better than 2k tokens back (Qwen2.5-Coder-1.5B named FIN-01 and HR-04 only so). A
+  conversation's first question about a document gets the whole document (warmed ahead: the
+  same tokens for every such question); a follow-up about a document the conversation does not
+  carry yet gets only its best-matching section, since after the conversation nothing is warm and
+  a whole document is ~290 tokens to prefill (6.8 s on the 2-core CPU with the 1.5B).
 - retrieval: the documents do not fit. The prefix is the system prompt and a table of contents
   (still byte-stable, still cached for everyone); the sections that best match the question
   go into the last user message, in front of the question.
 
 Either way the sections vary per question and come after the shared, cached prefix; the history
-keeps each question without its sections (so the earlier turns but the last are cached too). The
+keeps each user message as the model saw it, sections included, so every earlier turn is cached. The
 last user message ends with the answer's form (:class:`Labels`): short, the figure, the form code
 or contact, and "the handbook does not say" + whom to ask when it does not.
 
@@ -177,6 +181,10 @@ class PromptBuilder:
                 used += cost
         return tuple(chosen)
 
+    def best_section(self, question: str) -> tuple[Section, ...]:
+        """Whole-context mode, a follow-up about a document the conversation lacks: its best-matching section."""
+        return tuple(hit.section for hit in self.index.search(question)[:1])
+
     def best_document(self, question: str) -> tuple[Section, ...]:
         """Whole-context mode: the sections of the document holding the best-matching section."""
         best = self.index.search(question)[:1]
@@ -223,15 +231,17 @@ class PromptBuilder:
 
         Whole-context mode: a document that a kept earlier turn already carries in front of its
         question is not repeated; the follow-up is then only the question and the nudge (its KV is
-        all that is left to compute: the earlier turn, answer included, is in the prefix cache)."""
+        all that is left to compute: the earlier turn, answer included, is in the prefix cache). A
+        follow-up about another document gets that document's best-matching section only."""
         sections = self.select(question) if self.mode == RETRIEVAL else self.best_document(question)
         for kept, dropped in oldest_first_cuts(history):
             repeated = self.mode == WHOLE and bool(sections) and any(
                 m["role"] == "user" and self._excerpt(sections[0]) in m["content"] for m in kept)
-            content = self._follow_up(question) if repeated else self._user_content(question, sections)
+            given = () if repeated else self.best_section(question) if self.mode == WHOLE and kept else sections
+            content = self._follow_up(question) if repeated else self._user_content(question, given)
             ids = self._ids(kept, content)
             if self.budget is None or len(ids) <= self.budget.prompt_limit:
-                return Prompt(ids, () if repeated else sections, dropped, content)
+                return Prompt(ids, given, dropped, content)
         raise PromptTooLong(
             f"the question needs {len(ids) - len(self.prefix.token_ids)} tokens after the {len(self.prefix.token_ids)}-token "
             f"prefix; at most {self.budget.prompt_limit - len(self.prefix.token_ids)} fit"

@@ -166,3 +166,21 @@ def test_an_unreadable_file_is_a_document_error_naming_it(tmp_path):
     (tmp_path / "secret.md").symlink_to("/proc/self/mem")
     with pytest.raises(DocumentError, match="cannot read .*secret.md"):
         DocumentSet.load(tmp_path)
+
+
+def test_a_follow_up_about_another_document_carries_only_its_best_section(smollm_tokenizer):
+    """A conversation's first question gets its whole document (warmed for every such question); a
+    follow-up about a document not yet in the conversation gets its best section only: nothing after
+    the conversation is warm, and the whole document would be hundreds of tokens to prefill."""
+    builder = PromptBuilder(smollm_tokenizer, SYSTEM_PROMPT, load_library(HANDBOOK_DIR)["en"])
+    question = "What is the minimum length of a password?"
+    alone = builder.prompt([], question)
+    assert len(alone.sections) > 2 and "[IT Accounts and Passwords — Locked out]" in alone.content
+    first = builder.prompt([], "How do I apply for annual leave?")
+    history = [{"role": "user", "content": first.content}, {"role": "assistant", "content": "With form HR-01."}]
+    follow = builder.prompt(history, question)
+    assert [s.prompt_label for s in follow.sections] == ["IT Accounts and Passwords — Password rules"]
+    assert "Use at least 14 characters." in follow.content and "Locked out" not in follow.content
+    assert follow.content.endswith(f"Question: {question}\n{LABELS_EN.nudge}")
+    with_whole = len(builder._ids(history, builder._user_content(question, alone.sections)))
+    assert len(follow.token_ids) < with_whole - 100
