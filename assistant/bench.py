@@ -297,14 +297,16 @@ def memory_of(metrics: str) -> dict[str, dict[str, float]]:
     return memory
 
 
-def counters_of(metrics: str, name: str) -> dict[str, float]:
-    """Counter ``name`` in a ``/metrics`` text: its ``mode`` label ("" if none) -> value, summed over the other labels."""
-    out: dict[str, float] = {}
+def engine_counters(metrics: str) -> dict[str, dict[str, float]]:
+    """The engine's own counters (``engine_*_total``) in a ``/metrics`` text: name -> its ``mode``
+    label ("" if none) -> value, summed over the other labels."""
+    out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(metrics):
         for sample in family.samples:
-            if sample.name == name + "_total":
+            if sample.name.startswith("engine_") and sample.name.endswith("_total"):
+                by_mode = out.setdefault(sample.name.removesuffix("_total"), {})
                 mode = sample.labels.get("mode", "")
-                out[mode] = out.get(mode, 0.0) + sample.value
+                by_mode[mode] = by_mode.get(mode, 0.0) + sample.value
     return out
 
 
@@ -313,9 +315,10 @@ def engine_steps(before: str, after: str, wall_s: float) -> dict[str, Any] | Non
     execution path its steps, mean host and device ms a step and tokens a step, and the shares of
     the phase the engine thread spent in steps (``host_busy``) and the GPU in them (``device_busy``;
     None without CUDA). None if the server exports no engine step counters."""
+    old, new = engine_counters(before), engine_counters(after)
+
     def delta(name: str) -> dict[str, float]:
-        old = counters_of(before, name)
-        return {k: v - old.get(k, 0.0) for k, v in counters_of(after, name).items()}
+        return {k: v - old.get(name, {}).get(k, 0.0) for k, v in new.get(name, {}).items()}
 
     steps, host, tokens, device = (delta("engine_" + n) for n in ("steps", "step_seconds", "step_tokens", "step_device_seconds"))
     if not steps or wall_s <= 0:

@@ -182,18 +182,17 @@ class PromptBuilder:
         return tuple(chosen)
 
     def best_section(self, question: str) -> tuple[Section, ...]:
-        """Whole-context mode, a follow-up about a document the conversation lacks: its best-matching section."""
+        """Whole-context mode: the best-matching section (none if nothing matches)."""
         return tuple(hit.section for hit in self.index.search(question)[:1])
 
-    def best_document(self, question: str) -> tuple[Section, ...]:
-        """Whole-context mode: the sections of the document holding the best-matching section."""
-        best = self.index.search(question)[:1]
-        return tuple(s for s in self.docs.sections if s.path == best[0].section.path) if best else ()
+    def document_of(self, best: tuple[Section, ...]) -> tuple[Section, ...]:
+        """Whole-context mode: every section of the document holding ``best`` (a :meth:`best_section`)."""
+        return tuple(s for s in self.docs.sections if s.path == best[0].path) if best else ()
 
     def warm_prompts(self) -> list[list[int]]:
         """Whole-context mode: per document, the prompt of a question about it with the question left
         empty. Its full KV blocks up to the document's end are what every question about that
-        document shares after the prefix (:meth:`best_document` repeats the document there), so
+        document shares after the prefix (:meth:`prompt` repeats the document there), so
         computing them once ahead moves that prefill out of the first question's TTFT. Retrieval
         mode picks sections per question: nothing to warm ([])."""
         if self.mode != WHOLE:
@@ -233,11 +232,12 @@ class PromptBuilder:
         question is not repeated; the follow-up is then only the question and the nudge (its KV is
         all that is left to compute: the earlier turn, answer included, is in the prefix cache). A
         follow-up about another document gets that document's best-matching section only."""
-        sections = self.select(question) if self.mode == RETRIEVAL else self.best_document(question)
+        best = self.best_section(question) if self.mode == WHOLE else ()
+        sections = self.select(question) if self.mode == RETRIEVAL else self.document_of(best)
         for kept, dropped in oldest_first_cuts(history):
             repeated = self.mode == WHOLE and bool(sections) and any(
                 m["role"] == "user" and self._excerpt(sections[0]) in m["content"] for m in kept)
-            given = () if repeated else self.best_section(question) if self.mode == WHOLE and kept else sections
+            given = () if repeated else best if self.mode == WHOLE and kept else sections
             content = self._follow_up(question) if repeated else self._user_content(question, given)
             ids = self._ids(kept, content)
             if self.budget is None or len(ids) <= self.budget.prompt_limit:

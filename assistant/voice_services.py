@@ -43,15 +43,13 @@ def front_end_processes(config: VoiceConfig) -> int:
     return min(8, max(1, (os.cpu_count() or 4) // 4)) if resolve_device(config.asr_device) == "cuda" else 0
 
 
-PARTIAL_INTERVAL_S = 0.5  # the partials' cadence when they are on by default
-
-
 def partial_interval(config: VoiceConfig) -> float | None:
     """``VoiceConfig.partial_interval_s`` made concrete (None: no partials): as given (0: off), or by
-    default every 0.5 s when Whisper runs on a GPU or early prefill needs partials, else off."""
+    default at the speech package's cadence (``ASRConfig.partial_interval_s``, 0.5 s) when Whisper
+    runs on a GPU or early prefill needs partials, else off."""
     if config.partial_interval_s is not None:
         return config.partial_interval_s or None
-    return PARTIAL_INTERVAL_S if config.early_prefill or resolve_device(config.asr_device) == "cuda" else None
+    return ASRConfig.partial_interval_s if config.early_prefill or resolve_device(config.asr_device) == "cuda" else None
 
 
 def tts_processes(config: VoiceConfig) -> bool:

@@ -369,7 +369,7 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
             num_steps=self.num_steps,
-            step_host={mode: (s, int(n), int(t)) for mode, (s, n, t) in self.step_times.by_mode.items()},
-            step_device={mode: (s, int(n)) for mode, (s, n) in self.step_times.device_span.items()},
+            step_host={mode: tuple(totals) for mode, totals in self.step_times.by_mode.items()},
+            step_device={mode: tuple(totals) for mode, totals in self.step_times.device_span.items()},
             device_idle_s=self.step_times.device_idle,
         )
