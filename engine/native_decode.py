@@ -41,7 +41,7 @@ QK = 32
 NATIVE_MAX_TOKENS = 64  # a step of up to this many tokens runs natively: the activations of one
 # matrix pass (64 rows x up to 8960 int8) stay in L2 while each weight row is reused for all of them
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
-SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI"}
+SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX-512 VNNI"}
 
 
 class NativeDecodeError(RuntimeError):
@@ -60,16 +60,17 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
-def build_library(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
+def build_library(cache_dir: Path, march: str = "native", wide: bool = True) -> ctypes.CDLL:
     """Compile the C source once per (source, compiler, flags, CPU) into ``cache_dir`` and load it.
     ``march`` other than ``native`` (e.g. ``haswell``: AVX2 without VNNI; ``x86-64``: scalar)
-    builds the portable paths, for tests."""
+    builds the portable paths, for tests. ``wide=False`` leaves out the AVX-512 tile (two blocks a
+    register) on CPUs that have it: the 256-bit tile, a benchmark's baseline."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise NativeDecodeError(f"no C compiler {cc!r} on PATH (install one, e.g. `apt install gcc`, or set "
                                 "native_decode_step='off')")
     source = SOURCE.read_bytes()
-    flags = (*FLAGS, f"-march={march}")
+    flags = (*FLAGS, f"-march={march}", *(() if wide else ("-DNATIVE_TILE_256",)))
     key = hashlib.sha256(source + " ".join((cc, *flags, _cpu_signature())).encode()).hexdigest()[:16]
     target = cache_dir / "native" / f"native_decode-{key}.so"
     if not target.exists():

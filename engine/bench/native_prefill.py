@@ -1,5 +1,6 @@
 """``python -m engine.bench native-prefill --model GGUF``: a prefill chunk of T tokens after a cached
-context, through the native CPU step (engine/native_decode.py), tiled against the per-row kernel.
+context, through the native CPU step (engine/native_decode.py), tiled against the per-row kernel
+(and, on a CPU with AVX-512 VNNI, the two-blocks-a-register tile against the 256-bit one).
 
 The question after a cached handbook prefix is one native step of its T new tokens, each
 attending over the ~5,000 cached ones. The cached K/V is random bf16 (speed does not depend on
@@ -75,6 +76,8 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     kv = (torch.randn(cfg.num_hidden_layers, 2, blocks, PAGE, cfg.num_key_value_heads, cfg.head_dim) * 0.5).bfloat16()
     kernel = NativeDecodeStep(build_library(default_cache_dir()), loaded.model, loaded.native_weights, kv, PAGE)
+    narrow = NativeDecodeStep(build_library(default_cache_dir(), wide=False), loaded.model, loaded.native_weights, kv, PAGE)
+    narrow = narrow if narrow.simd != kernel.simd else None  # the 256-bit tile, where the AVX-512 one exists
     int8_rate, bw = int8_gemm_macs(), copy_bandwidth(torch.device("cpu"))
     weight_bytes = kernel.weight_bytes_per_step
     try:
@@ -94,11 +97,16 @@ def main(argv: list[str]) -> int:
                 print(f"... T={t} {'tiled' if tiled else 'per-row'} context {context}", file=sys.stderr, flush=True)
                 figures[tiled, context] = step_seconds(kernel, t, context, tiled, args.repeat)
         new, old = figures[True, args.context], figures[False, args.context]
+        if narrow is not None:
+            print(f"... T={t} 256-bit tile context {args.context}", file=sys.stderr, flush=True)
+            tile256 = step_seconds(narrow, t, args.context, True, args.repeat)
         diff = float((new[1] - old[1]).abs().max())
         # the matrices alone at the int8 GEMM rate or reading the weights once, whichever takes longer
         ceiling = t / max(step_macs(loaded.native_weights, t) / int8_rate, weight_bytes / bw)
         rows.append(Row(f"T={t} after {args.context} cached, tiled", t / new[0], "tok/s", "matrices at int8 GEMM rate / weight read", ceiling))
         rows.append(Row(f"T={t} after {args.context} cached, tiled vs per-row", t / new[0], "tok/s", "per-row kernel, head on every row (baseline)", t / old[0]))
+        if narrow is not None:
+            rows.append(Row(f"T={t} after {args.context} cached, {kernel.simd} tile vs 256-bit", t / new[0], "tok/s", "256-bit tile (baseline)", t / tile256[0]))
         for tiled in (False, True):
             total, bare = figures[tiled, args.context][0], figures[tiled, 0][0]
             breakdown.append(f"  T={t:<4} {'tiled  ' if tiled else 'per-row'} step {total * 1e3:9.1f} ms = no-context step {bare * 1e3:9.1f} ms "

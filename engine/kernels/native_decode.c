@@ -251,6 +251,150 @@ static inline __attribute__((always_inline)) void tile_q8_0(const int8_t *qs, co
     for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) \
+    && !defined(NATIVE_TILE_256)
+/* The same tile with 512-bit registers: one register holds two blocks (lanes 0-7 the first, 8-15
+   the second), so a token's integer dot, conversion and FMA cover two blocks, and four Q4_1 blocks
+   (64 bytes of nibbles) unpack with one load, one shift, two ANDs and two lane permutes. A
+   token's blocks always pair the same way (quads, then a pair, then a single block whose upper
+   lanes are zero), so its sums keep one order whatever the tile holds; Q4_1's m*sum(xq) terms are
+   one dot product of the row's m with the token's s, 16 blocks a register. Compiled out with
+   -DNATIVE_TILE_256 (the 256-bit tile: a benchmark's baseline, and the sums the AVX2 build repeats). */
+#define WIDE_TILE 1
+
+static inline float hsum512(__m512 v) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* The scales d[blk+j] * dx of blocks blk..blk+3 for the tile's tokens, as two registers per token
+   (blocks blk, blk+1 and blk+2, blk+3; 8 lanes a block). One token reads its dx consecutively
+   from a->d; a tile reads the transposed a->dt and picks each token's lanes with a permute. */
+static inline __attribute__((always_inline)) void quad_scales(const float *d, const qact_t *a, int blk, int t0, const int NT,
+                                                              __m512 *s01, __m512 *s23) {
+    const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    if (NT == 1) {
+        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(d + blk), _mm_loadu_ps(a->d + (size_t)t0 * (a->k / QK) + blk)));
+        s01[0] = _mm512_permutexvar_ps(lo, s);
+        s23[0] = _mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(2)), s);
+        return;
+    }
+    __m256 sj[4];
+    for (int j = 0; j < 4; j++) sj[j] = _mm256_mul_ps(_mm256_set1_ps(d[blk + j]), _mm256_loadu_ps(a->dt + (size_t)(blk + j) * a->bp + t0));
+    const __m512 p01 = _mm512_insertf32x8(_mm512_castps256_ps512(sj[0]), sj[1], 1);
+    const __m512 p23 = _mm512_insertf32x8(_mm512_castps256_ps512(sj[2]), sj[3], 1);
+    const __m512i pick = _mm512_set_epi32(8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int t = 0; t < NT; t++) {
+        const __m512i idx = _mm512_add_epi32(pick, _mm512_set1_epi32(t));
+        s01[t] = _mm512_permutexvar_ps(idx, p01);
+        s23[t] = _mm512_permutexvar_ps(idx, p23);
+    }
+}
+
+/* The scales of 1 or 2 blocks at blk for token t0 + t (upper lanes zero for a single block). */
+static inline __m512 tail_scale(const float *d, const qact_t *a, int blk, int t0, int t, int n) {
+    const __m512 s0 = _mm512_set1_ps(d[blk] * a->dt[(size_t)blk * a->bp + t0 + t]);
+    return n == 2 ? _mm512_mask_mov_ps(s0, 0xff00, _mm512_set1_ps(d[blk + 1] * a->dt[(size_t)(blk + 1) * a->bp + t0 + t]))
+                  : _mm512_maskz_mov_ps(0x00ff, s0);
+}
+
+/* Q4_1 nibbles of 4 blocks (64 bytes: low nibbles weights 0-15, high 16-31 of each) as two
+   registers of two blocks each, weights in the activations' order. */
+static inline void unpack_q4_quad(const uint8_t *qs, __m512i *w01, __m512i *w23) {
+    const __m512i r = _mm512_loadu_si512(qs), mask = _mm512_set1_epi8(0x0f);
+    const __m512i lo = _mm512_and_si512(r, mask), hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), mask);
+    /* 64-bit lanes: lo = [l0 l0 l1 l1 l2 l2 l3 l3], hi likewise; block j = l_j then h_j */
+    *w01 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
+    *w23 = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
+}
+
+/* 1 or 2 Q4_1 blocks: a single block leaves the upper lanes zero. */
+static inline __m512i unpack_q4_blocks(const uint8_t *qs, int n) {
+    const __m256i r = n == 2 ? _mm256_loadu_si256((const __m256i *)qs)
+                             : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qs)), mask = _mm256_set1_epi8(0x0f);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(r, mask)),
+                                         _mm256_and_si256(_mm256_srli_epi16(r, 4), mask), 1);
+    const __m512i w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)); /* [lo0 hi0 lo1 hi1] */
+    return n == 2 ? w : _mm512_maskz_mov_epi64(0x0f, w);
+}
+
+/* A token's activations of 1 or 2 blocks (a single block: upper half zero, nothing read past it). */
+static inline __m512i load_x(const int8_t *x, int n) {
+    return n == 2 ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi8(0xffffffffull, x);
+}
+
+/* m . s over nb blocks, 16 a register (the Q4_1 minimum terms of one token). */
+static inline float min_terms(const float *m, const float *s, int nb) {
+    __m512 acc = _mm512_setzero_ps();
+    int blk = 0;
+    for (; blk + 16 <= nb; blk += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + blk), _mm512_loadu_ps(s + blk), acc);
+    if (blk < nb) {
+        const __mmask16 k = (__mmask16)((1u << (nb - blk)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + blk), _mm512_maskz_loadu_ps(k, s + blk), acc);
+    }
+    return hsum512(acc);
+}
+
+static inline __m512 pair_fma(__m512i w, __m512i x, __m512 scale, __m512 acc) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), scale, acc);
+}
+
+/* Each token keeps two accumulators (blocks 0-1 and 2-3 of every quad; the tail's blocks go to
+   the first), two independent FMA chains even for one token, summed at the end. */
+static inline __attribute__((always_inline)) void wide_q4_1(const uint8_t *qs, const float *d, const float *m, const qact_t *a,
+                                                            int t0, const int NT, int nb, float *y, size_t ldy) {
+    const int8_t *xq = a->q + (size_t)t0 * a->k;
+    __m512 acc0[TILE], acc1[TILE], s01[TILE], s23[TILE];
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    int blk = 0;
+    for (; blk + 4 <= nb; blk += 4) {
+        __m512i w01, w23;
+        unpack_q4_quad(qs + blk * 16, &w01, &w23);
+        quad_scales(d, a, blk, t0, NT, s01, s23);
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = xq + (size_t)t * a->k + blk * QK;
+            acc0[t] = pair_fma(w01, _mm512_loadu_si512(x), s01[t], acc0[t]);
+            acc1[t] = pair_fma(w23, _mm512_loadu_si512(x + 2 * QK), s23[t], acc1[t]);
+        }
+    }
+    for (int n; blk < nb; blk += n) {
+        n = nb - blk >= 2 ? 2 : 1;
+        const __m512i w = unpack_q4_blocks(qs + blk * 16, n);
+        for (int t = 0; t < NT; t++) acc0[t] = pair_fma(w, load_x(xq + (size_t)t * a->k + blk * QK, n), tail_scale(d, a, blk, t0, t, n), acc0[t]);
+    }
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum512(_mm512_add_ps(acc0[t], acc1[t])) + min_terms(m, a->s + (size_t)(t0 + t) * nb, nb);
+}
+
+/* |w| as unsigned times x carrying w's sign (AVX-512 has no byte sign instruction: a masked negate). */
+static inline __m512i signed_x(__m512i x, __mmask64 neg) { return _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x); }
+
+static inline __attribute__((always_inline)) void wide_q8_0(const int8_t *qs, const float *d, const qact_t *a, int t0,
+                                                            const int NT, int nb, float *y, size_t ldy) {
+    const int8_t *xq = a->q + (size_t)t0 * a->k;
+    __m512 acc0[TILE], acc1[TILE], s01[TILE], s23[TILE];
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    int blk = 0;
+    for (; blk + 4 <= nb; blk += 4) {
+        const __m512i w01 = _mm512_loadu_si512(qs + blk * QK), w23 = _mm512_loadu_si512(qs + blk * QK + 2 * QK);
+        const __m512i a01 = _mm512_abs_epi8(w01), a23 = _mm512_abs_epi8(w23);
+        const __mmask64 n01 = _mm512_movepi8_mask(w01), n23 = _mm512_movepi8_mask(w23);
+        quad_scales(d, a, blk, t0, NT, s01, s23);
+        for (int t = 0; t < NT; t++) {
+            const int8_t *x = xq + (size_t)t * a->k + blk * QK;
+            acc0[t] = pair_fma(a01, signed_x(_mm512_loadu_si512(x), n01), s01[t], acc0[t]);
+            acc1[t] = pair_fma(a23, signed_x(_mm512_loadu_si512(x + 2 * QK), n23), s23[t], acc1[t]);
+        }
+    }
+    for (int n; blk < nb; blk += n) {
+        n = nb - blk >= 2 ? 2 : 1;
+        const __m512i w = load_x(qs + blk * QK, n), wabs = _mm512_abs_epi8(w);
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        for (int t = 0; t < NT; t++)
+            acc0[t] = pair_fma(wabs, signed_x(load_x(xq + (size_t)t * a->k + blk * QK, n), neg), tail_scale(d, a, blk, t0, t, n), acc0[t]);
+    }
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum512(_mm512_add_ps(acc0[t], acc1[t]));
+}
+#endif
+
 #define TILE_CASES(call) \
     switch (nt) {        \
     case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
@@ -261,15 +405,20 @@ static inline __attribute__((always_inline)) void tile_q8_0(const int8_t *qs, co
 static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, float *y, size_t ldy) {
     const int nb = w->k / QK;
     const size_t o = (size_t)r * nb;
-    if (w->type == Q4_1) {
+#ifdef WIDE_TILE
+#define Q4(n) wide_q4_1(w->qs + o * 16, w->d + o, w->m + o, a, t0, n, nb, y, ldy)
+#define Q8(n) wide_q8_0((const int8_t *)w->qs + o * QK, w->d + o, a, t0, n, nb, y, ldy)
+#else
 #define Q4(n) tile_q4_1(w->qs + o * 16, w->d + o, w->m + o, a, t0, n, nb, y, ldy)
-        TILE_CASES(Q4)
-#undef Q4
-    } else {
 #define Q8(n) tile_q8_0((const int8_t *)w->qs + o * QK, w->d + o, a, t0, n, nb, y, ldy)
+#endif
+    if (w->type == Q4_1) {
+        TILE_CASES(Q4)
+    } else {
         TILE_CASES(Q8)
-#undef Q8
     }
+#undef Q4
+#undef Q8
 }
 #else
 static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, float *y, size_t ldy) {
@@ -643,9 +792,12 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     return 0;
 }
 
-/* Which integer dot product this build uses: 2 VNNI, 1 AVX2, 0 scalar (for logs and tests). */
+/* Which integer dot product this build uses: 3 AVX-512 VNNI (two blocks a register), 2 VNNI, 1 AVX2,
+   0 scalar (for logs and tests). */
 int simd_level(void) {
-#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if defined(WIDE_TILE)
+    return 3;
+#elif defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
     return 2;
 #elif defined(__AVX2__)
     return 1;

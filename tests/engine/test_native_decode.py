@@ -111,21 +111,24 @@ def test_batch_rows_are_independent(native_llm):
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the SIMD variants are x86 builds")
 def test_portable_builds(native_llm, smollm_int4, hf_fp32, tmp_path):
-    """AVX2 without VNNI computes the same integer sums in the same order: the same logits. The
-    scalar build sums floats in another order, which 30 layers of int8/bf16 rounding amplify to
-    different but equally good logits: same top token, as close to float32."""
+    """AVX2 without VNNI computes the 256-bit VNNI tile's integer sums in the same order: the same
+    logits. The AVX-512 tile (two blocks a register, where the CPU has it) and the scalar build sum
+    floats in other orders, which 30 layers of int8/bf16 rounding amplify to different but equally
+    good logits: same top token, as close to float32."""
     kernel = native_llm.core.runner.native
     ids = prompt_ids(native_llm, "What is the dress code?")
-    fast = feed(kernel, [(ids, [50, 51, 52])])
-    builds = {}
-    for march in ("haswell", "x86-64"):
-        other = NativeDecodeStep(build_library(tmp_path, march=march), smollm_int4.model, smollm_int4.native_weights,
-                                native_llm.core.kv_cache.storage, 16)
+    reference = float32_logits(hf_fp32, ids)
+    builds = {kernel.simd: feed(kernel, [(ids, [50, 51, 52])])}
+    for march, wide in (("native", False), ("haswell", True), ("x86-64", True)):
+        other = NativeDecodeStep(build_library(tmp_path, march=march, wide=wide), smollm_int4.model, smollm_int4.native_weights,
+                                 native_llm.core.kv_cache.storage, 16)
         builds[other.simd] = feed(other, [(ids, [50, 51, 52])])
-    assert set(builds) == {"AVX2", "scalar"}
-    torch.testing.assert_close(builds["AVX2"], fast, rtol=1e-6, atol=1e-6)
-    assert builds["scalar"].argmax() == fast.argmax()
-    assert kl_from_float32(float32_logits(hf_fp32, ids), builds["scalar"][0]) < 0.05
+    assert {"AVX2", "scalar"} <= set(builds)
+    if "AVX-VNNI" in builds:  # the CPU has VNNI: dpbusd and AVX2's two-step emulation give the same sums
+        torch.testing.assert_close(builds["AVX2"], builds["AVX-VNNI"], rtol=1e-6, atol=1e-6)
+    for name, logits in builds.items():
+        assert logits.argmax() == builds["AVX2"].argmax(), name
+        assert kl_from_float32(reference, logits[0]) < 0.05, name
 
 
 def test_engine_decodes_natively_and_answers_like_float32(native_llm, hf_fp32):
@@ -317,7 +320,7 @@ def one_call_and_one_by_one(kernel: NativeDecodeStep, ids: list[int], start: int
 def test_a_tiled_step_equals_its_tokens_one_by_one(tokens):
     """A prefill step of T tokens (T a multiple of the 8-token tile or not; Q4_1 and Q8_0
     matrices, fused of both) gives each token the logits it gets as a one-token step, and the
-    per-row kernel (the benchmark's baseline) the same ones up to float rounding."""
+    per-row kernel (the benchmark's baseline) the same top tokens and logits up to rounding."""
     kernel, model = mixed_format_qwen2()
     ids = torch.randint(0, model.config.vocab_size, (7 + tokens,)).tolist()
     blocks = [5, 2, 7, 0]
@@ -325,7 +328,12 @@ def test_a_tiled_step_equals_its_tokens_one_by_one(tokens):
     together, alone = one_call_and_one_by_one(kernel, ids[7:], 7, blocks)
     torch.testing.assert_close(together, alone)
     per_row = kernel.run(torch.tensor(ids[7:]), torch.arange(7, 7 + tokens), torch.tensor([blocks] * tokens), tiled=False)
-    torch.testing.assert_close(together, per_row, rtol=1e-3, atol=1e-3)
+    # Another summation order: most rows agree to float rounding; where a sum lands on the other side
+    # of an int8 rounding step, the next layer's activation moves by one step (up to ~2e-2 here), and
+    # later rows, attending to that K/V, move with it.
+    row_diff = (together - per_row).abs().amax(dim=1)
+    assert torch.equal(together.argmax(dim=1), per_row.argmax(dim=1))
+    assert row_diff.median() < 1e-4 and row_diff.max() < 0.05, row_diff
     assert not torch.equal(together[:, 0], together[:, 1])  # the rows are real logits, not a constant
 
 
