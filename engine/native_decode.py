@@ -9,7 +9,8 @@ prefill through PyTorch and decode here. It is compiled on first use with the ma
 compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
 :data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
 row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones; the
-matrices take the tokens in tiles of 8 that share each unpacked weight block, a request's rows
+matrices take the tokens in tiles of 8 that share each unpacked weight block (two blocks a
+512-bit register on CPUs with AVX-512 VNNI, one a 256-bit register elsewhere), a request's rows
 share each K/V chunk in attention, and the head runs for the sampled rows only):
 without hardware bf16 matmuls PyTorch's int4 kernel prefilled Qwen2.5-1.5B's 128-token prompt
 in 13-16 s on a shared 2-core Xeon (2026-12-01), far too slow for a question after a cached
