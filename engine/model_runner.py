@@ -23,7 +23,7 @@ from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
-from engine.native_decode import NATIVE_MAX_TOKENS, NativeDecodeStep
+from engine.native_decode import NativeDecodeStep
 from engine.scheduler import ScheduledChunk
 from engine.transfer import to_device
 
@@ -210,10 +210,10 @@ class ModelRunner:
     def _choose_path(self, meta: AttentionMetadata, num_tokens: int) -> tuple[ExecutionPath, int | None, tuple[int, int] | None]:
         """The path of a step that is not a decode graph's (``_graph_bucket`` took those), with
         its piecewise token bucket or mixed-step key: the native CPU step for a decode-only step or
-        a step of at most NATIVE_MAX_TOKENS tokens (a question after a cached prefix), else a mixed-step graph whose shape is ready (this counts the shape's sighting),
+        a step of at most ``native.max_tokens`` tokens (a question after a cached prefix), else a mixed-step graph whose shape is ready (this counts the shape's sighting),
         else piecewise graphs where a token bucket holds the step, else eager."""
         decode_only = meta.num_decodes == meta.num_requests
-        if self.native is not None and (decode_only or num_tokens <= NATIVE_MAX_TOKENS):
+        if self.native is not None and (decode_only or num_tokens <= self.native.max_tokens):
             return ExecutionPath.NATIVE, None, None
         mixed = self.mixed.key(meta, num_tokens) if self.mixed and not decode_only else None
         if mixed is not None and self.mixed.ready(mixed):

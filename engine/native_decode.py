@@ -7,7 +7,8 @@ into those by engine/gguf_blocks.py) with integer dot products, Qwen2's q|k|v bi
 reading and writing the same paged bf16 KV cache as the PyTorch path, so a request can
 prefill through PyTorch and decode here. It is compiled on first use with the machine's C
 compiler (``-O3 -march=native -fopenmp``) into the engine cache. A step of at most
-:data:`NATIVE_MAX_TOKENS` tokens runs here too, prefill chunks included (one row per token; a
+:data:`NATIVE_MAX_TOKENS` tokens (:data:`NATIVE_MAX_TOKENS_BF16` on a CPU with bf16 matmuls in
+hardware, where the dense bf16 PyTorch path takes longer chunks faster) runs here too, prefill chunks included (one row per token; a
 row's K/V is written before any row attends, so a chunk's later tokens see its earlier ones; the
 matrices take the tokens in tiles of 8 that share each unpacked weight block (two blocks a
 512-bit register on CPUs with AVX-512 VNNI, one a 256-bit register elsewhere), a request's rows
@@ -35,12 +36,16 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import Blocks, tensor_blocks
+from engine.quantization import BF16_MATMUL_FLAGS, cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 QK = 32
 NATIVE_MAX_TOKENS = 64  # a step of up to this many tokens runs natively: the activations of one
 # matrix pass (64 rows x up to 8960 int8) stay in L2 while each weight row is reused for all of them
+NATIVE_MAX_TOKENS_BF16 = 16  # ... where the CPU has hardware bf16 matmuls: above it the int4 model's
+# dense bf16 path is faster (a question after a cached 2,000-token prefix on a 2-core EPYC,
+# 2026-12-02, Qwen2.5-1.5B and SmolLM2 alike: even at 16 tokens, 1.2-1.4x for PyTorch at 30-48)
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX-512 VNNI"}
 
@@ -89,6 +94,12 @@ def build_library(cache_dir: Path, march: str = "native", wide: bool = True) -> 
                                 ctypes.c_int, ctypes.c_int]
     lib.simd_level.restype = ctypes.c_int
     return lib
+
+
+def native_max_tokens(flags: frozenset[str] | None) -> int:
+    """Tokens up to which a step that is not decode-only runs natively on a CPU with ``flags``
+    (:func:`engine.quantization.cpu_flags`): fewer where bf16 matmuls are in hardware."""
+    return NATIVE_MAX_TOKENS_BF16 if flags is not None and flags & BF16_MATMUL_FLAGS else NATIVE_MAX_TOKENS
 
 
 # ---- the C structs ------------------------------------------------------------------------------
@@ -227,6 +238,7 @@ class NativeDecodeStep:
         self.num_blocks = kv_storage.shape[2]
         self.vocab = cfg.vocab_size
         self.threads = torch.get_num_threads()
+        self.max_tokens = native_max_tokens(cpu_flags())  # steps with prefill chunks up to this run here
         # Keep every array the C structs point to alive for the kernel's lifetime.
         fp32 = lambda t: t.detach().float().contiguous()  # noqa: E731
         self.embed = model.embed_tokens.weight.detach().to(torch.bfloat16).contiguous()

@@ -12,7 +12,8 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.native_decode import NATIVE_MAX_TOKENS, NativeDecodeStep, NativeDecodeError, build_library
+from engine.native_decode import (NATIVE_MAX_TOKENS, NATIVE_MAX_TOKENS_BF16, NativeDecodeError, NativeDecodeStep, build_library,
+                                  native_max_tokens)
 from engine.execution_path import ExecutionPath
 from engine.sampling import SamplingParams
 
@@ -200,27 +201,28 @@ def test_native_kv_serves_a_later_prefix_hit(native_llm, hf_fp32):
 
 
 def test_a_short_prefill_runs_natively(native_llm):
-    """A prompt of at most NATIVE_MAX_TOKENS tokens (a question after a cached prefix) prefills in
-    one native call, one row per token: its first token is what the native step gives fed token
-    by token."""
+    """A prompt of at most the native step's ``max_tokens`` (a question after a cached prefix)
+    prefills in one native call, one row per token: its first token is what the native step gives
+    fed token by token. Above it (16 tokens where the CPU has bf16 matmuls) the PyTorch path runs it."""
     core = native_llm.core
     ids = prompt_ids(native_llm, "How many days of annual leave do employees get?")
-    assert len(ids) <= NATIVE_MAX_TOKENS
+    assert NATIVE_MAX_TOKENS_BF16 < len(ids) <= NATIVE_MAX_TOKENS
     steps: list[ExecutionPath] = []
-    prepare = core.runner.prepare
+    prepare, limit = core.runner.prepare, core.runner.native.max_tokens
 
     def spy(*args, **kwargs):
         inputs = prepare(*args, **kwargs)
         steps.append(inputs.path)
         return inputs
 
-    core.block_manager.reset_prefix_cache()
     core.runner.prepare = spy
     try:
-        out = native_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
+        for core.runner.native.max_tokens in (NATIVE_MAX_TOKENS_BF16, NATIVE_MAX_TOKENS):  # as with bf16 matmuls, then without
+            core.block_manager.reset_prefix_cache()
+            out = native_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
     finally:
-        core.runner.prepare = prepare
-    assert steps == [ExecutionPath.NATIVE]
+        core.runner.prepare, core.runner.native.max_tokens = prepare, limit
+    assert steps == [ExecutionPath.EAGER, ExecutionPath.NATIVE]  # above the bf16 CPUs' limit the PyTorch path takes it
     assert out.token_ids[0] == int(feed(core.runner.native, [(ids, [60, 61, 62, 63])])[0].argmax())
 
 
@@ -377,3 +379,11 @@ def test_qwen2_k_quants_decode_natively_with_the_dense_tokens(qwen_int4, qwen_fp
                                            num_kv_blocks=32, loaded=qwen_int4).generate(prompts, params)]
     dense = [o.token_ids for o in LLM(path, max_model_len=256, num_kv_blocks=32, loaded=qwen_fp32).generate(prompts, params)]
     assert len(dense[1]) == 16 and ours == dense and torch_int4 == dense
+
+
+def test_the_native_limit_for_prefill_steps_follows_the_cpus_bf16_matmuls():
+    """Questions of more than 16 tokens take the dense bf16 path where bf16 matmuls are in hardware
+    (faster there from ~16 tokens); elsewhere the native step takes up to 64."""
+    assert native_max_tokens(frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})) == NATIVE_MAX_TOKENS_BF16 == 16
+    assert native_max_tokens(frozenset({"amx_bf16"})) == 16
+    assert native_max_tokens(frozenset({"avx512f", "avx512_vnni"})) == native_max_tokens(None) == NATIVE_MAX_TOKENS == 64
