@@ -36,7 +36,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import Blocks, tensor_blocks
-from engine.quantization import BF16_MATMUL_FLAGS, cpu_flags
+from engine.quantization import bf16_matmuls, cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -45,7 +45,7 @@ NATIVE_MAX_TOKENS = 64  # a step of up to this many tokens runs natively: the ac
 # matrix pass (64 rows x up to 8960 int8) stay in L2 while each weight row is reused for all of them
 NATIVE_MAX_TOKENS_BF16 = 16  # ... where the CPU has hardware bf16 matmuls: above it the int4 model's
 # dense bf16 path is faster (a question after a cached 2,000-token prefix on a 2-core EPYC,
-# 2026-12-02, Qwen2.5-1.5B and SmolLM2 alike: even at 16 tokens, 1.2-1.4x for PyTorch at 30-48)
+# 2026-12-02, Qwen2.5-1.5B and SmolLM2 alike: even at 16 tokens, 1.2-1.9x for PyTorch at 30-48)
 Q4_1, Q8_0 = 0, 1  # matrix_t.type in the C source
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX-512 VNNI"}
 
@@ -98,8 +98,9 @@ def build_library(cache_dir: Path, march: str = "native", wide: bool = True) -> 
 
 def native_max_tokens(flags: frozenset[str] | None) -> int:
     """Tokens up to which a step that is not decode-only runs natively on a CPU with ``flags``
-    (:func:`engine.quantization.cpu_flags`): fewer where bf16 matmuls are in hardware."""
-    return NATIVE_MAX_TOKENS_BF16 if flags is not None and flags & BF16_MATMUL_FLAGS else NATIVE_MAX_TOKENS
+    (:func:`engine.quantization.cpu_flags`): fewer where the int4 model's dense bf16 path runs
+    longer steps (:func:`engine.quantization.bf16_matmuls`, the rule its Int4Linear follows)."""
+    return NATIVE_MAX_TOKENS_BF16 if bf16_matmuls(flags) else NATIVE_MAX_TOKENS
 
 
 # ---- the C structs ------------------------------------------------------------------------------

@@ -50,13 +50,19 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
+def bf16_matmuls(flags: frozenset[str] | None) -> bool:
+    """Whether a CPU with ``flags`` (:func:`cpu_flags`) multiplies bf16 in hardware; unknown flags
+    count as yes (the dense path is then preferred above a few rows)."""
+    return flags is None or bool(flags & BF16_MATMUL_FLAGS)
+
+
 def int4_max_rows(flags: frozenset[str] | None) -> int:
     """Rows up to which :class:`Int4Linear` runs the int4 kernel on a CPU with ``flags``
     (:func:`cpu_flags`): :data:`INT4_MAX_ROWS` with hardware bf16 matmuls (or unknown flags),
     where dense bf16 wins above it; otherwise every row count. On a 2-core AVX-512 VNNI Xeon
     without them (2026-12-01) a [512, 576] x [576, 1536] product took 160-170 ms dense bf16 and
     87-94 ms int4, 2048 rows 610-680 ms and 300 ms."""
-    return INT4_MAX_ROWS if flags is None or flags & BF16_MATMUL_FLAGS else sys.maxsize
+    return INT4_MAX_ROWS if bf16_matmuls(flags) else sys.maxsize
 
 
 class PackedInt4(nn.Module):

@@ -76,8 +76,9 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     kv = (torch.randn(cfg.num_hidden_layers, 2, blocks, PAGE, cfg.num_key_value_heads, cfg.head_dim) * 0.5).bfloat16()
     kernel = NativeDecodeStep(build_library(default_cache_dir()), loaded.model, loaded.native_weights, kv, PAGE)
-    narrow = NativeDecodeStep(build_library(default_cache_dir(), wide=False), loaded.model, loaded.native_weights, kv, PAGE)
-    narrow = narrow if narrow.simd != kernel.simd else None  # the 256-bit tile, where the AVX-512 one exists
+    narrow_lib = build_library(default_cache_dir(), wide=False)  # the 256-bit tile, where the AVX-512 one exists
+    narrow = (NativeDecodeStep(narrow_lib, loaded.model, loaded.native_weights, kv, PAGE)
+              if narrow_lib.simd_level() != kernel.lib.simd_level() else None)
     int8_rate, bw = int8_gemm_macs(), copy_bandwidth(torch.device("cpu"))
     weight_bytes = kernel.weight_bytes_per_step
     try:
