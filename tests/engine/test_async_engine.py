@@ -67,7 +67,11 @@ async def four_busy_and_one_queued(engine):
     try:
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
         waiting = asyncio.create_task(queued.__anext__())
-        await asyncio.sleep(0.2)  # the add command reaches the engine thread
+        # the add command reaches the engine thread when it next looks (a step on a loaded machine can be slow)
+        deadline = time.perf_counter() + 60
+        while "queued" not in engine.core.requests:
+            assert time.perf_counter() < deadline, "the fifth request never reached the engine"
+            await asyncio.sleep(0.05)
         yield
     finally:
         for task in [*busy, *([waiting] if waiting else [])]:
