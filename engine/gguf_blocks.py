@@ -63,8 +63,12 @@ class Blocks:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weights [rows, cols] (d*q + m in that order: Q4_K's repack is then bit-exact)."""
-        w = np.repeat(self.d, GROUP, axis=1) * self.q.astype(np.float32)
-        return w if self.m is None else w + np.repeat(self.m, GROUP, axis=1)
+        rows, cols = self.q.shape
+        w = self.q.reshape(rows, cols // GROUP, GROUP).astype(np.float32)
+        w *= self.d[..., None]  # broadcast per block: no repeated copy of the scales
+        if self.m is not None:
+            w += self.m[..., None]
+        return w.reshape(rows, cols)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -137,6 +141,40 @@ def tensor_blocks(tensor) -> Blocks:
             f"the int4/native CPU path runs {', '.join(t.name for t in SUPPORTED)} matrices")
     cols, rows = (int(x) for x in tensor.shape)
     return read(np.asarray(tensor.data), rows, cols)
+
+
+EXACT = (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_0)  # repacked bit for bit: Blocks.dequantize() is gguf's value
+
+
+class BlockCache:
+    """The :class:`Blocks` of one GGUF file's matrices, each repacked once and kept for one load:
+    an int4 load reads every matrix three times (its dense bf16 copy, the int4 parts, the native
+    step's copy) and repacking is most of its time."""
+
+    def __init__(self, tensors: dict) -> None:
+        """``tensors``: the file's tensors by name (:func:`engine.quantization.gguf_tensors`)."""
+        self.tensors = tensors
+        self._blocks: dict[str, Blocks] = {}
+
+    def __getitem__(self, name: str) -> Blocks:
+        if name not in self._blocks:
+            self._blocks[name] = tensor_blocks(self.tensors[name])
+        return self._blocks[name]
+
+    @property
+    def repacked(self) -> int:
+        """How many matrices have been repacked so far."""
+        return len(self._blocks)
+
+
+def dequantized(tensor, cache: BlockCache | None = None) -> np.ndarray:
+    """One GGUF tensor as float32 values in its file's layout, the same values as
+    ``gguf.quants.dequantize``: through :class:`Blocks` where the repack is exact (faster than
+    gguf's generic reader, and shared with ``cache``), else through gguf."""
+    if tensor.tensor_type in EXACT and len(tensor.shape) == 2:
+        blocks = cache[tensor.name] if cache is not None else tensor_blocks(tensor)
+        return blocks.dequantize()
+    return dequantize(tensor.data, tensor.tensor_type)
 
 
 def repack_error(tensor) -> tuple[float, float, float]:

@@ -9,6 +9,7 @@ import torch
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.loader import has_tokenizer, load_model, model_kind
 from engine.model import LlamaForCausalLM
+from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
@@ -50,16 +51,17 @@ class LoadedModel:
         if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
             raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
                               f"(got {model_kind(config)} weights on {device.type})")
-        model, model_config = load_model(config, device, dtype)
+        # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
+        blocks = BlockCache(gguf_tensors(config.model)) if config.quantization == "int4" else None
+        model, model_config = load_model(config, device, dtype, blocks)
         native = None
-        if config.quantization == "int4":
-            tensors = gguf_tensors(config.model)  # one read for the int4 swap and the native copy
+        if blocks is not None:
             try:
-                quantize_from_gguf(model, tensors)
+                quantize_from_gguf(model, blocks)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
             if config.native_decode_step != "off":
-                native = NativeWeights.from_gguf(tensors, model_config)
+                native = NativeWeights.from_gguf(blocks, model_config)
         tokenizer = None
         if config.tokenizer or has_tokenizer(config):
             tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
@@ -73,5 +75,5 @@ class LoadedModel:
         """The GGUF's blocks for the native CPU step, read now if this model was loaded with
         ``native_decode_step="off"`` (kept: engines built on it later share the copy)."""
         if self.native_weights is None:
-            self.native_weights = NativeWeights.from_gguf(gguf_tensors(config.model), self.model_config)
+            self.native_weights = NativeWeights.from_gguf(BlockCache(gguf_tensors(config.model)), self.model_config)
         return self.native_weights

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from engine.config import ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
+from engine.gguf_blocks import BlockCache, dequantized
 from engine.gguf_file import GGUFFile
 from engine.model import LlamaForCausalLM
+from engine.model.rope import RotaryEmbedding
 
 GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -131,11 +133,11 @@ def _hf_name(path: Path, tensor_name: str) -> str | None:
     raise ConfigError(f"{path.name}: unexpected tensor {tensor_name!r}")
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def read_gguf(path: Path, blocks: BlockCache | None = None) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """The model config and (HF name, float32 tensor) pairs, dequantized with the gguf package
-    (any type it implements: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types)."""
-    import gguf
-
+    (any type it implements: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types), or bit
+    for bit the same through ``blocks`` (an int4 load's :class:`BlockCache`, shared with its int4
+    and native copies) where :func:`engine.gguf_blocks.dequantized` can."""
     file = GGUFFile.read(path)
     config = gguf_model_config(file)
 
@@ -145,7 +147,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
             if name is None:
                 continue
             try:
-                w = gguf.quants.dequantize(t.data, t.tensor_type)
+                w = dequantized(t, blocks)
             except NotImplementedError as e:
                 raise ConfigError(f"{path.name}: tensor {t.name!r} has type {t.tensor_type.name}, "
                                   f"which the gguf package cannot dequantize ({e})") from e
@@ -245,19 +247,26 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model on ``device`` in ``dtype`` with weights from ``config.model``."""
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               blocks: BlockCache | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model on ``device`` in ``dtype`` with weights from ``config.model`` (a GGUF's
+    read through ``blocks`` where given: see :func:`read_gguf`)."""
     kind = model_kind(config)
     path = Path(config.model)
     if kind == "dummy":
         model_config, named = ModelConfig.from_json(path), None
     elif kind == "gguf":
-        model_config, named = read_gguf(path)
+        model_config, named = read_gguf(path, blocks)
     else:
         model_config, named = read_hf_dir(path)
     max_len = config.max_model_len or model_config.max_position_embeddings
-    with torch.device(device), default_dtype(dtype):
+    # Built on the meta device, then given uninitialized storage: every parameter is written below,
+    # so nn.Linear's random init would be wasted (seconds for a 1.5B model on a small CPU).
+    with torch.device("meta"), default_dtype(dtype):
         model = LlamaForCausalLM(model_config, max_positions=max(max_len, 1))
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.rope = RotaryEmbedding(model_config, max(max_len, 1))  # the one buffer computed, not loaded
     if named is None:
         init_dummy_weights(model, config.seed)
     else:

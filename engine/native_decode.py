@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.gguf_blocks import Blocks, tensor_blocks
+from engine.gguf_blocks import BlockCache, Blocks
 from engine.quantization import bf16_matmuls, cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
@@ -168,12 +168,12 @@ class BlockMatrix:
         return _Matrix(self.qs.ctypes.data, self.d.ctypes.data, self.m.ctypes.data if self.m is not None else None, self.type, n, k)
 
 
-def block_matrix(tensor, unpermute_heads: int | None = None) -> BlockMatrix:
-    """A GGUF matrix of a type :func:`~engine.gguf_blocks.tensor_blocks` reads (Q4_1, Q8_0, Q4_K,
-    Q5_0, Q6_K) as a :class:`BlockMatrix`; Q/K rows un-permuted like the loader does for llama files."""
+def block_matrix(blocks: Blocks, unpermute_heads: int | None = None) -> BlockMatrix:
+    """A GGUF matrix's :class:`~engine.gguf_blocks.Blocks` (any type
+    :func:`~engine.gguf_blocks.tensor_blocks` reads) as a :class:`BlockMatrix`; Q/K rows
+    un-permuted like the loader does for llama files."""
     from engine.loader import _unpermute
 
-    blocks = tensor_blocks(tensor)
     if unpermute_heads is not None:
         blocks = Blocks(*(None if a is None else _unpermute(a, unpermute_heads) for a in (blocks.q, blocks.d, blocks.m)))
     return BlockMatrix.from_blocks(blocks)
@@ -205,9 +205,10 @@ class NativeWeights:
     head: BlockMatrix
 
     @classmethod
-    def from_gguf(cls, tensors: dict, cfg: ModelConfig) -> "NativeWeights":
-        """From :func:`engine.quantization.gguf_tensors` of the model's file."""
-        mat = lambda name, heads=None: block_matrix(tensors[name], heads)  # noqa: E731
+    def from_gguf(cls, blocks: BlockCache, cfg: ModelConfig) -> "NativeWeights":
+        """From the blocks of the model's file (shared with its int4 and dense copies in one load)."""
+        tensors = blocks.tensors
+        mat = lambda name, heads=None: block_matrix(blocks[name], heads)  # noqa: E731
         permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
         layers = []
         for i in range(cfg.num_hidden_layers):

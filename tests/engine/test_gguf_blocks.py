@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.gguf_blocks import READERS, UnsupportedTensorError, repack_error, tensor_blocks
+from engine.gguf_blocks import READERS, BlockCache, UnsupportedTensorError, dequantized, repack_error, tensor_blocks
 from engine.quantization import gguf_supports_int4, gguf_tensors
 
 Q = gguf.GGMLQuantizationType
@@ -106,3 +106,18 @@ def test_unsupported_types_name_the_file_tensor_and_type(qwen_tensors, qwen_0_5b
         tensor_blocks(t)
     assert not gguf_supports_int4(str(path))
     assert gguf_supports_int4(str(qwen_0_5b_gguf))
+
+
+def test_a_loads_block_cache_repacks_each_matrix_once_and_dequantizes_like_gguf(qwen_tensors):
+    """The dense copy of an int4 load reads the same repacked blocks as its int4 and native copies
+    (one repack a matrix), with gguf's values bit for bit; Q6_K, whose repack is not exact, and
+    vectors are dequantized by gguf and leave the cache alone."""
+    cache = BlockCache(qwen_tensors)
+    q4k = next(t for t in qwen_tensors.values() if t.tensor_type == Q.Q4_K)
+    q6k = next(t for t in qwen_tensors.values() if t.tensor_type == Q.Q6_K)
+    bias = qwen_tensors["blk.0.attn_q.bias"]
+    for t in (q4k, q6k, bias):
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        np.testing.assert_array_equal(dequantized(t, cache).reshape(want.shape), want, err_msg=t.name)
+    assert cache.repacked == 1
+    assert cache[q4k.name] is cache[q4k.name] and cache.repacked == 1

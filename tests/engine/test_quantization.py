@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.gguf_blocks import q4_1_blocks, q8_0_blocks
+from engine.gguf_blocks import q4_1_blocks, q8_0_blocks, tensor_blocks
 from engine.quantization import (
     INT4_MAX_ROWS,
     Int4Linear,
@@ -100,9 +100,9 @@ def test_real_tensors_of_the_embedded_model(llm_gguf_path):
         cols, rows = (int(s) for s in t.shape)
         exact = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, cols)
         x = torch.randn(1, cols, dtype=torch.bfloat16)
-        assert_close_bf16(kernel_matmul(gguf_int4_parts(t), x), reference(exact, x))
+        assert_close_bf16(kernel_matmul(gguf_int4_parts(tensor_blocks(t)), x), reference(exact, x))
     with pytest.raises(ValueError, match=re.escape(f"{llm_gguf_path.name}: tensor blk.0.attn_norm.weight is F32")):
-        gguf_int4_parts(tensors["blk.0.attn_norm.weight"])
+        tensor_blocks(tensors["blk.0.attn_norm.weight"])
 
 
 def test_int4_linear_uses_dense_weights_for_many_rows():
