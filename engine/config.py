@@ -231,6 +231,17 @@ class EngineConfig:
     """With ``quantization="int4"`` on the CPU, every decode-only step (any batch size) runs as
     one native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
+    speculative: Literal["off", "ngram"] = "off"
+    """``ngram``: decode steps of at most ``speculative_max_batch`` requests also verify up to
+    ``num_speculative_tokens`` tokens proposed by n-gram prompt lookup (engine/speculative.py):
+    the same tokens at temperature 0, the same distribution above it, fewer steps when answers
+    quote their prompt. Drafts are verified on the host between steps, so it runs without async
+    scheduling (``auto`` then turns that off; ``on`` with it is refused)."""
+    num_speculative_tokens: int = 4
+    """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
+    speculative_max_batch: int = 4
+    """Speculate only while at most this many requests decode: a larger batch's step is no longer
+    bound by reading the weights, and rows for drafts then cost about what they might save."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
@@ -266,6 +277,14 @@ class EngineConfig:
             raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError(f"speculative must be 'off' or 'ngram', got {self.speculative!r}")
+        if self.speculative != "off" and self.async_scheduling == "on":
+            raise ConfigError("speculative decoding verifies drafts on the host between steps: it cannot run with "
+                              "async_scheduling='on' (use 'auto' or 'off')")
+        if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:
+            raise ConfigError(f"num_speculative_tokens and speculative_max_batch must be >= 1, got {self.num_speculative_tokens} "
+                              f"and {self.speculative_max_batch}")
         if self.pdl not in ("auto", "on", "off"):
             raise ConfigError(f"pdl must be auto/on/off, got {self.pdl!r}")
         if self.pdl == "on" and not self.batch1_gemv:

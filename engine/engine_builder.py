@@ -53,6 +53,8 @@ def build_engine(
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
+    if config.speculative != "off" and config.num_speculative_tokens >= max_model_len:
+        raise ConfigError(f"num_speculative_tokens={config.num_speculative_tokens} leaves no room in a {max_model_len}-token context")
     spec = KVCacheSpec.for_model(mc, config.block_size, loaded.dtype)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks

@@ -28,7 +28,8 @@ from engine.outputs import RequestOutput
 from engine.prefix_cache import PrefixCacheStats
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class InflightStep:
     """A launched step whose samples the host has not read yet."""
 
     requests: list[Request]  # every request with a chunk in the step
-    sampled: list[Request]  # the requests it samples a token for, in sample-row order
+    sampled: list[ScheduledChunk]  # the chunks it samples for, in sample-row order (a verifying decode: 1 + drafts rows)
     sample: PendingSample | None
     device_tokens: DeviceTokens | None  # the samples, on the device, for the next step's decodes
     path: ExecutionPath = ExecutionPath.EAGER  # how the forward ran (decided by ModelRunner.prepare)
@@ -74,7 +75,10 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator] = {}
         # async scheduling: the step launched on the device whose samples the host has not read yet
-        self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda" and config.speculative == "off")
+        # speculative decoding: drafts proposed before each step (EngineConfig.speculative)
+        self.proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
         self._inflight: InflightStep | None = None
         self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
@@ -89,6 +93,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.scheduler.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         self.block_manager.prefix_cache.stats = PrefixCacheStats()
 
     def warm_up(self) -> None:
@@ -194,6 +199,8 @@ class EngineCore:
         Without it (and always on the CPU by default) the step is launched and read back at once.
         """
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         outputs = [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
         if self._inflight is not None and any(c.completes_prompt and c.request.sampling_params.has_penalties for c in sched.chunks):
@@ -219,6 +226,18 @@ class EngineCore:
         )
         return outputs
 
+    def _propose_drafts(self) -> None:
+        """Give each decoding request its draft tokens for the next step: none while more than
+        ``speculative_max_batch`` decode (the step is then no longer bound by reading the
+        weights), none for requests whose sampling reads their outputs (penalties), and never
+        past their ``max_tokens`` or the context."""
+        decoding = [r for r in self.scheduler.running if not r.is_prefilling]
+        speculate = len(decoding) <= self.config.speculative_max_batch
+        for req in decoding:
+            room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            usable = speculate and room > 0 and not req.sampling_params.has_penalties
+            req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if usable else []
+
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
         its samples as pending."""
@@ -239,10 +258,14 @@ class EngineCore:
             req = c.request
             self.prompt_tokens_total += max(0, min(c.start + c.num_tokens, req.num_prompt_tokens) - c.start)
             req.num_computed_tokens += c.num_tokens
-        sampled = [c.request for c in inputs.sampled_chunks]
-        for req in sampled:
-            req.num_pending_tokens += 1
-        device_tokens = DeviceTokens(sample.tokens, {r.request_id: i for i, r in enumerate(sampled)}) if sample else None
+        sampled: list[ScheduledChunk] = []
+        for c in inputs.sampled_chunks:  # a verifying decode's chunk fills consecutive rows
+            if not sampled or sampled[-1] is not c:
+                sampled.append(c)
+                c.request.num_pending_tokens += 1
+        # the next step's decodes read their input from the last row of each (async scheduling: no drafts)
+        rows = {c.request.request_id: i for i, c in enumerate(inputs.sampled_chunks)}
+        device_tokens = DeviceTokens(sample.tokens, rows) if sample else None
         return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, inputs.path, span,
                             self._inflight is not None, inputs.num_tokens)
 
@@ -257,15 +280,30 @@ class EngineCore:
         now = time.perf_counter()
         if step.span is not None:
             self._account_device_span(step)
+        learned: list[tuple[Request, list[int], list]] = []  # per sampled request: its new tokens and their logprobs
+        row = 0
+        for c in step.sampled:
+            rows = 1 + len(c.drafts)
+            tokens = result.token_ids[row : row + rows]
+            if c.drafts and not c.request.status.finished:
+                tokens = accepted_tokens(c.drafts, tokens)
+                # the KV of rejected drafts was written but is not the request's: compute over it
+                c.request.num_computed_tokens -= len(c.drafts) - (len(tokens) - 1)
+                self.spec_stats.record(len(c.drafts), len(tokens) - 1)
+            learned.append((c.request, tokens, result.logprobs[row : row + len(tokens)]))
+            row += rows
         for req in step.requests:  # before any finishes: its full blocks stay findable after it
             if not req.status.finished:
                 self.block_manager.cache_full_blocks(req)
         outputs = []
-        for i, req in enumerate(step.sampled):
+        for req, tokens, logprobs in learned:
             if req.status.finished:  # aborted, or stopped by a token learned after this step launched
                 continue
             req.num_pending_tokens -= 1
-            outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i], now))
+            for token, lp in zip(tokens, logprobs):
+                outputs.append(self._append_token(req, token, lp, now))
+                if req.status.finished:  # a stop among accepted drafts: the rest are dropped
+                    break
         return outputs
 
     def _account_device_span(self, step: InflightStep) -> None:

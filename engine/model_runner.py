@@ -44,7 +44,7 @@ class StepInputs:
     scatters them."""
 
     chunks: list[ScheduledChunk]  # in batch order
-    sampled_chunks: list[ScheduledChunk]
+    sampled_chunks: list[ScheduledChunk]  # one per sample row: a verifying decode's chunk once per row
     num_tokens: int
     sample_rows_host: list[int]  # index into the flattened tokens of each chunk that yields a sample
     path: ExecutionPath
@@ -135,14 +135,16 @@ class ModelRunner:
         for c in chunks:
             req, start, n = c.request, c.start, c.num_tokens
             tokens = req.all_token_ids
-            if start + n > len(tokens):  # only a decode's single input token can be pending
+            known = n - len(c.drafts)  # a verifying decode: its last token, then the drafts
+            if start + known > len(tokens):  # only a decode's single input token can be pending
                 if n != 1 or pending is None or req.request_id not in pending.row_of:
                     raise RuntimeError(f"request {req.request_id}: tokens {start}..{start + n} are not known to the host")
                 fix_dst.append(len(ids))
                 fix_src.append(pending.row_of[req.request_id])
                 ids.append(0)
             else:
-                ids += tokens[start : start + n]
+                ids += tokens[start : start + known]
+                ids += c.drafts
             blocks = req.block_ids
             # flat KV slots (block id x block size + offset), inline: this loop is per token
             if n == 1:
@@ -155,9 +157,10 @@ class ModelRunner:
             qlens.append(n)
             slens.append(start + n)
             max_blocks = max(max_blocks, len(blocks))
-            if c.completes_prompt:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(c)
+            if c.completes_prompt:  # a sample after the last token, and one after each draft
+                for row in range(len(ids) - 1 - len(c.drafts), len(ids)):
+                    sample_rows.append(row)
+                    sampled.append(c)
         n_req, width = len(chunks), max_blocks
         table: list[int] = []
         for c in chunks:

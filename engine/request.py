@@ -45,6 +45,8 @@ class Request:
     # tokens for scheduling, but are in neither token list until the host has them.
     num_pending_tokens: int = 0
     stop_reason: int | str | None = None
+    # Tokens proposed to follow its last one (speculative decoding), verified by its next step.
+    draft_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prompt + output, kept as one list: the runner slices it every step (no re-concatenation)
     all_token_ids: list[int] = field(init=False)

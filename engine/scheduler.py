@@ -1,6 +1,8 @@
 """Continuous batching with one token budget per step, priorities and preemption by recompute.
 
-Each step hands out ``max_num_batched_tokens`` tokens. Requests are visited by priority class
+Each step hands out ``max_num_batched_tokens`` tokens; a decode with draft tokens
+(speculative decoding, engine/speculative.py) takes one more token for each draft the budget
+still holds. Requests are visited by priority class
 (lower value first); within a class, running decodes get their one token first, then running
 requests still prefilling get chunks, then waiting requests are admitted (FCFS) with what is
 left. So decodes and prefill chunks share a step, and a long prompt never stalls running streams
@@ -86,8 +88,12 @@ FIT_BUCKET_MIN_TOKENS = 1024
 
 @dataclass
 class ScheduledChunk:
+    """``num_tokens`` of a request in one step; a decode may also verify ``drafts`` (speculative
+    decoding: its last token, then the drafts, counted in ``num_tokens``)."""
+
     request: Request
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -96,8 +102,9 @@ class ScheduledChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        """True when the chunk reaches the request's last known token, so it yields a sample."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        """True when the chunk reaches the request's last known token, so it yields a sample
+        (a verifying decode: one after its last token and one after each draft)."""
+        return self.request.num_computed_tokens + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass
@@ -165,6 +172,8 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING or budget.remaining <= 0 or self._awaits_last_token(req):
                     continue
                 n = self._chunk_size(req, budget.remaining)
+                drafts = req.draft_token_ids[: budget.remaining - n] if not req.is_prefilling else []
+                n += len(drafts)
                 if beside and req.is_prefilling:
                     if prefill_chunks:
                         continue
@@ -180,7 +189,7 @@ class Scheduler:
                     if victim is req:
                         break
                 if req.status is RequestStatus.RUNNING:
-                    scheduled[id(req)] = ScheduledChunk(req, n)
+                    scheduled[id(req)] = ScheduledChunk(req, n, drafts)
                     budget.take(n)
             if not admission_open:
                 continue

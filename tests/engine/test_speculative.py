@@ -1,0 +1,168 @@
+"""Speculative decoding with n-gram prompt lookup: the proposer, the verification rule (exact at
+any temperature), the scheduler's draft rows, and the real engine's output (the same tokens as
+without it at temperature 0, fewer steps, no KV block left behind)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.sampling import SampleInput, Sampler
+from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens
+from tests.engine.helpers import SimulatedEngine, make_request
+
+# A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
+QUOTE = ("Annual leave: every employee gets 20 days of paid annual leave a year. Request it in PeopleHub with form "
+         "HR-01 at least 10 working days before the first day, and your manager approves it.")
+
+
+def test_the_longest_recent_match_proposes_what_followed_it():
+    proposer = NgramProposer(k=3, min_n=2, max_n=3)
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]  # "2 3" was followed by 4 5 9
+    # the 3-gram "7 2 3" beats the more recent 2-gram "2 3"
+    assert proposer.propose([7, 2, 3, 8, 8, 2, 3, 6, 6, 7, 2, 3]) == [8, 8, 2]
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]) == [5, 1, 2]  # the most recent of two matches
+    assert proposer.propose([1, 2, 3, 4, 5, 6]) == []  # nothing repeats
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2], limit=1) == [3]  # no drafts past the request's room
+    assert proposer.propose([1, 2, 3, 1, 2]) == [3, 1, 2]  # a match near the end proposes what there is
+    with pytest.raises(ValueError, match="k >= 1"):
+        NgramProposer(k=0)
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=40), st.integers(1, 6))
+def test_a_proposal_is_always_a_continuation_seen_before(tokens, k):
+    """Whatever the tokens, the drafts are at most k, and they are the tokens that once followed an
+    earlier occurrence of the request's last min_n tokens."""
+    proposer = NgramProposer(k=k, min_n=2, max_n=4)
+    drafts = proposer.propose(tokens)
+    assert len(drafts) <= k
+    if drafts:
+        tail = tokens[-2:]
+        assert any(tokens[i : i + 2] == tail and tokens[i + 2 : i + 2 + len(drafts)] == drafts
+                   for i in range(len(tokens) - 2))  # fmt: skip
+
+
+def test_verification_keeps_samples_up_to_the_first_rejected_draft():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus the sample after them
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the second draft rejected: its sample replaces it
+    assert accepted_tokens([5], [4, 3]) == [4]
+    assert accepted_tokens([], [4]) == [4]
+    with pytest.raises(ValueError, match="2 drafts need 3 samples"):
+        accepted_tokens([1, 2], [1, 2])
+
+
+def test_verifying_a_draft_by_sampling_keeps_the_targets_distribution():
+    """Exact rejection sampling for a one-token draft: the first token a verifying step keeps has
+    the target's distribution p, whichever token was drafted (here the likeliest, an unlikely one,
+    and one top-k filters out)."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    params = SamplingParams(temperature=0.8, top_k=4)
+    filtered = logits.clone()
+    filtered[3] = float("-inf")
+    p = torch.softmax(filtered / 0.8, -1)
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    n = 20_000
+    rows = [SampleInput(params, [0], [], None)] * n
+    for draft in (0, 4, 3):
+        # the step's sample at the draft's position: one row of the target's logits per trial
+        samples = sampler(logits.expand(n, -1).contiguous(), rows).token_ids
+        kept = [accepted_tokens([draft], [s, 0])[0] for s in samples]
+        freq = torch.bincount(torch.tensor(kept), minlength=5).float() / n
+        assert torch.allclose(freq, p, atol=0.012), (draft, freq, p)
+
+
+def test_stats_count_drafts_and_acceptance_by_position():
+    stats = SpecDecodeStats()
+    stats.record(4, 2)
+    stats.record(3, 3)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 5)
+    assert stats.accepted_per_pos == [2, 2, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(5 / 9) and stats.mean_accepted_length == pytest.approx(1 + 5 / 3)
+
+
+def test_the_scheduler_gives_a_decode_one_row_per_draft_within_the_budget():
+    eng = SimulatedEngine(num_blocks=100, block_size=4, max_num_batched_tokens=8)
+    a = eng.add(make_request("a", 5, max_tokens=20))
+    b = eng.add(make_request("b", 3, max_tokens=20, start_token=100))
+    eng.step()  # both prefilled (5 + 3 tokens), first tokens out
+    a.draft_token_ids, b.draft_token_ids = [1, 2, 3, 4], [9, 9, 9, 9, 9]
+    out = eng.scheduler.schedule()
+    got = {c.request.request_id: (c.num_tokens, c.drafts) for c in out.chunks}
+    assert got == {"a": (5, [1, 2, 3, 4]), "b": (3, [9, 9])}  # 8 tokens: b's drafts trimmed to what is left
+    assert all(c.completes_prompt for c in out.chunks)
+    assert len(a.block_ids) * 4 >= a.num_computed_tokens + 5  # KV slots for the drafts too
+
+
+def spec_llm(smollm, llm_gguf_path, **kw) -> LLM:
+    return LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", **kw)
+
+
+@pytest.fixture(scope="module")
+def quoting_prompts(smollm):
+    ask = [f"{QUOTE}\n\nRepeat the text above word for word.", f"{QUOTE}\n\nHow many days of annual leave do I get?",
+           "Count from one to twenty in words, separated by commas."]
+    return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
+
+
+def test_greedy_output_is_the_same_with_fewer_steps(smollm, llm_gguf_path, quoting_prompts):
+    """The real model, each prompt alone and all three batched: the same tokens as without
+    speculation, drafts accepted, fewer steps than tokens, and every KV block back in the pool."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = [plain.generate([p], params)[0] for p in quoting_prompts]
+    spec = spec_llm(smollm, llm_gguf_path)
+    alone = []
+    for p in quoting_prompts:
+        spec.core.num_steps = 0
+        alone.append(spec.generate([p], params)[0])
+        assert spec.core.num_steps < len(alone[-1].token_ids) + 1 or spec.core.spec_stats.num_accepted_tokens == 0
+    assert [o.token_ids for o in alone] == [o.token_ids for o in want]
+    assert [o.text for o in alone] == [o.text for o in want]
+    for got, ref in zip(alone, want):  # the log-prob of each kept token, from the verifying step's rows
+        assert [next(iter(e.values())) for e in got.logprobs] == pytest.approx([next(iter(e.values())) for e in ref.logprobs], abs=2e-3)
+    stats = spec.core.spec_stats
+    assert stats.num_accepted_tokens > 10 and 0 < stats.acceptance_rate <= 1
+    batched = spec.generate(quoting_prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in want]
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_a_stop_among_accepted_drafts_ends_the_answer_there(smollm, llm_gguf_path, quoting_prompts):
+    """max_tokens, a stop string and the context's end cut a verified run of tokens exactly where
+    a plain engine stops."""
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_model_len=len(quoting_prompts[0]) + 30)
+    spec = spec_llm(smollm, llm_gguf_path, max_model_len=len(quoting_prompts[0]) + 30)
+    for params in (SamplingParams(temperature=0.0, max_tokens=7), SamplingParams(temperature=0.0, max_tokens=200, stop=["HR-01"]),
+                   SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):  # fmt: skip
+        want = plain.generate(quoting_prompts[:1], params)[0]
+        got = spec.generate(quoting_prompts[:1], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_sampled_answers_and_big_batches_run_and_leave_no_blocks(smollm, llm_gguf_path, quoting_prompts):
+    """Temperature 1 with top-p (verified by sampling every row), penalties (no drafts: they read
+    the outputs), and a batch above speculative_max_batch (no drafts): all finish, blocks freed."""
+    spec = spec_llm(smollm, llm_gguf_path, speculative_max_batch=2)
+    out = spec.generate(quoting_prompts, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=3))
+    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in out)
+    spec.core.spec_stats = SpecDecodeStats()
+    spec.generate(quoting_prompts[:1], SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2))
+    assert spec.core.spec_stats.num_drafts == 0
+    spec.generate(quoting_prompts * 2, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_unsupported_combinations_are_refused_at_start(smollm, llm_gguf_path):
+    with pytest.raises(ConfigError, match="async_scheduling='on'"):
+        spec_llm(smollm, llm_gguf_path, async_scheduling="on")
+    with pytest.raises(ConfigError, match="leaves no room"):
+        spec_llm(smollm, llm_gguf_path, num_speculative_tokens=64, max_model_len=64)
+    with pytest.raises(ConfigError, match="speculative must be"):
+        LLM(str(llm_gguf_path), loaded=smollm, speculative="draft")
