@@ -410,4 +410,8 @@ class EngineCore:
             step_host={mode: tuple(totals) for mode, totals in self.step_times.by_mode.items()},
             step_device={mode: tuple(totals) for mode, totals in self.step_times.device_span.items()},
             device_idle_s=self.step_times.device_idle,
+            spec_drafts=self.spec_stats.num_drafts,
+            spec_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
         )

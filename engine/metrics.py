@@ -95,6 +95,12 @@ class EngineStats:
     step_host: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     step_device: dict[str, tuple[float, int]] = field(default_factory=dict)
     device_idle_s: float = 0.0
+    # speculative decoding (engine/speculative.py SpecDecodeStats): verifying steps' drafts
+    # proposed and accepted, and accepted drafts by position in their step
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

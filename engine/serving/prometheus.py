@@ -161,6 +161,23 @@ class _EngineStatsCollector(Collector):
             c.add_metric([self.model_name], value)
             yield c
         yield from self._steps(s)
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM names them (zero when it is off)."""
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.spec_accepted_tokens),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            c.add_metric([self.model_name], value)
+            yield c
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                      labels=(*LABELS, "position"))  # fmt: skip
+        for pos, value in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], value)
+        yield per_pos
 
     def _steps(self, s: EngineStats) -> Iterator[Metric]:
         """The step counters by execution path (see the module docstring)."""

@@ -166,3 +166,33 @@ def test_unsupported_combinations_are_refused_at_start(smollm, llm_gguf_path):
         spec_llm(smollm, llm_gguf_path, num_speculative_tokens=64, max_model_len=64)
     with pytest.raises(ConfigError, match="speculative must be"):
         LLM(str(llm_gguf_path), loaded=smollm, speculative="draft")
+
+
+def test_metrics_show_drafts_and_acceptance_under_vllms_names(smollm, llm_gguf_path, quoting_prompts):
+    """A real server on a speculating engine: one completion over HTTP, then /metrics counts its
+    drafts, accepted drafts and acceptance by position, as the engine does."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine import AsyncEngine, build_engine
+    from engine.llm import make_config
+    from engine.serving.server import BackgroundServer, create_app
+
+    engine = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=128, speculative="ngram"), smollm))
+    try:
+        with BackgroundServer(create_app(engine, "spec")) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "spec", "prompt": quoting_prompts[0], "max_tokens": 40,
+                                                              "temperature": 0}, timeout=120)  # fmt: skip
+            assert r.status_code == 200, r.text
+            samples = {}
+            for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+                for s in family.samples:
+                    samples[s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")] = s.value
+    finally:
+        engine.shutdown()
+    stats = engine.core.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_drafts
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    assert [samples[f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]"] for i in range(len(stats.accepted_per_pos))] == stats.accepted_per_pos
