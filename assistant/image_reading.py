@@ -28,6 +28,7 @@ import base64
 import binascii
 import hashlib
 import io
+import re
 import threading
 import time
 import warnings
@@ -338,6 +339,14 @@ def image_prompt(texts: Sequence[ImageText], question: str) -> str:
     return "\n\n".join([*blocks, question.strip() or "What does this picture say, and what does the handbook say about it?"])
 
 
+PICTURE_BLOCK = re.compile(r'Text read from the picture[^\n]*the user sent:\n"""\n(.*?)\n"""', re.DOTALL)
+
+
+def picture_texts(content: str) -> list[str]:
+    """The picture texts :func:`image_prompt` put in a user message, in order."""
+    return PICTURE_BLOCK.findall(content)
+
+
 def check_count(count: int) -> None:
     """Raise :class:`ImageError` for more than :data:`MAX_IMAGES` images in one turn."""
     if count > MAX_IMAGES:
@@ -347,5 +356,5 @@ def check_count(count: int) -> None:
 __all__ = [
     "FORMATS", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PIXELS", "NO_TEXT", "READ_SIDE", "ImageError", "ImageReader",
     "ImageReading", "ImageText", "OcrReader", "TextLine", "check_count", "data_url", "image_bytes", "image_prompt",
-    "open_image",
+    "open_image", "picture_texts",
 ]  # fmt: skip

@@ -33,8 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from assistant.amount_check import Wording, amount_note
 from assistant.conversation import Message, oldest_first_cuts
 from assistant.docs import DocumentError, DocumentSet, Section
+from assistant.image_reading import picture_texts
 from assistant.retrieval import SectionIndex
 from engine.tokenizer import Tokenizer
 
@@ -75,6 +77,7 @@ class Labels:
     question: str  # precedes the question after them
     reminder: str  # the answer's form, before the question (shared by every question about a document)
     nudge: str  # the answer's form again in a few words, after the question: what the model reads last
+    amount: Wording  # a picture's sum checked against the handbook's limit (assistant/amount_check.py)
 
 
 LABELS_EN = Labels(
@@ -83,6 +86,8 @@ LABELS_EN = Labels(
     "Question: ",
     "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names.",
     "(Give the exact figure and the form code.)",
+    Wording("Checked: the picture's amount, {amount}, is {comparisons}.", 'more than the {limit} of "{clause}"',
+            'not more than the {limit} of "{clause}"', " and "),
 )
 LABELS_ZH = Labels(
     "手册的文件和章节如下；与问题相关的章节随问题一起给出。",
@@ -90,6 +95,7 @@ LABELS_ZH = Labels(
     "问题：",
     "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。",
     "（写出确切数字和表格编号。）",
+    Wording("核对：图片中的金额{amount}{comparisons}。", "高于“{clause}”中的{limit}", "不高于“{clause}”中的{limit}", "，"),
 )
 
 
@@ -210,8 +216,10 @@ class PromptBuilder:
         if not sections:
             return f"{self.labels.reminder}\n\n{self.labels.question}{question}\n{self.labels.nudge}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
+        lines = [line for s in sections for line in s.text.splitlines()]
+        note = amount_note(picture_texts(question), question, lines, self.labels.amount)
         return (f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}\n"
-                f"{self.labels.nudge}")
+                f"{note + chr(10) if note else ''}{self.labels.nudge}")
 
     def _follow_up(self, question: str) -> str:
         """The last user message when the conversation already carries the question's document: the question and the nudge."""

@@ -1,5 +1,6 @@
 """Engine benchmarks: ``python -m engine.bench [all|latency|prefill|throughput|prefix|chunked|decode-scaling] --model PATH``
-(``serve ...``: the load generator; ``native-prefill --model GGUF``: the native CPU step's prefill chunks).
+(``serve ...``: the load generator; ``native-prefill --model GGUF``: the native CPU step's prefill chunks;
+``speculative --model PATH --documents ... --questions FILE``: n-gram speculative decoding against none).
 
 Every figure is printed next to a ceiling or a baseline measured in the same run:
 device copy bandwidth (bytes read + written) and a large matmul give the ceilings; HF
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["speculative"]:  # n-gram speculative decoding against none, on questions about documents
+        from engine.bench.speculative import main as speculative_main
+
+        return speculative_main(argv[1:])
     if argv[:1] == ["native-prefill"]:  # a prefill chunk after a cached context through the native CPU step
         from engine.bench.native_prefill import main as native_prefill_main
 

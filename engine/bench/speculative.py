@@ -1,0 +1,113 @@
+"""``python -m engine.bench speculative --model PATH --documents FILE... --questions FILE``: what
+n-gram speculative decoding (engine/speculative.py) buys on questions answered from documents.
+
+Each question is asked with the documents in front of it (the chat template's user message),
+greedy, by two engines on the same weights: one without speculation (the baseline) and one with
+``speculative="ngram"``. Questions run alone (batch 1) and in groups of each ``--batch`` size.
+Printed for each: decode tokens/s (output tokens after the first, over the time from the group's
+first token to its last) of both and their ratio, the drafts' acceptance rate and the tokens a
+verifying step appends, whether the outputs are token for token the same (they must be: greedy),
+and batch-1 decode against the bandwidth ceiling of a one-token step (weights and KV bytes / copy
+bandwidth), which speculation can pass: it appends several tokens for one read of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
+from engine.bench.report import Row, device_name, format_table
+from engine.config import EngineConfig
+from engine.engine_builder import build_engine
+from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
+from engine.sampling import SamplingParams
+from engine.speculative import SpecDecodeStats
+
+
+def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, float]:
+    """Answer ``prompts`` together (greedy): their tokens, and the decode tokens and seconds (from
+    the group's first token to its last)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    reqs = [core.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id] += out.token_ids
+    first = min(r.metrics.first_token_time for r in reqs)
+    last = max(r.metrics.last_token_time for r in reqs)
+    return [tokens[r.request_id] for r in reqs], sum(len(t) - 1 for t in tokens.values()), last - first
+
+
+def main(argv: list[str]) -> int:
+    """Run every question on both engines at each batch size and print the table."""
+    p = argparse.ArgumentParser(prog="python -m engine.bench speculative", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model path (a GGUF, e.g. the Qwen2.5-Coder-1.5B the assistant runs)")
+    p.add_argument("--quantization", default="none", choices=("none", "int4"))
+    p.add_argument("--documents", type=Path, nargs="+", required=True, help="text put in front of every question")
+    p.add_argument("--questions", type=Path, required=True, help="a text file, one question a line")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="group sizes (1: each question alone)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+
+    base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
+                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch))
+    loaded = LoadedModel.load(base)
+    plain = build_engine(base, loaded)
+    spec = build_engine(replace(base, speculative="ngram", num_speculative_tokens=args.k), loaded)
+    documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
+    questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}]) for q in questions]
+    bw = copy_bandwidth(loaded.device)
+    print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
+          f"model {Path(args.model).name} ({args.quantization}), k={args.k}, {len(questions)} questions, "
+          f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    for core in (plain, spec):  # the documents' KV into each engine's prefix cache, and every code path once
+        run_group(core, prompts[:1], 8)
+    rows, results, lines = [], {}, []
+    for batch in args.batch:
+        spent = {"plain": [0, 0.0], "spec": [0, 0.0]}
+        same = 0
+        spec.spec_stats = SpecDecodeStats()
+        for start in range(0, len(prompts), batch):
+            group = prompts[start : start + batch]
+            print(f"... batch {batch}: questions {start + 1}-{start + len(group)}", file=sys.stderr, flush=True)
+            want, n, s = run_group(plain, group, args.max_tokens)
+            spent["plain"][0] += n
+            spent["plain"][1] += s
+            got, n, s = run_group(spec, group, args.max_tokens)
+            spent["spec"][0] += n
+            spent["spec"][1] += s
+            same += sum(a == b for a, b in zip(got, want))
+        plain_tps, spec_tps = (spent[k][0] / spent[k][1] for k in ("plain", "spec"))
+        st = spec.spec_stats
+        rows.append(Row(f"decode, batch {batch}: n-gram speculation (k={args.k})", spec_tps, "tok/s", "no speculation (baseline)", plain_tps))
+        lines.append(f"  batch {batch}: {st.num_drafts} verifying steps, acceptance {st.acceptance_rate or 0:.1%} of "
+                     f"{st.num_draft_tokens} drafts, {st.mean_accepted_length or 1:.2f} tokens a verifying step, "
+                     f"accepted by position {st.accepted_per_pos}; identical outputs {same}/{len(prompts)}")
+        results[f"spec_ngram_bs{batch}_speedup"] = spec_tps / plain_tps
+        results[f"spec_ngram_bs{batch}_tok_s"] = spec_tps
+        results[f"decode_bs{batch}_tok_s"] = plain_tps
+        results[f"spec_ngram_bs{batch}_acceptance"] = st.acceptance_rate
+        results[f"spec_ngram_bs{batch}_identical"] = f"{same}/{len(prompts)}"
+        if batch == 1:
+            ceiling = bw / decode_step_bytes(plain, len(prompts[0]) + args.max_tokens // 2)
+            rows.append(Row("decode, batch 1, no speculation", plain_tps, "tok/s", "bandwidth ceiling of a 1-token step", ceiling))
+            rows.append(Row("decode, batch 1, n-gram speculation", spec_tps, "tok/s", "bandwidth ceiling of a 1-token step", ceiling))
+            results["decode_bs1_ceiling_tok_s"] = ceiling
+    print(format_table(rows))
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
+                                         "machine": platform.node(), "device": device_name(loaded.device), "results": results}, indent=2))
+    return 0 if all(r.endswith(f"/{len(prompts)}") and r.startswith(f"{len(prompts)}/") for r in
+                    (v for k, v in results.items() if k.endswith("_identical"))) else 1
