@@ -78,6 +78,13 @@ def resolve_quantization(opts: EngineOptions, model: str) -> str:
     return "int4" if gguf_supports_int4(model) else "none"
 
 
+def resolve_speculative(opts: EngineOptions) -> str:
+    """``auto``: n-gram speculation on the CPU, none on CUDA (see :attr:`EngineOptions.speculative`)."""
+    if opts.speculative != "auto":
+        return opts.speculative
+    return "ngram" if resolve_device(opts.device).type == "cpu" else "off"
+
+
 class Answerer:
     def __init__(self, config: AssistantConfig, engine: AsyncEngine, library: dict[str, DocumentSet]) -> None:
         self.config = config
@@ -111,6 +118,7 @@ class Answerer:
             gpu_memory_utilization=opts.gpu_memory_utilization,
             dtype=opts.dtype,  # type: ignore[arg-type]
             quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
+            speculative=resolve_speculative(opts),  # type: ignore[arg-type]
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
     p.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
                    help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
+    p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
+                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
+                        "auto (default): ngram on the CPU, off on CUDA")
     p.add_argument(
         "--timings", action="store_true",
         help="print the documents mode (whole-context or retrieval) and, per answer, TTFT, tokens/s and cached prompt tokens",
@@ -268,7 +271,8 @@ async def run(args: argparse.Namespace) -> int:
             return fail(f"--audio {args.audio}: {e}")
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
-        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, max_model_len=args.max_model_len),
+        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, speculative=args.speculative_decoding,
+                             max_model_len=args.max_model_len),
     )
     voice = None
     try:

@@ -62,6 +62,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--device", default="auto", help="cpu, cuda, or auto")
     s.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
                    help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
+    s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
+                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
+                        "auto (default): ngram on the CPU, off on CUDA")
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--asr-device", choices=("auto", "cpu", "cuda"), default="auto", help="Whisper's device (auto: cuda when there is a GPU)")
@@ -127,7 +130,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens, warm_documents=a.warm_documents,
                                 refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
-                                                     quantization=a.quantization, gpu_memory_utilization=a.gpu_memory_utilization,
+                                                     quantization=a.quantization, speculative=a.speculative_decoding,
+                                                     gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs, graph_start_chunk=a.graph_start_chunk))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,
                         asr_load_format=a.asr_load_format, asr_graph_steps=a.asr_graph_steps,

@@ -1,0 +1,27 @@
+"""``python -m engine.bench speculative``: both engines on questions about a document, in a
+process of its own, as the docs run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(llm_gguf_path, tmp_path):
+    questions = tmp_path / "q.txt"
+    questions.write_text("How many days of annual leave do I get per year?\nHow do I apply for annual leave?\n")
+    out = tmp_path / "spec.json"
+    r = subprocess.run([sys.executable, "-m", "engine.bench", "speculative", "--model", str(llm_gguf_path), "--quantization", "int4", "--documents",
+                        str(REPO / "assistant/handbook/en/01-annual-leave.md"), "--questions", str(questions), "--batch", "1", "2",
+                        "--max-tokens", "24", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "decode, batch 1: n-gram speculation (k=4)" in r.stdout and "no speculation (baseline)" in r.stdout
+    assert "bandwidth ceiling of a 1-token step" in r.stdout and "identical outputs 2/2" in r.stdout
+    results = json.loads(out.read_text())["results"]
+    for batch in (1, 2):
+        assert results[f"spec_ngram_bs{batch}_speedup"] > 0 and results[f"spec_ngram_bs{batch}_identical"] == "2/2"
+        assert 0 <= results[f"spec_ngram_bs{batch}_acceptance"] <= 1
+    assert results["decode_bs1_ceiling_tok_s"] > 0
