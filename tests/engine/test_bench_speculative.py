@@ -16,7 +16,7 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     out = tmp_path / "spec.json"
     r = subprocess.run([sys.executable, "-m", "engine.bench", "speculative", "--model", str(llm_gguf_path), "--quantization", "int4", "--documents",
                         str(REPO / "assistant/handbook/en/01-annual-leave.md"), "--questions", str(questions), "--batch", "1", "2",
-                        "--max-tokens", "24", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--max-tokens", "16", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "decode, batch 1: n-gram speculation (k=4)" in r.stdout and "no speculation (baseline)" in r.stdout
     assert "bandwidth ceiling of a 1-token step" in r.stdout and "identical outputs 2/2" in r.stdout
