@@ -239,6 +239,11 @@ class EngineConfig:
     scheduling (``auto`` then turns that off; ``on`` with it is refused)."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
+    speculative_row_cost: float = 0.45
+    """What one more row costs in a decode step, as a share of a one-row step: each step proposes
+    only as many drafts as pay at the request's measured acceptance (engine/speculative.py
+    ``best_k``). On the 2-core CPU the native step is bound by its dot products: a 5-row step took
+    ~2.7x a 1-row one (0.43 a row), more with a long context (each row attends over it)."""
     speculative_max_batch: int = 4
     """Speculate only while at most this many requests decode: a larger batch's step is no longer
     bound by reading the weights, and rows for drafts then cost about what they might save."""
@@ -282,6 +287,8 @@ class EngineConfig:
         if self.speculative != "off" and self.async_scheduling == "on":
             raise ConfigError("speculative decoding verifies drafts on the host between steps: it cannot run with "
                               "async_scheduling='on' (use 'auto' or 'off')")
+        if self.speculative_row_cost < 0:
+            raise ConfigError(f"speculative_row_cost must be >= 0, got {self.speculative_row_cost}")
         if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:
             raise ConfigError(f"num_speculative_tokens and speculative_max_batch must be >= 1, got {self.num_speculative_tokens} "
                               f"and {self.speculative_max_batch}")

@@ -29,7 +29,7 @@ from engine.prefix_cache import PrefixCacheStats
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens
+from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 
 log = logging.getLogger(__name__)
 
@@ -227,16 +227,19 @@ class EngineCore:
         return outputs
 
     def _propose_drafts(self) -> None:
-        """Give each decoding request its draft tokens for the next step: none while more than
-        ``speculative_max_batch`` decode (the step is then no longer bound by reading the
-        weights), none for requests whose sampling reads their outputs (penalties), and never
-        past their ``max_tokens`` or the context."""
+        """Give each decoding request its draft tokens for the next step: as many as pay at its
+        measured acceptance (``best_k``), none while more than ``speculative_max_batch`` decode,
+        none for requests whose sampling reads their outputs (penalties), and never past their
+        ``max_tokens`` or the context."""
         decoding = [r for r in self.scheduler.running if not r.is_prefilling]
         speculate = len(decoding) <= self.config.speculative_max_batch
         for req in decoding:
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            usable = speculate and room > 0 and not req.sampling_params.has_penalties
-            req.draft_token_ids = self.proposer.propose(req.all_token_ids, room) if usable else []
+            pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens)
+            usable = speculate and min(room, pays) > 0 and not req.sampling_params.has_penalties
+            req.draft_token_ids = self.proposer.propose(req.all_token_ids, min(room, pays)) if usable else []
+            if speculate and pays == 0:
+                req.acceptance.rest()
 
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
@@ -290,6 +293,7 @@ class EngineCore:
                 # the KV of rejected drafts was written but is not the request's: compute over it
                 c.request.num_computed_tokens -= len(c.drafts) - (len(tokens) - 1)
                 self.spec_stats.record(len(c.drafts), len(tokens) - 1)
+                c.request.acceptance.update(len(c.drafts), len(tokens) - 1)
             learned.append((c.request, tokens, result.logprobs[row : row + len(tokens)]))
             row += rows
         for req in step.requests:  # before any finishes: its full blocks stay findable after it

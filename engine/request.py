@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.metrics import RequestMetrics
 from engine.prefix_cache import BlockHash
 from engine.sampling import SamplingParams
+from engine.speculative import Acceptance
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Request:
     stop_reason: int | str | None = None
     # Tokens proposed to follow its last one (speculative decoding), verified by its next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how often its drafts are accepted
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prompt + output, kept as one list: the runner slices it every step (no re-concatenation)
     all_token_ids: list[int] = field(init=False)

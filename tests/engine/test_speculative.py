@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.sampling import SampleInput, Sampler
-from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens
+from engine.speculative import Acceptance, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 from tests.engine.helpers import SimulatedEngine, make_request
 
 # A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
@@ -74,6 +74,45 @@ def test_verifying_a_draft_by_sampling_keeps_the_targets_distribution():
         kept = [accepted_tokens([draft], [s, 0])[0] for s in samples]
         freq = torch.bincount(torch.tensor(kept), minlength=5).float() / n
         assert torch.allclose(freq, p, atol=0.012), (draft, freq, p)
+
+
+def test_drafts_are_proposed_only_as_many_as_pay_at_the_measured_acceptance():
+    """k maximizes expected tokens (1 + a + ... + a^k) per step cost (1 + row_cost * k): none when
+    drafts are rarely accepted or rows are dear, all of them when rows are nearly free (a GPU step
+    bound by reading the weights)."""
+    assert [best_k(a, 0.45, 4) for a in (0.3, 0.5, 0.8, 0.9, 0.95)] == [0, 1, 2, 3, 4]
+    assert best_k(0.5, 0.02, 4) == 4 and best_k(0.99, 5.0, 4) == 0
+    acc = Acceptance()
+    for _ in range(6):
+        acc.update(4, 4)  # every draft accepted: the estimate climbs towards 1
+    assert acc.rate > 0.95 and best_k(acc.rate, 0.45, 4) == 4
+    for _ in range(6):
+        acc.update(2, 0)  # the first draft rejected each time: one decision, no acceptance
+    assert acc.rate < 0.4 and best_k(acc.rate, 0.45, 4) == 0
+    for _ in range(10):
+        acc.rest()  # steps without drafts: back towards the prior, so that it tries again
+    assert best_k(acc.rate, 0.45, 4) == 1
+
+
+class WrongGuesses(NgramProposer):
+    """Always proposes token 0, which the model never says here: every draft is rejected."""
+
+    def propose(self, tokens, limit=None):
+        return [0] * min(self.k, limit or self.k)
+
+
+def test_a_request_whose_drafts_are_rejected_stops_drafting(smollm, llm_gguf_path, quoting_prompts):
+    """The real engine with drafts that are always wrong: the answer is still plain decoding's, and
+    after a rejection or two the request proposes none for several steps at a time (its acceptance
+    estimate fell; it tries one draft again now and then)."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(quoting_prompts[2:], params)[0].token_ids
+    spec = spec_llm(smollm, llm_gguf_path)
+    spec.core.proposer = WrongGuesses(k=4)
+    assert spec.generate(quoting_prompts[2:], params)[0].token_ids == want
+    stats = spec.core.spec_stats
+    assert stats.num_accepted_tokens == 0 and 1 <= stats.num_drafts <= 10 and stats.num_draft_tokens <= 10  # in ~30 steps, not 4 a step
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
 def test_stats_count_drafts_and_acceptance_by_position():
