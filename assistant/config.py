@@ -40,7 +40,7 @@ class EngineOptions:
     roughly halves decode and prefill time; none elsewhere. Or none / int4 explicitly."""
     speculative: str = "auto"
     """auto: n-gram speculative decoding (engine.EngineConfig.speculative) on the CPU, where an
-    answer that quotes the handbook decodes 1.47x faster at batch 1 (Qwen2.5-Coder-1.5B int4,
+    answer that quotes the handbook decodes 1.67x faster at batch 1 (Qwen2.5-Coder-1.5B int4,
     2-core CPU, docs/performance.md), and off on CUDA, where it would turn off async scheduling
     and the decode CUDA graphs. Or off / ngram explicitly."""
     max_num_seqs: int = 32
