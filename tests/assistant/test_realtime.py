@@ -265,13 +265,15 @@ async def test_a_refused_question_is_spoken_as_an_answer(server, hearing, monkey
 
 # ---- barge-in and disconnects ------------------------------------------------------------------------
 def hold_answers_short_of_their_end(core, monkeypatch) -> None:
-    """While any request is one token short of its ``max_tokens``, the engine loop steps nothing
+    """While any request is one step short of its ``max_tokens``, the engine loop steps nothing
     (it still applies commands, such as an abort): an answer cannot end by length before the test
-    interrupts it, however fast the engine is next to the voice and the VAD."""
+    interrupts it, however fast the engine is next to the voice and the VAD. With speculative
+    decoding (the CPU default) a step may append 1 + num_speculative_tokens tokens."""
     step = core.step
+    per_step = 1 + (core.config.num_speculative_tokens if core.proposer is not None else 0)
 
     def held_step() -> list:
-        if any(r.num_output_tokens >= r.sampling_params.max_tokens - 1 for r in core.requests.values()):
+        if any(r.num_output_tokens >= r.sampling_params.max_tokens - per_step for r in core.requests.values()):
             time.sleep(0.01)  # the engine loop drains its commands between steps
             return []
         return step()
