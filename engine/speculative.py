@@ -22,7 +22,7 @@ step is bound by its integer dot products rather than by reading the weights, a 
 share of a step (a 5-row native step took ~2.7x a 1-row one: ``row_cost`` ~0.43). So each request
 keeps an estimate of how often its drafts are accepted (:class:`Acceptance`), and each step
 proposes the number of drafts (:func:`best_k`, possibly none) that maximizes the tokens expected per
-unit of step cost: an answer that quotes its prompt gets 4, one that does not soon gets none.
+unit of step cost: an answer that quotes its prompt gets several, one that does not soon gets none.
 
 Each step counts proposed and accepted drafts (:class:`SpecDecodeStats`, on ``/metrics`` under
 vLLM's ``vllm:spec_decode_*`` names).
