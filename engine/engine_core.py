@@ -236,8 +236,9 @@ class EngineCore:
         for req in decoding:
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens)
-            usable = speculate and min(room, pays) > 0 and not req.sampling_params.has_penalties
-            req.draft_token_ids = self.proposer.propose(req.all_token_ids, min(room, pays)) if usable else []
+            k = min(room, pays)
+            usable = speculate and k > 0 and not req.sampling_params.has_penalties
+            req.draft_token_ids = self.proposer.propose(req.all_token_ids, k) if usable else []
             if speculate and pays == 0:
                 req.acceptance.rest()
 

@@ -91,7 +91,7 @@ class Acceptance:
     moves it slowly back there, so a request that stopped drafting tries again now and then (an
     answer may start quoting later)."""
 
-    accepted: float = 4.0
+    accepted: float = 5 * PRIOR
     decided: float = 5.0
     decay: float = 0.7
     rest_weight: float = 0.1

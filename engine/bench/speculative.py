@@ -74,6 +74,7 @@ def main(argv: list[str]) -> int:
     for core in (plain, spec):  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
     rows, results, lines = [], {}, []
+    all_identical = True
     for batch in args.batch:
         spent = {"plain": [0, 0.0], "spec": [0, 0.0]}
         same = 0
@@ -88,6 +89,7 @@ def main(argv: list[str]) -> int:
             spent["spec"][0] += n
             spent["spec"][1] += s
             same += sum(a == b for a, b in zip(got, want))
+        all_identical &= same == len(prompts)
         plain_tps, spec_tps = (spent[k][0] / spent[k][1] for k in ("plain", "spec"))
         st = spec.spec_stats
         rows.append(Row(f"decode, batch {batch}: n-gram speculation (k={args.k})", spec_tps, "tok/s", "no speculation (baseline)", plain_tps))
@@ -109,5 +111,4 @@ def main(argv: list[str]) -> int:
     if args.json:
         args.json.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
                                          "machine": platform.node(), "device": device_name(loaded.device), "results": results}, indent=2))
-    return 0 if all(r.endswith(f"/{len(prompts)}") and r.startswith(f"{len(prompts)}/") for r in
-                    (v for k, v in results.items() if k.endswith("_identical"))) else 1
+    return 0 if all_identical else 1  # greedy: any difference is a bug
