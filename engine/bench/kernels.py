@@ -13,11 +13,14 @@ import random
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import PrefillConfig, decode_attention, prefill_attention
+from engine.config import ModelConfig
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 PREFILL_VARIANTS = [PrefillConfig(), PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 4)]
@@ -254,8 +257,18 @@ def sweep_prefill_tiles(device: torch.device, mm: float) -> None:
         print(f"  {score:5.2f}  {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} target {target}")
 
 
-GEMV_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
-               "lm_head": (128256, 4096)}  # Llama-3.1-8B (N, K); the first four run 32 times a step
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama-3.1-8b.json"
+
+
+def gemv_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The (N, K) of each projection a decode step runs (the first four once a layer)."""
+    c = config
+    return {"qkv_proj": ((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size),
+            "o_proj": (c.hidden_size, c.num_attention_heads * c.head_dim), "gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+SPLITS = (2, 4, 5, 7)  # K slices tried for a weight much deeper than wide (down_proj): few rows, few programs
 
 
 def time_rotating(fn, copies: int, repeat: int = 10) -> float:
@@ -315,15 +328,16 @@ def sweep_decode_tiles(device: torch.device, bw: float) -> None:
         del made
 
 
-def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> None:
-    """cuBLAS (F.linear) against Triton GEMV tile shapes on the 8B projections at decode batch
-    sizes; prints the best per (shape, rows) and one step's projection time with each. With
-    ``chosen_only``: batch 1 and only the tile ``decode_tile`` picks (the check behind it)."""
+def sweep_gemv(device: torch.device, bw: float, config: ModelConfig, chosen_only: bool = False) -> None:
+    """cuBLAS (F.linear) against Triton GEMV tile shapes on ``config``'s projections at decode
+    batch sizes (a weight more than twice as deep as wide also split-K: its float32 partials, as
+    the next norm sums them); prints the best per (shape, rows) and one step's projection time with
+    each. With ``chosen_only``: batch 1 and only the tile ``decode_tile`` picks (the check behind it)."""
     import itertools
 
     import torch.nn.functional as F
 
-    from engine.kernels.linear import GemvConfig, decode_tile, gemv
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_tile, gemv
 
     dot = [GemvConfig("dot", n, k, 4, s) for n, k, s in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 5))]
     dot += [GemvConfig("dot", n, k, 8, s) for n, k, s in itertools.product((64, 128), (128, 256), (3, 5))]
@@ -331,7 +345,7 @@ def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> No
     row_counts = (1,) if chosen_only else (1, 8)
     print(f"{'projection':<14} {'rows':>4} {'cuBLAS us':>10} {'TB/s':>6} {'Triton us':>10} {'TB/s':>6} {'speedup':>8}  best tile (kind n k warps stages)")
     step = {"cublas": {}, "triton": {}}
-    for (name, (n, k)), rows in itertools.product(GEMV_SHAPES.items(), row_counts):
+    for (name, (n, k)), rows in itertools.product(gemv_shapes(config).items(), row_counts):
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -339,31 +353,41 @@ def sweep_gemv(device: torch.device, bw: float, chosen_only: bool = False) -> No
         ref = F.linear(x, ws[0]).float()
         base = time_rotating(lambda i: F.linear(x, ws[i]), copies)
         results = []
-        candidates = [decode_tile(n, k)] if chosen_only else (dot + summ if rows == 1 else dot)
-        for cfg in candidates:
+        candidates = [(decode_tile(n, k), 1)] if chosen_only else [(c, 1) for c in (dot + summ if rows == 1 else dot)]
+        if k > 2 * n and not chosen_only:
+            candidates += [(c, s) for c in dot if c.block_n <= 64 and c.num_warps == 4 for s in SPLITS if k % (s * c.block_k) == 0]
+        for cfg, split in candidates:
             if not cfg.fits(rows, k):
                 continue
+
+            def run(i: int, cfg: GemvConfig = cfg, split: int = split) -> torch.Tensor:
+                return gemv(x, ws[i], cfg) if split == 1 else decode_linear(x, ws[i], config=cfg, split_k=split)
+
             try:
-                out = gemv(x, ws[0], cfg).float()
+                out = run(0).float()
             except Exception as e:  # noqa: BLE001 - a tile may not fit shared memory: skip it
                 print(f"  {name} {cfg} skipped ({type(e).__name__})", file=sys.stderr)
                 continue
-            err = ((out - ref).norm() / ref.norm()).item()
+            err = (((out.sum(0) if split > 1 else out) - ref).norm() / ref.norm()).item()
             if err > 1e-2:
-                raise SystemExit(f"gemv {cfg} on {name}: relative error {err:.2e}")
-            results.append((time_rotating(lambda i, cfg=cfg: gemv(x, ws[i], cfg), copies), cfg))
+                raise SystemExit(f"gemv {cfg} split-K {split} on {name}: relative error {err:.2e}")
+            results.append((time_rotating(run, copies), cfg, split))
         results.sort(key=lambda r: r[0])
-        best, cfg = results[0]
-        reps = 1 if name == "lm_head" else 32
+        best, cfg, split = results[0]
+        reps = 1 if name == "lm_head" else config.num_hidden_layers
         step["cublas"][rows] = step["cublas"].get(rows, 0.0) + reps * base
         step["triton"][rows] = step["triton"].get(rows, 0.0) + reps * min(best, base)
         print(f"{name:<14} {rows:>4} {base * 1e6:>10.1f} {nbytes / base / 1e12:>6.2f} {best * 1e6:>10.1f} {nbytes / best / 1e12:>6.2f} "
-              f"{base / best:>7.2f}x  {cfg.kind} {cfg.block_n} {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-              + "".join(f" | {t * 1e6:.1f} {c.kind} {c.block_n} {c.block_k} w{c.num_warps} s{c.num_stages}" for t, c in results[1:3]))
+              f"{base / best:>7.2f}x  {tile_name(cfg, split)}" + "".join(f" | {t * 1e6:.1f} {tile_name(c, s)}" for t, c, s in results[1:3]))
         del ws
     for rows in row_counts:
         print(f"one decode step's projections at {rows} rows: cuBLAS {step['cublas'][rows] * 1e3:.3f} ms, "
               f"best of cuBLAS/Triton per shape {step['triton'][rows] * 1e3:.3f} ms (copy bandwidth {bw / 1e9:.0f} GB/s)")
+
+
+def tile_name(cfg, split: int) -> str:
+    """A sweep row's tile: kind, block_n, block_k, warps, stages (and its K slices)."""
+    return f"{cfg.kind} {cfg.block_n} {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (f" split-K {split}" if split > 1 else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,9 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=32000, help="with --profile-chunked")
     p.add_argument("--budget", type=int, default=64, help="with --profile-chunked: max_num_batched_tokens")
     p.add_argument("--sweep", action="store_true", help="instead: sweep the prefill tile shapes and split targets")
-    p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on the 8B projections")
+    p.add_argument("--gemv", action="store_true", help="instead: Triton GEMV tile shapes vs cuBLAS on --model's projections")
     p.add_argument("--decode-linear", action="store_true", help="instead: the decode GEMV's chosen tiles vs cuBLAS at batch 1")
     p.add_argument("--decode-tiles", action="store_true", help="instead: decode attention per context tile and batch shape")
+    p.add_argument("--model", default=str(DEFAULT_CONFIG), help="with --gemv and --decode-linear: the model config whose projections "
+                   "are swept (default: Llama-3.1-8B)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prefill", type=int, default=0, help="with --profile-decode: each profiled step also prefills a prompt this long")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
@@ -404,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_decode_tiles(device, bw)
         return 0
     if args.gemv or args.decode_linear:
-        sweep_gemv(device, bw, chosen_only=args.decode_linear)
+        sweep_gemv(device, bw, ModelConfig.from_json(args.model), chosen_only=args.decode_linear)
         return 0
     rows = []
     cases = {

@@ -56,20 +56,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="group sizes (1: each question alone)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--row-cost", type=float, default=EngineConfig.speculative_row_cost,
+                   help="speculative_row_cost: a draft row's cost in steps (default %(default)s, the CPU's; "
+                   "a launch-bound GPU step costs nearly the same for a few more rows)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
     base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
-                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch))
+                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch),
+                        kv_cache_memory_bytes=4 << 30)  # two engines share the device: a fixed KV pool each
     loaded = LoadedModel.load(base)
     plain = build_engine(base, loaded)
-    spec = build_engine(replace(base, speculative="ngram", num_speculative_tokens=args.k), loaded)
+    spec = build_engine(replace(base, speculative="ngram", num_speculative_tokens=args.k, speculative_row_cost=args.row_cost), loaded)
     documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
     questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}]) for q in questions]
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
-          f"model {Path(args.model).name} ({args.quantization}), k={args.k}, {len(questions)} questions, "
+          f"model {Path(args.model).name} ({args.quantization}), k={args.k}, row cost {args.row_cost}, {len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     for core in (plain, spec):  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
