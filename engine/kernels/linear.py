@@ -53,10 +53,18 @@ def decode_tile(n: int, k: int) -> GemvConfig:
     gate|up (4 resident per SM at 3 stages); in the batch-1 graph replay 4.049-4.053 ms against
     4.106-4.111 with full-width tiles (96 and 224 programs; both with the early residual read of
     add_rms_norm, H200, 2026-11-30, docs/performance.md). 131 programs of q|k|v were 2% slower than
-    96, and a grid that needs a second wave (gate|up at 4 stages) 5%."""
+    96, and a grid that needs a second wave (gate|up at 4 stages) 5%.
+
+    Weights narrower than the 8B's (fewer than 4,096 rows: Qwen2.5-1.5B's q|k|v 2,048, o_proj and
+    down_proj 1,536) take 16-row tiles (32 for a weight over four times as deep as wide, split-K 2
+    on top by ``GemvPolicy.down_split_k``), so that 96-128 programs share the SMs: the wide tiles
+    gave them 24-48. H200 sweep on the 1.5B's shapes at batch 1: q|k|v 4.9 us, o_proj 5.0, down_proj
+    12.1 (cuBLAS 5.0 / 6.5 / 11.5; docs/results/2026-12-03-h200-gemv-sweep-qwen1.5b.txt)."""
+    if n < 4096:
+        return GemvConfig("dot", 32, 128, 4, 5) if k > 4 * n else GemvConfig("dot", 16, 128, 4, 5)
     if n <= 4096 and k > 8192:  # down_proj, split-K 2 (GemvPolicy.down_split_k): in the batch-1 graph
         return GemvConfig("dot", 64, 256, 4, 4)  # replay 4.065 vs 4.105 ms with 32x256 s5 (H200, 2026-11-30)
-    if n <= 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
+    if n == 4096:  # o_proj: few columns, so narrow tiles to occupy every SM
         return GemvConfig("dot", 32, 256, 4, 5)
     if n <= 16384:  # q|k|v: 7 stages in flight, replay 4.070 vs 4.086 ms with 5 (in-graph sweep, H200
         return GemvConfig("dot", 64, 128, 4, 7, columns=spread(n, 64, 128))  # 2026-11-30, ...-gemv-tile-sweep-late-release.txt)

@@ -296,6 +296,17 @@ def test_decode_tiles_spread_the_8b_projections_over_one_even_wave():
     assert spread(192, 64, 128) == 0 and spread(4096, 32, 128) == 0 and decode_tile(1536, 512).columns == 0
 
 
+def test_narrow_weights_get_tiles_that_give_every_sm_a_program():
+    """The 1.5B's q|k|v, o_proj and down_proj (split-K 2 usable: whole 128-wide K tiles) run in
+    96-128 programs, where the 8B's tiles gave them 24-48; the 8B's own tiles are unchanged."""
+    from engine.kernels.linear import decode_tile, usable_split_k
+
+    programs = {shape: -(-shape[0] // decode_tile(*shape).block_n) for shape in ((2048, 1536), (1536, 1536), (1536, 8960))}
+    assert programs == {(2048, 1536): 128, (1536, 1536): 96, (1536, 8960): 48}
+    assert usable_split_k(torch.empty(1536, 8960, device="meta"), 2) == 2  # 48 x 2 programs
+    assert decode_tile(4096, 14336).block_n == 64 and decode_tile(4096, 4096).block_n == 32
+
+
 def test_a_gated_gemv_needs_gate_and_up_halves():
     from engine.kernels.linear import decode_linear
 
