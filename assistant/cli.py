@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default: the model's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
-    p.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
-                   help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
+    p.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
+                   help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
+                        "tensor cores); auto (default): int4 for a GGUF on the CPU")
     p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
                    help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
                         "auto (default): ngram on the CPU, off on CUDA")

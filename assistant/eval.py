@@ -333,7 +333,7 @@ def format_gate_table(verdicts: list[GateVerdict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m assistant.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quantization", nargs="+", default=["int4", "none"], choices=("auto", "int4", "none"),
+    p.add_argument("--quantization", nargs="+", default=["int4", "none"], choices=("auto", "int4", "none", "fp8"),
                    help="engine variants to compare, in order (default: int4 none)")
     p.add_argument("--lang", nargs="+", default=["en", "zh"], choices=("en", "zh"))
     p.add_argument("--max-tokens", type=int, default=96, help="longest answer in tokens (default 96)")

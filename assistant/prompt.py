@@ -86,8 +86,9 @@ LABELS_EN = Labels(
     "Question: ",
     "Answer in one or two sentences with the exact figure, and the form code or the contact the handbook names.",
     "(Give the exact figure and the form code.)",
-    Wording("Checked: the picture's amount, {amount}, is {comparisons}.", 'more than the {limit} of "{clause}"',
-            'not more than the {limit} of "{clause}"', " and "),
+    Wording("Checked: the picture's amount, {amount}, is {comparison}.",
+            'more than the {limit} of "{clause}": it cannot all be claimed, at most {limit}',
+            'not more than the {limit} of "{clause}": it is within the limit'),
 )
 LABELS_ZH = Labels(
     "手册的文件和章节如下；与问题相关的章节随问题一起给出。",
@@ -95,7 +96,8 @@ LABELS_ZH = Labels(
     "问题：",
     "请用一两句话回答，写出手册中的确切数字，以及手册写明的表格编号或联系人。",
     "（写出确切数字和表格编号。）",
-    Wording("核对：图片中的金额{amount}{comparisons}。", "高于“{clause}”中的{limit}", "不高于“{clause}”中的{limit}", "，"),
+    Wording("核对：图片中的金额{amount}{comparison}。", "高于“{clause}”中的{limit}：不能全部报销，最多报销{limit}",
+            "不高于“{clause}”中的{limit}：在上限之内"),
 )
 
 
@@ -216,8 +218,8 @@ class PromptBuilder:
         if not sections:
             return f"{self.labels.reminder}\n\n{self.labels.question}{question}\n{self.labels.nudge}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
-        lines = [line for s in sections for line in s.text.splitlines()]
-        note = amount_note(picture_texts(question), question, lines, self.labels.amount)
+        every_line = [line for s in self.docs.sections for line in s.text.splitlines()]  # a receipt's rule may be in another document
+        note = amount_note(picture_texts(question), question, every_line, self.labels.amount)
         return (f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}\n"
                 f"{note + chr(10) if note else ''}{self.labels.nudge}")
 

@@ -60,8 +60,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
     s.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    s.add_argument("--quantization", choices=("auto", "none", "int4"), default="auto",
-                   help="int4: the GGUF's own 4-bit weights with bf16 activations; auto (default): int4 for a GGUF on the CPU")
+    s.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
+                   help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
+                        "tensor cores); auto (default): int4 for a GGUF on the CPU")
     s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
                    help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
                         "auto (default): ngram on the CPU, off on CUDA")

@@ -224,9 +224,11 @@ class EngineConfig:
     stop checks) during N+1. ``auto``: on with CUDA (hides the host's share of each step), off
     on the CPU (the forward runs on the host, nothing to overlap, and outputs would come one
     step later)."""
-    quantization: Literal["none", "int4"] = "none"
+    quantization: Literal["none", "int4", "fp8"] = "none"
     """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
-    engine/quantization.py) instead of dequantizing them; ``none``: dense weights in ``dtype``."""
+    engine/quantization.py) instead of dequantizing them; ``fp8``: every layer projection in e4m3
+    with per-channel scales, quantized at load (CUDA with FP8 tensor cores, engine/fp8.py);
+    ``none``: dense weights in ``dtype``."""
     native_decode_step: Literal["auto", "on", "off"] = "auto"
     """With ``quantization="int4"`` on the CPU, every decode-only step (any batch size) runs as
     one native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
@@ -276,10 +278,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto/torch/triton, got {self.attention_backend!r}")
-        if self.quantization not in ("none", "int4"):
-            raise ConfigError(f"quantization must be 'none' or 'int4', got {self.quantization!r}")
-        if self.quantization == "int4" and self.dtype not in ("auto", "bfloat16"):
-            raise ConfigError(f"quantization='int4' runs bf16 activations; dtype {self.dtype!r} is not possible with it")
+        if self.quantization not in ("none", "int4", "fp8"):
+            raise ConfigError(f"quantization must be 'none', 'int4' or 'fp8', got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"quantization={self.quantization!r} runs bf16 activations; dtype {self.dtype!r} is not possible with it")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.speculative not in ("off", "ngram"):

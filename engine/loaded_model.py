@@ -11,6 +11,7 @@ from engine.loader import has_tokenizer, load_model, model_kind
 from engine.model import LlamaForCausalLM
 from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
+from engine.fp8 import fp8_supported, quantize_model_fp8
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
 
@@ -25,10 +26,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_label(device: torch.device) -> str:
+    """The device as an error message names it: the GPU's name and compute capability, or "the CPU"."""
+    if device.type != "cuda":
+        return "the CPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
 def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """``auto``: bfloat16 on CUDA or with int4 weights, else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or quantization != "none" else torch.float32
     return getattr(torch, name)
 
 
@@ -51,9 +60,17 @@ class LoadedModel:
         if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
             raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
                               f"(got {model_kind(config)} weights on {device.type})")
+        if config.quantization == "fp8" and not fp8_supported(device):
+            raise ConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
+                              f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none'"
+                              + (" or 'int4' (a GGUF model)" if device.type == "cpu" else ""))
         # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
         blocks = BlockCache(gguf_tensors(config.model)) if config.quantization == "int4" else None
         model, model_config = load_model(config, device, dtype, blocks)
+        if config.quantization == "fp8":
+            quantize_model_fp8(model)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
         native = None
         if blocks is not None:
             try:

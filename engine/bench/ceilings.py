@@ -11,6 +11,7 @@ import torch
 from engine.bench.timing import timed
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
+from engine.fp8 import Fp8Linear
 from engine.memory import storage_bytes
 from engine.quantization import Int4Linear
 
@@ -38,7 +39,8 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def decode_step_bytes(core: EngineCore, context: int) -> int:
     """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (the
-    native step's GGUF blocks, or int4 blocks where the model has them; the embedding table is only indexed unless it is the head)
+    native step's GGUF blocks, or int4 blocks or FP8 weights where the model has them; the embedding table is only indexed unless
+    it is the head)
     plus the request's KV."""
     mc = core.model_config
     elem = torch.empty((), dtype=core.dtype).element_size()
@@ -49,6 +51,9 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     if int4:  # dense copies, the indexed embedding and the RoPE table are not read by a one-row step
         skip = {t.untyped_storage().data_ptr() for t in (*(m.weight for m in int4), model.embed_tokens.weight, model.rope.cos_sin)}
+        return storage_bytes(t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage().data_ptr() not in skip) + kv
+    if any(isinstance(m, Fp8Linear) for m in model.modules()):  # e4m3 weights and their scales; the embedding unless it is the head
+        skip = {t.untyped_storage().data_ptr() for t in ((model.embed_tokens.weight,) if model.lm_head is not None else ()) + (model.rope.cos_sin,)}
         return storage_bytes(t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage().data_ptr() not in skip) + kv
     weights = mc.num_parameters * elem
     if not mc.tie_word_embeddings:

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model path (a GGUF, e.g. the Qwen2.5-Coder-1.5B the assistant runs)")
-    p.add_argument("--quantization", default="none", choices=("none", "int4"))
+    p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"))
     p.add_argument("--documents", type=Path, nargs="+", required=True, help="text put in front of every question")
     p.add_argument("--questions", type=Path, required=True, help="a text file, one question a line")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="group sizes (1: each question alone)")

@@ -32,17 +32,19 @@ from engine.kernels._pdl_triton import pdl_release, pdl_wait
 
 @triton.jit
 def decode_linear_kernel(
-    X, W, Y, B, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+    X, W, Y, B, S, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-    COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+    COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
     COLUMNS (<= BLOCK_N; 0: BLOCK_N): the output columns a program owns; fewer than the tile's
     width spread the weight's rows evenly over the SMs (the masked rows cost no memory traffic).
     HAS_BIAS: B [N] is added to the float32 accumulator before the store (not GATED, SPLIT_K 1;
-    otherwise B is unused)."""
+    otherwise B is unused). HAS_SCALE: W is FP8 (e4m3) with float32 scales S per row of W (2N
+    when GATED): each tile is widened to x's dtype in registers (half the bytes streamed of a bf16
+    weight) and the accumulators are scaled per column before SwiGLU, bias and store."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -75,6 +77,10 @@ def decode_linear_kernel(
             w = tl.load(w_ptrs, mask=n_mask & k_ok, other=0.0, eviction_policy="evict_first")
             if GATED:
                 w_up = tl.load(w_ptrs + up_offset, mask=n_mask & k_ok, other=0.0, eviction_policy="evict_first")
+        if HAS_SCALE:
+            w = w.to(x.dtype)
+            if GATED:
+                w_up = w_up.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
@@ -82,6 +88,10 @@ def decode_linear_kernel(
         w_ptrs += BLOCK_K
     if LATE_RELEASE:
         pdl_release(USE_PDL)
+    if HAS_SCALE:
+        acc *= tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(S + N + offs_n, mask=n_ok, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_BIAS:

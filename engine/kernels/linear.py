@@ -87,6 +87,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
     *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
     -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
@@ -99,7 +100,8 @@ def decode_linear(
     [M, F] (SwiGLU in the GEMV's epilogue). ``pdl``: launch with programmatic dependent launch
     (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): its launch
     overlaps the previous kernel's tail; ``late_release``: the kernel after it may launch only once
-    this one's K loop is done (GemvPolicy.late_release)."""
+    this one's K loop is done (GemvPolicy.late_release). ``w_scale``: w is FP8 (e4m3) with these
+    float32 scales, one per row of w (engine/fp8.py): widened to x's dtype tile by tile."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -110,18 +112,23 @@ def decode_linear(
     columns = config.columns or block_n
     split_ok = split_k == 1 or (not gated and out_dtype is None and bias is None and k % (split_k * config.block_k) == 0)
     bias_ok = bias is None or (not gated and bias.shape == (rows,) and bias.stride(0) == 1)
+    scale_ok = (w_scale is None) == (w.dtype == x.dtype) and (
+        w_scale is None or (w_scale.shape == (rows,) and w_scale.dtype == torch.float32 and w_scale.stride(0) == 1))
     if (m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok
-            or columns > block_n or not bias_ok):
-        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} gated={gated} split_k={split_k} "
-                         f"bias {None if bias is None else tuple(bias.shape)} do not fit {config}")
+            or columns > block_n or not bias_ok or not scale_ok):
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} {x.dtype} w {tuple(w.shape)} {w.dtype} gated={gated} split_k={split_k} "
+                         f"bias {None if bias is None else tuple(bias.shape)} "
+                         f"w_scale {None if w_scale is None else (tuple(w_scale.shape), w_scale.dtype)} do not fit {config}")
     if split_k > 1:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     decode_linear_kernel[(-(-n // columns), split_k)](
-        x, w, y, w if bias is None else bias, m, n, k, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if split_k > 1 else 0,
+        x, w, y, w if bias is None else bias, x if w_scale is None else w_scale, m, n, k, x.stride(0), w.stride(0), y.stride(-2),
+        y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
         GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
+        HAS_SCALE=w_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -23,6 +23,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
+from engine.fp8 import weight_scale
 from engine.kernels.linear import decode_linear, usable_split_k
 from engine.model.rope import RotaryEmbedding
 
@@ -144,15 +145,15 @@ class LlamaForCausalLM(nn.Module):
         layer, pdl = self.layers[i], _pdl(gemv, attn)
         o_proj = layer.self_attn.o_proj
         # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
-        h = _gemv(gemv, "o", attn, o_proj.weight, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
+        h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if _use_gemv(gemv, x) and gemv.fused_swiglu:
-            act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj.weight, gated=True)
+            act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True)
         else:
             act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
         if gemv.gemv_down:
-            down = _gemv(gemv, "down", act, mlp.down_proj.weight, split_k=gemv.down_split_k) if _use_gemv(gemv, act) else mlp.down_proj(act)
+            down = _gemv(gemv, "down", act, mlp.down_proj, split_k=gemv.down_split_k) if _use_gemv(gemv, act) else mlp.down_proj(act)
             return down, residual
         return mlp.down_proj(act), residual
 
@@ -169,8 +170,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """Logits in float32 for the selected rows of ``hidden``."""
         if _use_gemv(gemv, hidden):  # float32 straight from the accumulator: no cast kernel
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return _gemv(gemv, "lm_head", hidden, weight, torch.float32)
+            return _gemv(gemv, "lm_head", hidden, self.embed_tokens if self.lm_head is None else self.lm_head, torch.float32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
@@ -186,15 +186,18 @@ def _pdl(gemv: GemvPolicy, x: torch.Tensor) -> bool:
     return gemv.pdl and _use_gemv(gemv, x)
 
 
-def _proj(gemv: GemvPolicy, name: str, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module (cuBLAS)."""
-    return _gemv(gemv, name, x, linear.weight, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
+def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module
+    (cuBLAS, or FP8 tensor cores for an :class:`~engine.fp8.Fp8Linear`)."""
+    return _gemv(gemv, name, x, linear, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
 
 
 def _gemv(
-    gemv: GemvPolicy, name: str, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False,
+    gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, out_dtype: torch.dtype | None = None, gated: bool = False,
     split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Projection ``name`` (of gemv_policy.PROJECTIONS) as the batch-1 GEMV."""
+    """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
+    embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV."""
+    weight = linear.weight
     return decode_linear(x, weight, out_dtype, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k),
-                         late_release=name in gemv.late_release, bias=bias)
+                         late_release=name in gemv.late_release, bias=bias, w_scale=weight_scale(linear))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assistant.amount_check import amount_note, limits, rule_line, sums
+from assistant.amount_check import amount_note, applicable, limits, rule_line, sums
 from assistant.config import HANDBOOK_DIR, SYSTEM_PROMPT
 from assistant.docs import load_library
 from assistant.eval_images import PICTURES
@@ -32,26 +32,47 @@ def test_a_line_that_caps_two_sums_gives_one_check_a_clause():
 
 def test_the_rule_line_is_the_cap_that_shares_most_words_with_the_picture_and_question():
     hotel = picture("hotel-receipt-london")
-    assert "Hotels up to £150" in rule_line(TRAVEL_EN, hotel.reference + " " + hotel.question)
+    assert "Hotels up to £150" in rule_line(TRAVEL_EN, hotel.question, hotel.reference)
     meal = picture("meal-receipt")
-    assert "Meals up to £40" in rule_line(TRAVEL_EN, meal.reference + " " + meal.question)
+    assert "Meals up to £40" in rule_line(TRAVEL_EN, meal.question, meal.reference)
     assert rule_line(TRAVEL_EN, "Which form do I need?") is None  # no shared word: no check
-    assert "酒店每晚不超过150英镑" in rule_line(TRAVEL_ZH, picture("hotel-receipt-zh").reference)
+    assert "酒店每晚不超过150英镑" in rule_line(TRAVEL_ZH, "", picture("hotel-receipt-zh").reference)
 
 
-def test_the_note_says_over_or_not_for_each_cap_in_the_language_of_the_handbook():
+def test_over_the_whole_handbook_rare_words_and_the_questions_own_decide_the_line():
+    """The meal receipt's "Card payment approved" and the question's "claim" both occur in the home
+    office allowance's line; "meal" is rarer, and the question's words count twice, money words not."""
+    every_line = [line for path in sorted((HANDBOOK_DIR / "en").glob("*.md")) for line in path.read_text(encoding="utf-8").splitlines()]
+    meal = picture("meal-receipt")
+    assert "Meals up to £40" in rule_line(every_line, meal.question, meal.reference)
+    manchester = picture("hotel-receipt-manchester")
+    assert "Hotels up to £150" in rule_line(every_line, "Can I claim this?", manchester.reference)  # the picture alone names it
+
+
+def test_the_clause_checked_is_the_exception_the_picture_shows_else_the_rule():
+    hotels = limits(TRAVEL_EN[next(i for i, line in enumerate(TRAVEL_EN) if "Hotels up to" in line)])
+    assert applicable(hotels, picture("hotel-receipt-london").reference).amount == 200  # the receipt says London
+    assert applicable(hotels, picture("hotel-receipt-manchester").reference).amount == 150
+    assert applicable(hotels[:1], "anything").amount == 150
+
+
+def test_the_note_says_over_or_within_and_what_follows_in_the_language_of_the_handbook():
     london = picture("hotel-receipt-london")
     assert amount_note([london.reference], london.question, TRAVEL_EN, LABELS_EN.amount) == (
-        "Checked: the picture's amount, GBP 214.00, is more than the £150 of \"Hotels up to £150 per night\" and more than "
-        "the £200 of \"or up to £200 per night in London\".")  # fmt: skip
+        "Checked: the picture's amount, GBP 214.00, is more than the £200 of \"or up to £200 per night in London\": it cannot "
+        "all be claimed, at most £200.")  # fmt: skip
     manchester = picture("hotel-receipt-manchester")
-    assert "and not more than the £200" in amount_note([manchester.reference], manchester.question, TRAVEL_EN, LABELS_EN.amount)
+    note = amount_note([manchester.reference], manchester.question, TRAVEL_EN, LABELS_EN.amount)
+    assert "more than the £150 of \"Hotels up to £150 per night\"" in note and "London" not in note
+    cheap = manchester.reference.replace("187.40", "120.00")
+    assert amount_note([cheap], manchester.question, TRAVEL_EN, LABELS_EN.amount).endswith(
+        "GBP 120.00, is not more than the £150 of \"Hotels up to £150 per night\": it is within the limit.")
     zh = picture("hotel-receipt-zh")
     assert amount_note([zh.reference], zh.question, TRAVEL_ZH, LABELS_ZH.amount) == (
-        "核对：图片中的金额187.40 英镑高于“酒店每晚不超过150英镑”中的150英镑，不高于“伦敦每晚不超过200英镑”中的200英镑。")
-    form = picture("expense-claim-form")  # a sum, but no cap it is about
+        "核对：图片中的金额187.40 英镑高于“酒店每晚不超过150英镑”中的150英镑：不能全部报销，最多报销150英镑。")
+    form = picture("expense-claim-form")  # a sum, but the question is not about money
     lines = (HANDBOOK_DIR / "en" / form.file).read_text(encoding="utf-8").splitlines()
-    assert amount_note([form.reference], form.question, lines, LABELS_EN.amount) == ""
+    assert amount_note([form.reference], form.question, lines + TRAVEL_EN, LABELS_EN.amount) == ""
     assert amount_note([], "Is £500 the hotel limit?", TRAVEL_EN, LABELS_EN.amount) == ""  # the user's own numbers are not a picture
 
 
@@ -64,7 +85,7 @@ def test_the_prompt_states_the_check_after_the_question_and_before_the_nudge(llm
     question = image_prompt([ImageText("d", (1280, 720), lines, 1.0)], london.question)
     assert picture_texts(question) == [london.reference]
     content = builder.prompt([], question).content
-    assert content.endswith(f"{london.question}\nChecked: the picture's amount, GBP 214.00, is more than the £150 of \"Hotels up to "
-                            f"£150 per night\" and more than the £200 of \"or up to £200 per night in London\".\n{LABELS_EN.nudge}")
+    assert content.endswith(f"{london.question}\nChecked: the picture's amount, GBP 214.00, is more than the £200 of \"or up to £200 "
+                            f"per night in London\": it cannot all be claimed, at most £200.\n{LABELS_EN.nudge}")
     plain = builder.prompt([], "How much can I spend on a hotel in London?").content
     assert "Checked:" not in plain

@@ -307,6 +307,33 @@ def test_narrow_weights_get_tiles_that_give_every_sm_a_program():
     assert decode_tile(4096, 14336).block_n == 64 and decode_tile(4096, 4096).block_n == 32
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_an_fp8_weight_gemv_widens_its_tiles_and_scales_each_row(rows):
+    """FP8 (e4m3) weights with one float32 scale per row (engine/fp8.py): plain, with a bias,
+    gated (gate and up rows with their own scales) and split-K, against x @ (q * scale)^T in
+    float32. Row magnitudes span 100x, so a missing or misplaced scale fails."""
+    import torch.nn.functional as F
+
+    from engine.fp8 import quantize_rows
+    from engine.kernels.linear import decode_linear
+
+    k, n = 512, 96
+    x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(2 * n, k, device=DEVICE) * torch.logspace(-2, 0, 2 * n, device=DEVICE)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and q.element_size() == 1
+    wf = q.float() * scale[:, None]
+    ref = F.linear(x.float(), wf)
+    assert rel(decode_linear(x, q, w_scale=scale).float(), ref) < TOL
+    b = torch.randn(2 * n, device=DEVICE, dtype=DTYPE)
+    assert rel(decode_linear(x, q, w_scale=scale, bias=b).float(), ref + b.float()) < TOL
+    gate, up = ref[:, :n], ref[:, n:]
+    assert rel(decode_linear(x, q, w_scale=scale, gated=True).float(), F.silu(gate) * up) < TOL
+    assert rel(decode_linear(x, q, w_scale=scale, split_k=2).sum(0), ref) < TOL
+    with pytest.raises(ValueError, match="w_scale"):
+        decode_linear(x, q)  # an FP8 weight without its scales
+
+
 def test_a_gated_gemv_needs_gate_and_up_halves():
     from engine.kernels.linear import decode_linear
 

@@ -1,0 +1,69 @@
+"""FP8 weights (engine/fp8.py): the per-row e4m3 rounding, the W8A8 projection's arithmetic, a
+model's projections replaced, and the start-up refusal where no FP8 tensor cores exist. The
+CUDA matmul (``torch._scaled_mm``) and the FP8 GEMV run on the GPU (the GEMV also in Triton's
+interpreter: test_triton_kernels.py); here the CPU runs the same arithmetic in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError, EngineConfig
+from engine.engine_builder import build_engine
+from engine.fp8 import FP8_MAX, Fp8Linear, quantize_model_fp8, quantize_rows, weight_scale
+from engine.loaded_model import LoadedModel
+from tests.engine.helpers import prompt_logits
+
+
+def test_each_row_maps_its_largest_magnitude_to_e4m3s_largest_and_rounds_within_its_grid():
+    w = torch.randn(64, 256) * torch.logspace(-3, 1, 64)[:, None]  # rows 10,000x apart
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,) and scale.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((64,), FP8_MAX))
+    err = (q.float() * scale[:, None] - w).abs()
+    # e4m3 keeps 3 mantissa bits: at most half a step of 32 (the top binade, 256-448) of 448
+    assert (err <= w.abs().amax(dim=1, keepdim=True) * 16 / FP8_MAX + 1e-12).all()
+    assert quantize_rows(torch.zeros(2, 8))[0].float().abs().sum() == 0  # an all-zero row stays zero
+
+
+def test_an_fp8_linear_rounds_weights_and_activations_per_row_and_keeps_its_bias():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True)
+    fp8 = Fp8Linear(linear)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and weight_scale(fp8) is fp8.weight_scale and weight_scale(linear) is None
+    x = torch.randn(7, 256)
+    want = F.linear(x, linear.weight, linear.bias)
+    got = fp8(x)
+    assert got.shape == want.shape
+    rel = (got - want).norm() / want.norm()
+    assert 1e-3 < rel < 0.05  # rounded (not the float weight), but only by e4m3's few percent
+    x3 = x.reshape(7, 1, 256)
+    assert torch.equal(fp8(x3).reshape(7, 96), got)  # any leading shape
+
+
+def test_a_models_projections_become_fp8_and_its_answers_stay_close(tiny_qwen2_dir):
+    """The engine's CPU forward over its paged cache, before and after: every layer projection is
+    an Fp8Linear (Qwen2's q|k|v bias kept), the embedding and head stay as they were, and the
+    logits of a prompt move by e4m3's rounding only."""
+    loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu"))
+    ids = torch.randint(0, loaded.model_config.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    core = build_engine(EngineConfig(model=str(tiny_qwen2_dir), device="cpu"), loaded)
+    before = prompt_logits(core, ids)
+    model = loaded.model
+    assert quantize_model_fp8(model) == 4 * loaded.model_config.num_hidden_layers
+    layer = model.layers[0]
+    assert all(isinstance(m, Fp8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert layer.self_attn.qkv_proj.bias is not None
+    assert model.embed_tokens.weight.dtype == torch.float32 and (model.lm_head is None or isinstance(model.lm_head, nn.Linear))
+    after = prompt_logits(core, ids)
+    assert not torch.equal(before, after)
+    assert F.cosine_similarity(before, after, dim=-1).min() > 0.99
+
+
+def test_fp8_is_refused_at_start_up_where_no_fp8_tensor_cores_exist(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"quantization='fp8' needs a CUDA GPU with FP8 tensor cores .*the CPU.*'int4'"):
+        LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), device="cpu", quantization="fp8"))
+    with pytest.raises(ConfigError, match="bf16 activations"):
+        EngineConfig(model=str(tiny_llama_dir), quantization="fp8", dtype="float32").validate()
