@@ -14,6 +14,7 @@ from engine.bench.report import Row
 from engine.bench.timing import replay_ms, timed
 from engine.bench.workload import Sizes, engine_decode, random_prompt
 from engine.engine_core import EngineCore
+from engine.fp8 import Fp8Linear
 from engine.kernels.gemv_policy import PROJECTIONS, GemvPolicy
 
 
@@ -66,9 +67,18 @@ def hf_decode(hf: torch.nn.Module, prompt: list[int], tokens: int, device: torch
     return t1, (tn - t1) / tokens
 
 
-def decode_path_variants(path: GemvPolicy) -> dict[str, GemvPolicy]:
-    """What each part of the batch-1 decode path buys: the path with one part changed."""
+def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvPolicy]:
+    """What each part of the batch-1 decode path buys: the path with one part changed (``fp8``:
+    the model has FP8 weights, so also how the GEMV multiplies them and its tiles' K)."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
+    if fp8:
+        for math in sorted({"bf16", "fp16", "fp8"} - {path.fp8_math}):
+            variants[f"same, FP8 GEMV math {math}"] = replace(path, fp8_math=math)
+        for block_k in sorted({0, 256, 512} - {path.fp8_block_k}):
+            variants[f"same, FP8 tiles of K {block_k or 'as bf16'}"] = replace(path, fp8_block_k=block_k)
+        for math, block_k in (("fp16", 256), ("fp8", 256)):
+            if (math, block_k) != (path.fp8_math, path.fp8_block_k):
+                variants[f"same, FP8 GEMV math {math}, tiles of K {block_k}"] = replace(path, fp8_math=math, fp8_block_k=block_k)
     if path.pdl:
         variants["same, PDL off"] = replace(path, pdl=False)
         for late in sorted({(), *((name,) for name in PROJECTIONS), ("o", "gate_up"), PROJECTIONS} - {path.late_release}):
@@ -92,7 +102,8 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
 
     runner, graphs, path = core.runner, core.runner.graphs, core.runner.gemv
     rows, by_variant = [], {}
-    for name, variant in decode_path_variants(path).items():
+    fp8 = any(isinstance(m, Fp8Linear) for m in core.model.modules())
+    for name, variant in decode_path_variants(path, fp8).items():
         try:
             other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                     core.device, variant)
@@ -114,7 +125,8 @@ def path_name(path: GemvPolicy) -> str:
     """A short name of the decode path's parts, for the A/B rows."""
     if not path.max_rows:
         return "cuBLAS"
-    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "",
+             f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "") if path.fp8_math != "bf16" or path.fp8_block_k else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)

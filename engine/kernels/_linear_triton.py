@@ -35,7 +35,7 @@ def decode_linear_kernel(
     X, W, Y, B, S, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-    COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
+    COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -43,8 +43,11 @@ def decode_linear_kernel(
     width spread the weight's rows evenly over the SMs (the masked rows cost no memory traffic).
     HAS_BIAS: B [N] is added to the float32 accumulator before the store (not GATED, SPLIT_K 1;
     otherwise B is unused). HAS_SCALE: W is FP8 (e4m3) with float32 scales S per row of W (2N
-    when GATED): each tile is widened to x's dtype in registers (half the bytes streamed of a bf16
-    weight) and the accumulators are scaled per column before SwiGLU, bias and store."""
+    when GATED), half the bytes streamed of a bf16 weight; the accumulators are scaled per column
+    before SwiGLU, bias and store. FP8_MATH (with HAS_SCALE): 0 widens each weight tile to x's
+    dtype in registers (W8A16); 1 widens the tile and x to fp16 (e4m3 -> fp16 is one conversion);
+    2 rounds x to e4m3 with one scale per row (its largest magnitude over the whole K, found by a
+    first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -61,6 +64,14 @@ def decode_linear_kernel(
     n_mask = n_ok[:, None]
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
     pdl_wait(USE_PDL, not LATE_RELEASE)
+    if HAS_SCALE and FP8_MATH == 2:  # x's per-row scale over the whole K: a few KB, read again from L2
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xa_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            xa = tl.load(xa_ptrs, mask=m_mask & ((k0 + offs_k)[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+            xa_ptrs += BLOCK_K
+        x_scale = tl.maximum(amax, 1e-12) / 448.0
     x_ptrs = X + offs_m[:, None] * stride_xm + k_first + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_first + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -78,9 +89,17 @@ def decode_linear_kernel(
             if GATED:
                 w_up = tl.load(w_ptrs + up_offset, mask=n_mask & k_ok, other=0.0, eviction_policy="evict_first")
         if HAS_SCALE:
-            w = w.to(x.dtype)
-            if GATED:
-                w_up = w_up.to(x.dtype)
+            if FP8_MATH == 0:
+                w = w.to(x.dtype)
+                if GATED:
+                    w_up = w_up.to(x.dtype)
+            elif FP8_MATH == 1:
+                x = x.to(tl.float16)
+                w = w.to(tl.float16)
+                if GATED:
+                    w_up = w_up.to(tl.float16)
+            else:
+                x = (x.to(tl.float32) / x_scale[:, None]).to(W.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
@@ -92,6 +111,10 @@ def decode_linear_kernel(
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(S + N + offs_n, mask=n_ok, other=0.0)[None, :]
+        if FP8_MATH == 2:
+            acc *= x_scale[:, None]
+            if GATED:
+                acc_up *= x_scale[:, None]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_BIAS:

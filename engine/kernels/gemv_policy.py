@@ -41,10 +41,20 @@ class GemvPolicy:
     release cost 2.5-2.9% (the attention kernel after it starts late); the lm_head's is within
     noise."""
 
+    fp8_math: str = "bf16"
+    """For FP8 weights (engine/fp8.py): "bf16" widens each weight tile to bf16 in registers (W8A16),
+    "fp16" widens the tile and x to fp16 (e4m3 -> fp16 is one conversion), "fp8" rounds x to e4m3
+    per row and multiplies on FP8 tensor cores (W8A8)."""
+    fp8_block_k: int = 0
+    """K elements a GEMV tile loads of an FP8 weight (0: the bf16 tile's, which then moves half the
+    bytes a stage)."""
+
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"GemvPolicy.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
+        if self.fp8_math not in ("bf16", "fp16", "fp8"):
+            raise ValueError(f"GemvPolicy.fp8_math must be 'bf16', 'fp16' or 'fp8', got {self.fp8_math!r}")
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

@@ -46,6 +46,9 @@ def spread(n: int, block_n: int, programs: int) -> int:
     return columns if block_n // 2 <= columns < block_n else 0
 
 
+FP8_MATHS = ("bf16", "fp16", "fp8")  # how the GEMV multiplies an FP8 weight (the kernel's FP8_MATH)
+
+
 def decode_tile(n: int, k: int) -> GemvConfig:
     """The tile for an [n, k] weight: the fastest in the H200 sweeps for each 8B shape at batch 1
     (docs/results/2026-11-29-h200-gemv-sweep.txt, then A/Bs in the batch-1 graph), by size class
@@ -73,9 +76,10 @@ def decode_tile(n: int, k: int) -> GemvConfig:
     return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
 
 
-def usable_split_k(w: torch.Tensor, split_k: int) -> int:
-    """``split_k`` where it divides the weight's K into whole tiles, else 1 (no split)."""
-    return split_k if w.shape[1] % (split_k * decode_tile(*w.shape).block_k) == 0 else 1
+def usable_split_k(w: torch.Tensor, split_k: int, config: GemvConfig | None = None) -> int:
+    """``split_k`` where it divides the weight's K into whole tiles (of ``config``, default
+    :func:`decode_tile`'s), else 1 (no split)."""
+    return split_k if w.shape[1] % (split_k * (config or decode_tile(*w.shape)).block_k) == 0 else 1
 
 
 # ---- references ----------------------------------------------------------------------------
@@ -87,7 +91,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
     *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16",
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
     -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
@@ -101,7 +105,8 @@ def decode_linear(
     (Hopper+; the caller checks :func:`~engine.kernels.triton_utils.pdl_supported`): its launch
     overlaps the previous kernel's tail; ``late_release``: the kernel after it may launch only once
     this one's K loop is done (GemvPolicy.late_release). ``w_scale``: w is FP8 (e4m3) with these
-    float32 scales, one per row of w (engine/fp8.py): widened to x's dtype tile by tile."""
+    float32 scales, one per row of w (engine/fp8.py); ``fp8_math`` (GemvPolicy.fp8_math): "bf16" widens its tiles to
+    x's dtype, "fp16" widens tiles and x to fp16, "fp8" rounds x to e4m3 per row (W8A8) for FP8 tensor cores."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -128,7 +133,7 @@ def decode_linear(
         y.stride(0) if split_k > 1 else 0,
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
         GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
-        HAS_SCALE=w_scale is not None,
+        HAS_SCALE=w_scale is not None, FP8_MATH=FP8_MATHS.index(fp8_math),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -15,6 +15,8 @@ argument of each forward, not model state, so engines sharing one loaded model e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,7 @@ from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
-from engine.kernels.linear import decode_linear, usable_split_k
+from engine.kernels.linear import decode_linear, decode_tile, usable_split_k
 from engine.model.rope import RotaryEmbedding
 
 PLAIN = GemvPolicy()  # cuBLAS throughout: the default of every forward
@@ -198,6 +200,7 @@ def _gemv(
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV."""
-    weight = linear.weight
-    return decode_linear(x, weight, out_dtype, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k),
-                         late_release=name in gemv.late_release, bias=bias, w_scale=weight_scale(linear))
+    weight, scale = linear.weight, weight_scale(linear)
+    config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
+    return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k, config),
+                         late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math)

@@ -307,29 +307,35 @@ def test_narrow_weights_get_tiles_that_give_every_sm_a_program():
     assert decode_tile(4096, 14336).block_n == 64 and decode_tile(4096, 4096).block_n == 32
 
 
+@pytest.mark.parametrize("math", ["bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_an_fp8_weight_gemv_widens_its_tiles_and_scales_each_row(rows):
-    """FP8 (e4m3) weights with one float32 scale per row (engine/fp8.py): plain, with a bias,
-    gated (gate and up rows with their own scales) and split-K, against x @ (q * scale)^T in
-    float32. Row magnitudes span 100x, so a missing or misplaced scale fails."""
+def test_an_fp8_weight_gemv_scales_each_row(rows, math):
+    """FP8 (e4m3) weights with one float32 scale per row (engine/fp8.py), each way the GEMV can
+    multiply them (GemvPolicy.fp8_math: tiles widened to bf16 or fp16, or x rounded to e4m3 per
+    row for FP8 tensor cores): plain, with a bias, gated (gate and up rows with their own scales)
+    and split-K, against x @ (q * scale)^T in float32. Row magnitudes span 100x and so do x's
+    rows, so a missing or misplaced weight or activation scale fails."""
     import torch.nn.functional as F
 
     from engine.fp8 import quantize_rows
     from engine.kernels.linear import decode_linear
 
     k, n = 512, 96
-    x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+    x = torch.randn(rows, k, device=DEVICE) * torch.logspace(0, 2, rows, device=DEVICE)[:, None]
+    x = x.to(DTYPE)
     w = torch.randn(2 * n, k, device=DEVICE) * torch.logspace(-2, 0, 2 * n, device=DEVICE)[:, None]
     q, scale = quantize_rows(w)
     assert q.dtype == torch.float8_e4m3fn and q.element_size() == 1
-    wf = q.float() * scale[:, None]
-    ref = F.linear(x.float(), wf)
-    assert rel(decode_linear(x, q, w_scale=scale).float(), ref) < TOL
+    ref = F.linear(x.float(), q.float() * scale[:, None])
+    # fp8: x rounded to e4m3 too (2-3% on these rows); Triton's interpreter multiplies e4m3 with
+    # less precision (9% on random data), so on the CPU the test only catches a scale left out
+    tol = {"bf16": TOL, "fp16": max(TOL, 2e-3), "fp8": 0.06 if DEVICE.type == "cuda" else 0.2}[math]
+    assert rel(decode_linear(x, q, w_scale=scale, fp8_math=math).float(), ref) < tol
     b = torch.randn(2 * n, device=DEVICE, dtype=DTYPE)
-    assert rel(decode_linear(x, q, w_scale=scale, bias=b).float(), ref + b.float()) < TOL
+    assert rel(decode_linear(x, q, w_scale=scale, bias=b, fp8_math=math).float(), ref + b.float()) < tol
     gate, up = ref[:, :n], ref[:, n:]
-    assert rel(decode_linear(x, q, w_scale=scale, gated=True).float(), F.silu(gate) * up) < TOL
-    assert rel(decode_linear(x, q, w_scale=scale, split_k=2).sum(0), ref) < TOL
+    assert rel(decode_linear(x, q, w_scale=scale, gated=True, fp8_math=math).float(), F.silu(gate) * up) < 2 * tol
+    assert rel(decode_linear(x, q, w_scale=scale, split_k=2, fp8_math=math).sum(0), ref) < tol
     with pytest.raises(ValueError, match="w_scale"):
         decode_linear(x, q)  # an FP8 weight without its scales
 
