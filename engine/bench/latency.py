@@ -74,7 +74,7 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvP
     if fp8:
         for math in sorted({"bf16", "fp16", "fp8"} - {path.fp8_math}):
             variants[f"same, FP8 GEMV math {math}"] = replace(path, fp8_math=math)
-        for block_k in sorted({0, 256, 512} - {path.fp8_block_k}):
+        for block_k in sorted({0, 256} - {path.fp8_block_k}):
             variants[f"same, FP8 tiles of K {block_k or 'as bf16'}"] = replace(path, fp8_block_k=block_k)
         for math, block_k in (("fp16", 256), ("fp8", 256)):
             if (math, block_k) != (path.fp8_math, path.fp8_block_k):

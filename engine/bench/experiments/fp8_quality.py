@@ -1,0 +1,64 @@
+"""What FP8 weights (engine/fp8.py) cost in answers, on real weights, without a GPU: the model
+loaded dense (float32) on the CPU, then its layer projections rounded to e4m3 as
+``--quantization fp8`` does, each forward's activations rounded per token too (W8A8: the
+arithmetic of the GPU's FP8 matmuls; its batch-1 GEMV rounds only the weights, so this is the
+stricter case). For each prompt (handbook documents and a question, the chat template), one
+forward of each model over the whole prompt: how often their next-token argmax agrees, and how far
+the FP8 model's log-prob of the dense model's argmax moves.
+
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_quality.py
+MODEL.gguf QUESTIONS.txt DOC.md...``.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, build_engine
+from engine.fp8 import quantize_model_fp8
+from engine.loaded_model import LoadedModel
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk
+
+
+def prompt_logprobs(core, ids: list[int]) -> torch.Tensor:
+    """Log-probs [len(ids), vocab] after every prompt position, over the engine's paged cache."""
+    req = Request("fp8-quality", list(ids), SamplingParams(max_tokens=1))
+    assert core.block_manager.allocate_slots(req, len(ids))
+    req.status = RequestStatus.RUNNING
+    try:
+        inputs = core.runner.prepare([ScheduledChunk(req, len(ids))])
+        with torch.inference_mode():
+            hidden = core.model(inputs.input_ids, inputs.positions, core.runner.backend, inputs.meta, core.runner.kv_layers)
+            return torch.log_softmax(core.model.compute_logits(hidden), dim=-1)
+    finally:
+        core.block_manager.free(req)
+
+
+def main(model: str, questions: str, *documents: str) -> None:
+    config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=4096)
+    loaded = LoadedModel.load(config)
+    core = build_engine(config, loaded)
+    text = "\n\n".join(Path(d).read_text(encoding="utf-8") for d in documents)
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {q}"}])
+               for q in Path(questions).read_text(encoding="utf-8").splitlines() if q.strip()]
+    dense = [prompt_logprobs(core, p) for p in prompts]
+    quantize_model_fp8(loaded.model)
+    agree = total = 0
+    deltas = []
+    for p, ref in zip(prompts, dense):
+        got = prompt_logprobs(core, p)
+        top = ref.argmax(-1)
+        agree += int((got.argmax(-1) == top).sum())
+        total += len(p)
+        deltas.append((got.gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().squeeze(1))
+        print(f"prompt of {len(p)} tokens: argmax agreement {(got.argmax(-1) == top).float().mean():.4f}, "
+              f"|log-prob delta| of the dense argmax mean {deltas[-1].mean():.4f} max {deltas[-1].max():.3f} nats", flush=True)
+    d = torch.cat(deltas)
+    print(f"{Path(model).name}, {len(prompts)} prompts, {total} positions: FP8 (W8A8) against float32: next-token argmax agreement "
+          f"{agree / total:.4f}; |log-prob delta| mean {d.mean():.4f}, p99 {d.quantile(0.99):.3f}, max {d.max():.3f} nats")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
