@@ -4,7 +4,8 @@ loaded dense (float32) on the CPU, then its layer projections rounded to e4m3 as
 arithmetic of the GPU's FP8 matmuls; its batch-1 GEMV rounds only the weights, so this is the
 stricter case). For each prompt (handbook documents and a question, the chat template), one
 forward of each model over the whole prompt: how often their next-token argmax agrees, and how far
-the FP8 model's log-prob of the dense model's argmax moves.
+the FP8 model's log-prob of the dense model's argmax moves. The same for the model in bf16 (the
+GPU's unquantized dtype) puts the FP8 figures in scale.
 
 Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_quality.py
 MODEL.gguf QUESTIONS.txt DOC.md...``.
@@ -36,6 +37,21 @@ def prompt_logprobs(core, ids: list[int]) -> torch.Tensor:
         core.block_manager.free(req)
 
 
+def compare(core, prompts: list[list[int]], dense: list[torch.Tensor], name: str) -> None:
+    """Print ``core``'s argmax agreement and log-prob deltas against the float32 ``dense`` ones."""
+    agree = total = 0
+    deltas = []
+    for p, ref in zip(prompts, dense):
+        got = prompt_logprobs(core, p).float()
+        top = ref.argmax(-1)
+        agree += int((got.argmax(-1) == top).sum())
+        total += len(p)
+        deltas.append((got.gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().squeeze(1))
+    d = torch.cat(deltas)
+    print(f"{name} against float32, {len(prompts)} prompts, {total} positions: next-token argmax agreement {agree / total:.4f}; "
+          f"|log-prob delta| of float32's argmax mean {d.mean():.4f}, p99 {d.quantile(0.99):.3f}, max {d.max():.3f} nats", flush=True)
+
+
 def main(model: str, questions: str, *documents: str) -> None:
     config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=4096)
     loaded = LoadedModel.load(config)
@@ -44,20 +60,11 @@ def main(model: str, questions: str, *documents: str) -> None:
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {q}"}])
                for q in Path(questions).read_text(encoding="utf-8").splitlines() if q.strip()]
     dense = [prompt_logprobs(core, p) for p in prompts]
+    print(f"{Path(model).name}: float32 reference over {len(prompts)} prompts", flush=True)
+    bf16_config = EngineConfig(model=model, device="cpu", dtype="bfloat16", max_model_len=4096)
+    compare(build_engine(bf16_config, LoadedModel.load(bf16_config)), prompts, dense, "bf16")
     quantize_model_fp8(loaded.model)
-    agree = total = 0
-    deltas = []
-    for p, ref in zip(prompts, dense):
-        got = prompt_logprobs(core, p)
-        top = ref.argmax(-1)
-        agree += int((got.argmax(-1) == top).sum())
-        total += len(p)
-        deltas.append((got.gather(1, top[:, None]) - ref.gather(1, top[:, None])).abs().squeeze(1))
-        print(f"prompt of {len(p)} tokens: argmax agreement {(got.argmax(-1) == top).float().mean():.4f}, "
-              f"|log-prob delta| of the dense argmax mean {deltas[-1].mean():.4f} max {deltas[-1].max():.3f} nats", flush=True)
-    d = torch.cat(deltas)
-    print(f"{Path(model).name}, {len(prompts)} prompts, {total} positions: FP8 (W8A8) against float32: next-token argmax agreement "
-          f"{agree / total:.4f}; |log-prob delta| mean {d.mean():.4f}, p99 {d.quantile(0.99):.3f}, max {d.max():.3f} nats")
+    compare(core, prompts, dense, "FP8 (W8A8)")
 
 
 if __name__ == "__main__":
