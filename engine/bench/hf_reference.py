@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 
 from engine.config import ARCHITECTURES
+from engine.fp8 import Fp8Linear
 from engine.model import LlamaForCausalLM
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Split the engine's fused q|k|v (weights and biases) and gate|up weights back into HF names
-    (views, no copies)."""
+    (views, no copies; an FP8 projection's weight as its dequantized values, in the embedding's
+    dtype: the HF model then holds the weights the engine rounded to e4m3)."""
     cfg = model.config
     q, kv, ff = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
@@ -22,7 +24,7 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        qkv = layer.self_attn.qkv_proj.weight
+        qkv = _weight(layer.self_attn.qkv_proj, model.embed_tokens.weight.dtype)
         out[p + "self_attn.q_proj.weight"] = qkv[:q]
         out[p + "self_attn.k_proj.weight"] = qkv[q : q + kv]
         out[p + "self_attn.v_proj.weight"] = qkv[q + kv :]
@@ -31,14 +33,19 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             out[p + "self_attn.q_proj.bias"] = bias[:q]
             out[p + "self_attn.k_proj.bias"] = bias[q : q + kv]
             out[p + "self_attn.v_proj.bias"] = bias[q + kv :]
-        out[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
-        gate_up = layer.mlp.gate_up_proj.weight
+        out[p + "self_attn.o_proj.weight"] = _weight(layer.self_attn.o_proj, model.embed_tokens.weight.dtype)
+        gate_up = _weight(layer.mlp.gate_up_proj, model.embed_tokens.weight.dtype)
         out[p + "mlp.gate_proj.weight"] = gate_up[:ff]
         out[p + "mlp.up_proj.weight"] = gate_up[ff:]
-        out[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight
+        out[p + "mlp.down_proj.weight"] = _weight(layer.mlp.down_proj, model.embed_tokens.weight.dtype)
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
     return out
+
+
+def _weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A projection's weight as HF holds it: itself, or an FP8 one's dequantized values."""
+    return linear.dequantized().to(dtype) if isinstance(linear, Fp8Linear) else linear.weight
 
 
 def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):

@@ -67,3 +67,18 @@ def test_fp8_is_refused_at_start_up_where_no_fp8_tensor_cores_exist(tiny_llama_d
         LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), device="cpu", quantization="fp8"))
     with pytest.raises(ConfigError, match="bf16 activations"):
         EngineConfig(model=str(tiny_llama_dir), quantization="fp8", dtype="float32").validate()
+
+
+def test_the_hf_baseline_holds_the_weights_as_fp8_rounded_them(tiny_qwen2_dir):
+    """engine.bench's HF model (its baseline and correctness reference) gets the dequantized FP8
+    weights, split back into q/k/v and gate/up, not the raw e4m3 codes."""
+    from engine.bench.hf_reference import to_hf_state_dict
+
+    loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu"))
+    quantize_model_fp8(loaded.model)
+    layer, cfg = loaded.model.layers[0], loaded.model_config
+    state = to_hf_state_dict(loaded.model)
+    q_rows = cfg.num_attention_heads * cfg.head_dim
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], layer.self_attn.qkv_proj.dequantized()[:q_rows])
+    assert torch.equal(state["model.layers.0.mlp.down_proj.weight"], layer.mlp.down_proj.dequantized())
+    assert state["model.layers.0.mlp.up_proj.weight"].dtype == loaded.model.embed_tokens.weight.dtype
