@@ -71,6 +71,18 @@ def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: 
         print(f"    {slowest_steps(st)}", file=sys.stderr)
 
 
+QUANTIZED_KEYS = {"decode_bs1_tok_s": "decode_bs1_{q}_tok_s", "prefill_tok_s": "prefill_{q}_tok_s",
+                  "throughput_output_tok_s": "throughput_{q}_output_tok_s"}
+
+
+def quantized_keys(results: dict, quantization: str) -> dict:
+    """The headline figures again under names that say the weights' format (``decode_bs1_fp8_tok_s``),
+    so that runs of several formats merge into one ``results`` object; none for dense weights."""
+    if quantization == "none":
+        return {}
+    return {name.format(q=quantization): results[key] for key, name in QUANTIZED_KEYS.items() if key in results}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the suites named in ``argv`` (or ``serve ...``: the load generator) and print the report."""
     argv = sys.argv[1:] if argv is None else argv
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
+    results.update(quantized_keys(results, args.quantization))
     hf = None
     memory["throughput engine" if separate else "engine"] = core.memory_rows()
     print(format_table(rows))

@@ -139,3 +139,14 @@ def test_the_throughput_suite_prints_its_roofline_and_serial_bound(tiny_llama_di
     assert results["throughput_compute_s"] > 0 and results["throughput_memory_s"] > 0
     report = capsys.readouterr().out
     assert "roofline: " in report and "the same one after the other (no overlap)" in report
+
+
+def test_a_quantized_run_names_its_headline_figures_by_the_weights_format():
+    """``decode_bs1_fp8_tok_s`` and siblings: runs of several formats merge into one results
+    object; a dense run adds none."""
+    from engine.bench.cli import quantized_keys
+
+    results = {"decode_bs1_tok_s": 310.7, "prefill_tok_s": 41587.1, "decode_bs1_graph_ms": 3.2}
+    assert quantized_keys(results, "fp8") == {"decode_bs1_fp8_tok_s": 310.7, "prefill_fp8_tok_s": 41587.1}
+    assert quantized_keys({"throughput_output_tok_s": 1.0}, "int4") == {"throughput_int4_output_tok_s": 1.0}
+    assert quantized_keys(results, "none") == {}
