@@ -63,9 +63,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
-                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch),
-                        kv_cache_memory_bytes=4 << 30)  # two engines share the device: a fixed KV pool each
+                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch))
     loaded = LoadedModel.load(base)
+    if loaded.device.type == "cuda":  # two engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
+        base = replace(base, kv_cache_memory_bytes=4 << 30)
     plain = build_engine(base, loaded)
     spec = build_engine(replace(base, speculative="ngram", num_speculative_tokens=args.k, speculative_row_cost=args.row_cost), loaded)
     documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
