@@ -407,6 +407,34 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
             assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4), name
 
 
+@pytest.mark.parametrize("math", ["bf16", "fp16"])
+def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tiny_qwen2_dir, math):
+    """The FP8 wiring in LlamaForCausalLM: every step of a one-token prompt runs the GEMVs with
+    the e4m3 weights, their scales (q|k|v with Qwen2's bias, gate|up gated, down_proj split-K) and
+    the policy's FP8 math and tile K, and gives the tokens and log-probs of a plain model holding
+    the dequantized weights."""
+    from engine import LLM, SamplingParams, build_engine
+    from engine.fp8 import PROJECTIONS, quantize_model_fp8
+    from engine.llm import make_config
+    from engine.loaded_model import LoadedModel
+
+    config = make_config(str(tiny_qwen2_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+    fp8, dense = LoadedModel.load(config), LoadedModel.load(config)
+    quantize_model_fp8(fp8.model)
+    with torch.no_grad():
+        for quantized, plain in zip(fp8.model.layers, dense.model.layers):
+            for path in PROJECTIONS:
+                plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    policy = GemvPolicy(max_rows=1, fp8_math=math, fp8_block_k=256)
+    got = LLM(core=build_engine(config, fp8, gemv=policy)).generate([[5]], params)[0]
+    want = LLM(core=build_engine(config, dense, gemv=GemvPolicy())).generate([[5]], params)[0]
+    assert got.token_ids == want.token_ids
+    tol = 5e-2 if DTYPE == torch.bfloat16 else {"bf16": 1e-4, "fp16": 1e-2}[math]  # fp16: x rounded to 11 bits
+    for a, b in zip(want.logprobs, got.logprobs):
+        assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=tol)
+
+
 def test_late_release_reaches_the_named_projections_gemvs(tiny_llama_dir, monkeypatch):
     """GemvPolicy.late_release names projections; their GEMVs (and only theirs) get the flag.
     The real kernels run (a spy records each call's weight and flag on the way through)."""
