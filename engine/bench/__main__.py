@@ -3,5 +3,9 @@
 import sys
 
 from engine.bench.cli import main
+from engine.config import ConfigError
 
-sys.exit(main())
+try:
+    sys.exit(main())
+except ConfigError as e:  # a setting this machine or model cannot run: the reason, not a traceback
+    sys.exit(f"error: {e}")

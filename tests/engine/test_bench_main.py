@@ -150,3 +150,14 @@ def test_a_quantized_run_names_its_headline_figures_by_the_weights_format():
     assert quantized_keys(results, "fp8") == {"decode_bs1_fp8_tok_s": 310.7, "prefill_fp8_tok_s": 41587.1}
     assert quantized_keys({"throughput_output_tok_s": 1.0}, "int4") == {"throughput_int4_output_tok_s": 1.0}
     assert quantized_keys(results, "none") == {}
+
+
+def test_a_setting_the_machine_cannot_run_is_one_line_not_a_traceback(tiny_llama_dir):
+    """``python -m engine.bench ... --quantization fp8`` on a CPU: the engine's reason, exit 1."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "engine.bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
+                           "--quantization", "fp8", "--no-hf"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "error: quantization='fp8' needs a CUDA GPU with FP8 tensor cores" in proc.stderr and "Traceback" not in proc.stderr
