@@ -34,8 +34,6 @@ CLAUSE_BREAK = re.compile(r"[,;，；。]")
 # a clause that caps a sum ("up to £150"), not a threshold for something else ("a receipt for every item over £10")
 CAP = re.compile(r"\bup to\b|\bat most\b|\bmaximum\b|\blimit\b|不超过|最高|上限|至多", re.IGNORECASE)
 WORD = re.compile(r"[A-Za-z]{4,}")
-# a question about money: whether or how much can be claimed, a limit (not "within how many days")
-ASKS_ABOUT_MONEY = re.compile(r"\bclaim|\blimit|\bhow much\b|\bcover|\breimburs|\bspend|\ballowance|报销|上限|限额|多少钱", re.IGNORECASE)
 CJK_RUN = re.compile(r"[\u4e00-\u9fff]+")
 
 
@@ -62,8 +60,9 @@ def terms(text: str) -> set[str]:
 
 
 MONEY_TERMS = frozenset({"claim", "claimed", "limit", "much", "cover", "covered", "reimburse", "reimbursed", "reimbursement", "spend",
-                         "allowance", "报销", "上限", "限额", "多少", "少钱"})
-"""Terms (as :func:`terms` makes them) that say a question is about money, not which rule it is about."""
+                         "allowance", "报销", "上限", "限额", "少钱"})
+"""Terms (as :func:`terms` makes them) that make a question one about money (whether or how much
+can be claimed, a limit; not "within how many days") and that say nothing of which rule it is about."""
 
 
 def rule_line(lines: Sequence[str], question: str, picture: str = "") -> str | None:
@@ -124,7 +123,7 @@ def amount_note(pictures: Sequence[str], question: str, handbook_lines: Sequence
     """The check to state beside the question, or "" when there is nothing to check (a question
     not about money, no sum in the pictures, or no clear rule line)."""
     found = [s for text in pictures for s in sums(text)]
-    line = rule_line(handbook_lines, question, " ".join(pictures)) if found and ASKS_ABOUT_MONEY.search(question) else None
+    line = rule_line(handbook_lines, question, " ".join(pictures)) if found and terms(question) & MONEY_TERMS else None
     checks = limits(line) if line else []
     if not checks:
         return ""

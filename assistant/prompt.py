@@ -133,6 +133,8 @@ class PromptBuilder:
         self.budget = budget
         self.labels = LABELS_ZH if language == "zh" else LABELS_EN
         self.index = SectionIndex(docs.sections)
+        # every line of the handbook: a picture's sum is checked against its rule wherever it is written
+        self.lines = tuple(line for s in docs.sections for line in s.text.splitlines())
         whole = self._prefix(f"{system_prompt}\n\n{docs.render()}")
         if budget is None or len(whole.token_ids) + budget.conversation_tokens <= budget.prompt_limit:
             self.mode, self.prefix, self.section_budget = WHOLE, whole, 0
@@ -218,8 +220,8 @@ class PromptBuilder:
         if not sections:
             return f"{self.labels.reminder}\n\n{self.labels.question}{question}\n{self.labels.nudge}"
         excerpts = "\n\n".join(self._excerpt(s) for s in sections)
-        every_line = [line for s in self.docs.sections for line in s.text.splitlines()]  # a receipt's rule may be in another document
-        note = amount_note(picture_texts(question), question, every_line, self.labels.amount)
+        pictures = picture_texts(question)
+        note = amount_note(pictures, question, self.lines, self.labels.amount) if pictures else ""
         return (f"{self.labels.sections}\n\n{excerpts}\n\n{self.labels.reminder}\n\n{self.labels.question}{question}\n"
                 f"{note + chr(10) if note else ''}{self.labels.nudge}")
 

@@ -67,10 +67,9 @@ class LoadedModel:
         # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
         blocks = BlockCache(gguf_tensors(config.model)) if config.quantization == "int4" else None
         model, model_config = load_model(config, device, dtype, blocks)
-        if config.quantization == "fp8":
+        if config.quantization == "fp8":  # CUDA only (checked above)
             quantize_model_fp8(model)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
+            torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
         native = None
         if blocks is not None:
             try:

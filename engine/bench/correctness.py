@@ -11,10 +11,27 @@ from engine.bench.report import Row
 from engine.bench.workload import random_prompt
 from engine.engine_core import EngineCore
 from engine.memory import tensor_bytes
+from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk
 
 
 HF_BASELINE_MEMORY = "HF baseline's weights (bench only, float32 at its check)"
+
+
+def prompt_logits(core: EngineCore, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, computed by the engine's model over its paged cache (one
+    eager prefill, outside the scheduler; the request's blocks are freed after)."""
+    req = Request("logits-probe", list(token_ids), SamplingParams(max_tokens=1))
+    assert core.block_manager.allocate_slots(req, len(token_ids))
+    req.status = RequestStatus.RUNNING
+    try:
+        inputs = core.runner.prepare([ScheduledChunk(req, len(token_ids))])
+        with torch.inference_mode():
+            hidden = core.model(inputs.input_ids, inputs.positions, core.runner.backend, inputs.meta, core.runner.kv_layers)
+            return core.model.compute_logits(hidden)
+    finally:
+        core.block_manager.free(req)
 
 
 def check_against_hf(core: EngineCore, hf: torch.nn.Module, rng: random.Random, results: dict) -> Row:

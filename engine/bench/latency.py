@@ -15,7 +15,7 @@ from engine.bench.timing import replay_ms, timed
 from engine.bench.workload import Sizes, engine_decode, random_prompt
 from engine.engine_core import EngineCore
 from engine.fp8 import Fp8Linear
-from engine.kernels.gemv_policy import PROJECTIONS, GemvPolicy
+from engine.kernels.gemv_policy import FP8_MATHS, PROJECTIONS, GemvPolicy
 
 
 def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
@@ -72,7 +72,7 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvP
     the model has FP8 weights, so also how the GEMV multiplies them and its tiles' K)."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if fp8:
-        for math in sorted({"bf16", "fp16", "fp8"} - {path.fp8_math}):
+        for math in sorted(set(FP8_MATHS) - {path.fp8_math}):
             variants[f"same, FP8 GEMV math {math}"] = replace(path, fp8_math=math)
         for block_k in sorted({0, 256} - {path.fp8_block_k}):
             variants[f"same, FP8 tiles of K {block_k or 'as bf16'}"] = replace(path, fp8_block_k=block_k)
@@ -125,8 +125,9 @@ def path_name(path: GemvPolicy) -> str:
     """A short name of the decode path's parts, for the A/B rows."""
     if not path.max_rows:
         return "cuBLAS"
-    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "",
-             f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "") if path.fp8_math != "bf16" or path.fp8_block_k else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
+    fp8 = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
+             f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)

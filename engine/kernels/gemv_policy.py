@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+FP8_MATHS = ("bf16", "fp16", "fp8")  # how the GEMV multiplies an FP8 weight (GemvPolicy.fp8_math; the kernel's FP8_MATH is the index)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class GemvPolicy:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"GemvPolicy.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
-        if self.fp8_math not in ("bf16", "fp16", "fp8"):
-            raise ValueError(f"GemvPolicy.fp8_math must be 'bf16', 'fp16' or 'fp8', got {self.fp8_math!r}")
+        if self.fp8_math not in FP8_MATHS:
+            raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

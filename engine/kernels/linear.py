@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.gemv_policy import FP8_MATHS
+
 DECODE_MAX_ROWS = 1  # measured faster than cuBLAS at batch 1 only (see above)
 TILE_ROWS = 16  # x's rows are padded to one 16-row tensor-core tile
 
@@ -44,9 +46,6 @@ def spread(n: int, block_n: int, programs: int) -> int:
     rows (a small weight: more, tinier programs do not pay)."""
     columns = -(-n // programs)
     return columns if block_n // 2 <= columns < block_n else 0
-
-
-FP8_MATHS = ("bf16", "fp16", "fp8")  # how the GEMV multiplies an FP8 weight (the kernel's FP8_MATH)
 
 
 def decode_tile(n: int, k: int) -> GemvConfig:

@@ -1,4 +1,4 @@
-"""Test helpers: requests built directly, a model-free engine loop, and raw prompt logits."""
+"""Test helpers: requests built directly, a model-free engine loop, and waits on an async engine."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ import asyncio
 import itertools
 import time
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.execution_path import ExecutionPath
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepBoundPolicy
+from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
 
 _seq = itertools.count()
 
@@ -69,20 +67,6 @@ class SimulatedEngine:
         assert not self.scheduler.has_work
         assert self.bm.num_free_blocks == self.bm.num_usable_blocks
         assert all(c == 0 for c in self.bm.ref_cnt)
-
-
-def prompt_logits(core, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, computed by the engine's model over its paged cache."""
-    req = Request("logits-probe", list(token_ids), SamplingParams(max_tokens=1))
-    assert core.block_manager.allocate_slots(req, len(token_ids))
-    req.status = RequestStatus.RUNNING
-    try:
-        inputs = core.runner.prepare([ScheduledChunk(req, len(token_ids))])
-        with torch.inference_mode():
-            hidden = core.model(inputs.input_ids, inputs.positions, core.runner.backend, inputs.meta, core.runner.kv_layers)
-            return core.model.compute_logits(hidden)
-    finally:
-        core.block_manager.free(req)
 
 
 def record_paths(runner) -> list[ExecutionPath]:

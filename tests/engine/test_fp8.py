@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.bench.correctness import prompt_logits
 from engine.config import ConfigError, EngineConfig
 from engine.engine_builder import build_engine
 from engine.fp8 import FP8_MAX, Fp8Linear, quantize_model_fp8, quantize_rows, weight_scale
 from engine.loaded_model import LoadedModel
-from tests.engine.helpers import prompt_logits
 
 
 def test_each_row_maps_its_largest_magnitude_to_e4m3s_largest_and_rounds_within_its_grid():
@@ -82,3 +82,19 @@ def test_the_hf_baseline_holds_the_weights_as_fp8_rounded_them(tiny_qwen2_dir):
     assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], layer.self_attn.qkv_proj.dequantized()[:q_rows])
     assert torch.equal(state["model.layers.0.mlp.down_proj.weight"], layer.mlp.down_proj.dequantized())
     assert state["model.layers.0.mlp.up_proj.weight"].dtype == loaded.model.embed_tokens.weight.dtype
+
+
+def test_the_decode_ceiling_counts_the_fp8_bytes_a_step_reads(tiny_qwen2_dir):
+    """engine.bench's bandwidth ceiling: an FP8 model's step reads its e4m3 weights, their scales,
+    the rest as stored (norms, biases, the head), not the indexed embedding: fewer bytes than the
+    same model in float32."""
+    from engine.bench.ceilings import decode_step_bytes
+
+    config = EngineConfig(model=str(tiny_qwen2_dir), device="cpu")
+    loaded = LoadedModel.load(config)
+    core = build_engine(config, loaded)
+    dense = decode_step_bytes(core, 0)
+    quantize_model_fp8(loaded.model)
+    model = loaded.model
+    want = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
+    assert model.lm_head is not None and decode_step_bytes(core, 0) == want < dense

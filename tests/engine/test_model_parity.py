@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, build_engine
+from engine.bench.correctness import prompt_logits
 from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
-
-from tests.engine.helpers import prompt_logits
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LoadedModel, SamplingParams, build_engine
+from engine.bench.correctness import prompt_logits
 from engine.config import ConfigError
 from engine.loader import GGUF_LAYER_NAMES, GGUF_NAMES, load_model
-
-from tests.engine.helpers import prompt_logits
 
 CPU = torch.device("cpu")
 

@@ -16,25 +16,14 @@ from pathlib import Path
 import torch
 
 from engine import EngineConfig, build_engine
+from engine.bench.correctness import prompt_logits
 from engine.fp8 import quantize_model_fp8
 from engine.loaded_model import LoadedModel
-from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledChunk
 
 
 def prompt_logprobs(core, ids: list[int]) -> torch.Tensor:
-    """Log-probs [len(ids), vocab] after every prompt position, over the engine's paged cache."""
-    req = Request("fp8-quality", list(ids), SamplingParams(max_tokens=1))
-    assert core.block_manager.allocate_slots(req, len(ids))
-    req.status = RequestStatus.RUNNING
-    try:
-        inputs = core.runner.prepare([ScheduledChunk(req, len(ids))])
-        with torch.inference_mode():
-            hidden = core.model(inputs.input_ids, inputs.positions, core.runner.backend, inputs.meta, core.runner.kv_layers)
-            return torch.log_softmax(core.model.compute_logits(hidden), dim=-1)
-    finally:
-        core.block_manager.free(req)
+    """Log-probs [len(ids), vocab] after every prompt position."""
+    return torch.log_softmax(prompt_logits(core, ids), dim=-1)
 
 
 def compare(core, prompts: list[list[int]], dense: list[torch.Tensor], name: str) -> None:
