@@ -91,6 +91,13 @@ async def finish_reason(finished: dict[str, str], request_id: str, timeout: floa
     return finished[request_id]
 
 
+async def in_engine(server: AssistantServer, request_id: str, timeout: float = 60.0) -> None:
+    """Until the engine holds ``request_id`` (added, not yet finished)."""
+    async with asyncio.timeout(timeout):
+        while request_id not in server.answerer.engine.core.requests:
+            await asyncio.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def hearing(whisper_tiny_path) -> FasterWhisperBackend:
     """Our own Whisper, to hear the answers the server speaks."""
@@ -309,6 +316,9 @@ async def test_speech_during_the_answer_cancels_it_and_aborts_the_engine_request
         transcript = first(events, "conversation.item.input_audio_transcription.completed").transcript
         assert word_error_rate(clips[2].text, transcript) <= 0.2, transcript
         left = first(events, "response.created").response.id
+        # walk out once the answer is in the engine: response.created comes before its prompt is
+        # built, and a turn cancelled before then never reaches the engine (nothing to abort)
+        await in_engine(server, f"{session_id}-{left}")
         sender.cancel()
     # the engine request of the interrupted answer was aborted, and so was the one we walked out of
     assert await finish_reason(finished, f"{session_id}-{response_id}") == "abort"
