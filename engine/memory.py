@@ -9,8 +9,15 @@ import torch
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``, each once (tied weights and views share one)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    """Bytes of the storages behind ``tensors``, each once (tied weights and views share one); an
+    opaque tensor (oneDNN's prepacked weights) has no storage to share and counts its elements."""
+    sizes = {}
+    for t in tensors:
+        if t.is_mkldnn:
+            sizes[("opaque", id(t))] = t.numel() * t.element_size()
+        else:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -17,7 +17,9 @@ engine/gguf_blocks.py; a fused q|k|v whose parts come in both formats runs as ro
 On a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16) the kernel wins only for a few
 rows (decode); for a prefill chunk or a big batch the dense bf16 matmul is faster, so each
 :class:`Int4Linear` keeps both and picks by row count (:func:`int4_max_rows`). Without them torch
-emulates bf16 matmuls and the kernel wins at every row count.
+emulates bf16 matmuls and the kernel wins at every row count. There the dense copy is held in
+oneDNN's own blocked layout, made once at load: ``F.linear`` would lay the weight out again on
+every call, which for a question's 30 rows costs as much as the multiply itself.
 Scales and zeros are held in bf16 (the kernel's activation dtype): the GGUF's fp16 d and m are
 rounded to 8 mantissa bits, a relative error of at most 2^-9 on each scale.
 """
@@ -36,6 +38,7 @@ from engine.gguf_blocks import GROUP, SUPPORTED, BlockCache, Blocks
 from engine.gguf_file import GGUFFile, GGUFTensor
 
 INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
+PREPACK_ROWS = 32  # the row count oneDNN lays a dense weight out for: a question after the cached documents
 BF16_MATMUL_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of hardware bf16 matmuls
 
 
@@ -63,6 +66,11 @@ def int4_max_rows(flags: frozenset[str] | None) -> int:
     without them (2026-12-01) a [512, 576] x [576, 1536] product took 160-170 ms dense bf16 and
     87-94 ms int4, 2048 rows 610-680 ms and 300 ms."""
     return INT4_MAX_ROWS if bf16_matmuls(flags) else sys.maxsize
+
+
+def can_prepack() -> bool:
+    """Whether this torch has oneDNN's prepacked bf16 linear (``mkldnn._linear_pointwise``)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class PackedInt4(nn.Module):
@@ -95,19 +103,31 @@ class Int4Linear(nn.Module):
     ``segments`` are row ranges of the output, concatenated: fused q|k|v or gate|up whose parts come
     in different formats (a Q4_1 q and a Q8_0 v) are one segment each. Each segment's ``parts`` are
     summed (one part for Q4_1, two for Q8_0's hi/lo split). ``bias`` (Qwen2's q|k|v) is added to
-    either path's output."""
+    either path's output. ``prepack`` holds the dense copy in oneDNN's layout (``packed``, no
+    ``weight``; :meth:`dense_weight` gives it back as a plain tensor) where it is bf16."""
 
     def __init__(self, segments: list[list[PackedInt4]], dense: torch.Tensor, bias: torch.Tensor | None = None,
-                 max_rows: int = INT4_MAX_ROWS) -> None:
+                 max_rows: int = INT4_MAX_ROWS, prepack: bool = False) -> None:
         super().__init__()
         self.segments = nn.ModuleList(nn.ModuleList(parts) for parts in segments)
-        self.weight = nn.Parameter(dense, requires_grad=False)  # same name as nn.Linear's: HF export, memory ledger
+        if prepack and dense.dtype == torch.bfloat16:  # one copy only: the plain one is dropped
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, PREPACK_ROWS), persistent=False)
+            self.register_parameter("weight", None)
+        else:
+            self.register_buffer("packed", None, persistent=False)
+            self.weight = nn.Parameter(dense, requires_grad=False)  # same name as nn.Linear's: HF export, memory ledger
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.max_rows = max_rows
 
+    def dense_weight(self) -> torch.Tensor:
+        """The dense weight [N, K] as a plain tensor (copied out of oneDNN's layout when prepacked)."""
+        return self.weight if self.packed is None else self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows or x.dtype != torch.bfloat16:
-            return F.linear(x, self.weight, self.bias)
+            if self.packed is not None and x.dtype == torch.bfloat16:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return F.linear(x, self.dense_weight(), self.bias)
         outs = []
         for parts in self.segments:
             out = parts[0](x)
@@ -182,11 +202,14 @@ def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
     return {t.name: t for t in GGUFFile.read(path).tensors}
 
 
-def quantize_from_gguf(model: nn.Module, blocks: BlockCache, max_rows: int | None = None) -> None:
+def quantize_from_gguf(model: nn.Module, blocks: BlockCache, max_rows: int | None = None, prepack: bool | None = None) -> None:
     """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
     own blocks (``blocks``: of the file the model's dense weights came from);
-    ``max_rows`` None: :func:`int4_max_rows` of this CPU."""
+    ``max_rows`` None: :func:`int4_max_rows` of this CPU. ``prepack`` None: the layers' dense
+    copies in oneDNN's layout wherever they are used (a row limit) and torch has it. The head
+    (run on one row a request) keeps its plain copy, which is the embedding table when tied."""
     max_rows = int4_max_rows(cpu_flags()) if max_rows is None else max_rows
+    prepack = (max_rows != sys.maxsize and can_prepack()) if prepack is None else prepack
     cfg = model.config
     tensors = blocks.tensors
 
@@ -194,9 +217,10 @@ def quantize_from_gguf(model: nn.Module, blocks: BlockCache, max_rows: int | Non
         return gguf_int4_parts(blocks[name], heads)
 
     def swap(owner: nn.Module, attr: str, matrices: list[Int4Parts]) -> None:
-        linear = getattr(owner, attr)
+        linear = getattr(owner, attr)  # an nn.Linear, or an Int4Linear when a quantized model is laid out again
         bias = None if linear.bias is None else linear.bias.data
-        setattr(owner, attr, Int4Linear([pack(m) for m in fuse_rows(matrices)], linear.weight.data, bias, max_rows))
+        dense = linear.dense_weight() if isinstance(linear, Int4Linear) else linear.weight.data
+        setattr(owner, attr, Int4Linear([pack(m) for m in fuse_rows(matrices)], dense, bias, max_rows, prepack))
 
     permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
     for i, layer in enumerate(model.layers):

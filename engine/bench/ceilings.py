@@ -52,9 +52,11 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
     if int4 or any(isinstance(m, Fp8Linear) for m in model.modules()):  # the stored weights (int4 blocks, e4m3 + scales) as they are
         # not read by a one-row step: int4's dense copies, the RoPE table, and the embedding unless it is the head (an int4
         # model's head is an int4 copy of its own)
-        skip = [*(m.weight for m in int4), model.rope.cos_sin, *((model.embed_tokens.weight,) if int4 or model.lm_head is not None else ())]
+        skip = [*(m.weight for m in int4 if m.weight is not None), model.rope.cos_sin,
+                *((model.embed_tokens.weight,) if int4 or model.lm_head is not None else ())]
         ptrs = {t.untyped_storage().data_ptr() for t in skip}
-        return storage_bytes(t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage().data_ptr() not in ptrs) + kv
+        read = [t for t in [*model.parameters(), *model.buffers()] if not t.is_mkldnn]  # prepacked: dense copies too
+        return storage_bytes(t for t in read if t.untyped_storage().data_ptr() not in ptrs) + kv
     weights = mc.num_parameters * elem
     if not mc.tie_word_embeddings:
         weights -= mc.vocab_size * mc.hidden_size * elem

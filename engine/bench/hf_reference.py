@@ -11,6 +11,7 @@ import torch
 from engine.config import ARCHITECTURES
 from engine.fp8 import Fp8Linear
 from engine.model import LlamaForCausalLM
+from engine.quantization import Int4Linear
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -44,8 +45,11 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def _weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A projection's weight as HF holds it: itself, or an FP8 one's dequantized values."""
-    return linear.dequantized().to(dtype) if isinstance(linear, Fp8Linear) else linear.weight
+    """A projection's weight as HF holds it: itself, an FP8 one's dequantized values, or an int4
+    one's dense copy."""
+    if isinstance(linear, Fp8Linear):
+        return linear.dequantized().to(dtype)
+    return linear.dense_weight() if isinstance(linear, Int4Linear) else linear.weight
 
 
 def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):

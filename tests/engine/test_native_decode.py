@@ -150,7 +150,9 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
     """Ten decodes at once (past the 8 the native step once stopped at, above which the PyTorch
     path ran) are native steps of ten rows: the same greedy tokens as each request decoded alone,
     each one float32 HF also ranks (near) first. (Against the PyTorch path itself a near tie may
-    flip: int8 against bf16 activations.)"""
+    flip: int8 against bf16 activations. So may the prefill: ten prompts prefilled at once are one
+    bf16 matmul of all their rows, whose oneDNN blocking, and so its rounding, depends on the row
+    count; an answer may then part from its alone twin, but only at a float32 near tie.)"""
     core = native_llm.core
     questions = ("What is the capital of France?", "Name a primary colour.", "How many legs does a spider have?",
                  "What is two plus two?", "Which planet is closest to the sun?", "What colour is the sky?",
@@ -180,9 +182,13 @@ def test_a_batch_of_ten_decodes_natively_with_the_tokens_of_each_alone(native_ll
     finally:
         core.runner.prepare = prepare
     assert sum(1 for path, n in steps if path is ExecutionPath.NATIVE and n == 10) >= 5
-    assert together == [answers([p])[0] for p in prompts]
-    for prompt, tokens in zip(prompts, together):
+    alone = [answers([p])[0] for p in prompts]
+    assert sum(a == b for a, b in zip(together, alone)) >= 8
+    for prompt, tokens, twin in zip(prompts, together, alone):
         assert_float32_ranks_first(hf_fp32, prompt, tokens)
+        if tokens != twin:  # they part at a near tie: both choices within 0.5 nats of float32's first
+            at = next(i for i, (a, b) in enumerate(zip(tokens, twin)) if a != b)
+            assert_float32_ranks_first(hf_fp32, prompt, twin[: at + 1])
     assert native_llm.stats().kv_blocks_free == native_llm.stats().kv_blocks_total
 
 

@@ -16,7 +16,8 @@ import torch
 
 from engine import LLM, EngineConfig, LoadedModel
 from engine.config import ConfigError
-from engine.gguf_blocks import q4_1_blocks, q8_0_blocks, tensor_blocks
+from engine.gguf_blocks import BlockCache, q4_1_blocks, q8_0_blocks, tensor_blocks
+from engine.memory import tensor_bytes
 from engine.quantization import (
     INT4_MAX_ROWS,
     Int4Linear,
@@ -28,6 +29,7 @@ from engine.quantization import (
     int4_parts_q4_1,
     int4_parts_q8_0,
     pack,
+    quantize_from_gguf,
 )
 from engine.sampling import SamplingParams
 
@@ -116,6 +118,50 @@ def test_int4_linear_uses_dense_weights_for_many_rows():
     small, big = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
     assert layer(small).abs().sum() > 0  # int4 kernel
     assert layer(big).abs().sum() == 0  # dense path
+
+
+def test_a_prepacked_dense_copy_is_the_dense_weight_in_onednn_layout():
+    """Prepacked, the dense path multiplies by oneDNN's blocked copy (the plain one is dropped):
+    the same products as ``F.linear`` on the plain weight (bias included), the weight given back
+    exactly, its bytes in the memory ledger; few rows still take the int4 kernel."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q.Q4_1)
+    blocks = q4_1_blocks(raw, 48, 64)
+    exact = torch.from_numpy(blocks.dequantize()).to(torch.bfloat16)
+    bias = torch.randn(48).to(torch.bfloat16)
+    layer = Int4Linear([pack(int4_parts(blocks))], exact, bias, max_rows=4, prepack=True)
+    assert layer.weight is None and layer.packed.is_mkldnn
+    assert torch.equal(layer.dense_weight(), exact)
+    assert tensor_bytes(layer) >= 48 * 64 * 2  # the packed copy counts
+    for rows in (5, 30, 64):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        plain = torch.nn.functional.linear(x, exact, bias).float()
+        assert (layer(x).float() - plain).abs().max() <= 2 ** -7 * plain.abs().max()
+    zeroed = Int4Linear([pack(int4_parts(blocks))], torch.zeros(48, 64, dtype=torch.bfloat16), None, max_rows=4, prepack=True)
+    small, big = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
+    assert zeroed(small).abs().sum() > 0 and zeroed(big).abs().sum() == 0  # int4 kernel, then the packed copy
+
+
+def test_the_embedded_model_prepacked_gives_the_plain_model_s_answer(llm_gguf_path):
+    """The whole model with its layers' dense copies prepacked: a 40-token prefill (dense path) and
+    the greedy answer after it match the plain copies' (same weights, same products)."""
+    path = str(llm_gguf_path)
+    loaded = LoadedModel.load(EngineConfig(model=path, quantization="int4", max_model_len=512))
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow, "
+                                                    "and say which one comes first when you read it from the top."}])  # fmt: skip
+    assert len(prompt) > INT4_MAX_ROWS
+    params, blocks = SamplingParams(temperature=0, max_tokens=12, logprobs=0), BlockCache(gguf_tensors(path))
+    answers = []
+    for prepack in (False, True):
+        quantize_from_gguf(loaded.model, blocks, prepack=prepack)
+        packed = [m for m in loaded.model.modules() if isinstance(m, Int4Linear) and m.packed is not None]
+        assert len(packed) == (4 * len(loaded.model.layers) if prepack else 0)  # every projection, never the head
+        answers.append(LLM(path, quantization="int4", max_model_len=512, native_decode_step="off", loaded=loaded).generate([prompt], params)[0])
+    plain, ours = answers
+    assert ours.token_ids == plain.token_ids
+    first = [lp[t] for lp, t in zip(plain.logprobs, plain.token_ids)]
+    assert max(abs(a - b) for a, b in zip(first, [lp[t] for lp, t in zip(ours.logprobs, ours.token_ids)])) < 0.05
 
 
 def test_the_dense_path_is_kept_for_cpus_with_hardware_bf16_matmuls():
