@@ -61,8 +61,13 @@ def paged_attention_reference(
     if nd:
         out[:nd] = o
     start = nd
+    chunks = meta.scratch.get("chunk_views", {})
     for i in range(nd, meta.num_requests):
         qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
+        if i in chunks:
+            out[start : start + qlen] = chunk_attention_views(q[start : start + qlen], kv_cache, *chunks[i], scale)
+            start += qlen
+            continue
         nblocks = -(-slen // block_size)
         table = meta.block_tables[i, :nblocks]
         keys = gather_blocks(k_cache, table, 1)[0, :slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
@@ -152,6 +157,51 @@ def decode_attention_views(
     return out
 
 
+def chunk_view_plan(meta: AttentionMetadata, page: int) -> dict[int, tuple[list[tuple[int, int, int]], torch.Tensor]]:
+    """For each prefill chunk after cached context whose cached blocks form at most
+    :data:`MAX_VIEW_RUNS` runs: its request index -> (the runs of its cached context, the cache
+    slots of the chunk's own tokens). Other chunks take the gathering reference."""
+    plan = {}
+    for i in range(meta.num_decodes, meta.num_requests):
+        qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
+        if slen == qlen:
+            continue
+        runs = block_runs(meta.block_tables[i, : -(-(slen - qlen) // page)].tolist(), slen - qlen, page)
+        if len(runs) <= MAX_VIEW_RUNS:
+            start = int(meta.query_start_loc[i])
+            plan[i] = (runs, meta.slot_mapping[start : start + qlen].to(torch.long))
+    return plan
+
+
+def chunk_attention_views(
+    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], runs: list[tuple[int, int, int]], slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One request's prefill chunk ``q`` [T, Hq, D] after its cached context (a question after
+    the cached documents): the context, seen whole by every row (no mask), is read in place
+    through strided views of its block runs, with the GQA group and the chunk's rows as one query
+    axis of each KV head; the chunk's own T keys, gathered by their ``slots``, are seen causally.
+    The parts are merged by their log-sum-exp. On a 2-core CPU, a 30-token question after 5,000
+    cached tokens: no gathered copy of the context and one SDPA call a KV head's whole group."""
+    k_cache, v_cache = kv_cache
+    heads, dim = k_cache.shape[2:]
+    tokens, hq, _ = q.shape
+    group = hq // heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    grouped = q.view(tokens, heads, group, dim).permute(1, 2, 0, 3).reshape(1, heads, group * tokens, dim)  # row g*T + t
+    parts = []
+    for first, count, n in runs:
+        k = k_cache[first : first + count].view(1, -1, heads, dim)[:, :n].transpose(1, 2)
+        v = v_cache[first : first + count].view(1, -1, heads, dim)[:, :n].transpose(1, 2)
+        parts.append(flash(grouped, k, v, scale=scale)[:2])
+    k = k_cache.view(-1, heads, dim).index_select(0, slots).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, T, D]
+    v = v_cache.view(-1, heads, dim).index_select(0, slots).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    o, lse = flash(q.transpose(0, 1).unsqueeze(0), k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)[:2]
+    parts.append((o.reshape(1, heads, group * tokens, dim), lse.reshape(1, heads, group * tokens)))
+    w = torch.softmax(torch.stack([p[1] for p in parts]), dim=0)[..., None]  # [parts, 1, heads, G*T, 1]
+    merged = sum(w[r] * parts[r][0].float() for r in range(len(parts)))
+    return merged.view(heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, hq, dim).to(q.dtype)
+
+
 class TorchReferenceAttention(AttentionBackend):
     name = "torch"
 
@@ -171,4 +221,6 @@ class TorchReferenceAttention(AttentionBackend):
             plan = meta.scratch["decode_views"]
             if plan is not None:
                 return decode_attention_views(q, kv_cache, plan, scale)
+            if "chunk_views" not in meta.scratch:
+                meta.scratch["chunk_views"] = chunk_view_plan(meta, kv_cache[0].shape[1])
         return paged_attention_reference(q, kv_cache, meta, scale)

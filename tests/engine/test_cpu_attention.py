@@ -1,4 +1,5 @@
-"""The CPU decode path that reads the paged cache through views, against the gathering reference."""
+"""The CPU decode and prefill-chunk paths that read the paged cache through views, against the
+gathering reference."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.attention.torch_ref import (
     MAX_VIEW_RUNS,
     TorchReferenceAttention,
     block_runs,
+    chunk_view_plan,
     decode_attention_views,
     decode_view_plan,
     paged_attention_reference,
@@ -25,8 +27,9 @@ def meta_for(tables: list[list[int]], seq_lens: list[int], query_lens: list[int]
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
+    slots = [t[p // PAGE] * PAGE + p % PAGE for t, s, n in zip(tables, seq_lens, query_lens) for p in range(s - n, s)]
     return AttentionMetadata(
-        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
         query_start_loc=torch.tensor(qsl),
         seq_lens=torch.tensor(seq_lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
@@ -69,3 +72,40 @@ def test_fragmented_large_or_mixed_steps_use_the_reference():
     assert decode_view_plan(meta_for(scattered, [len(scattered[0]) * PAGE], [1]), PAGE) is None
     assert decode_view_plan(meta_for([[1]] * 5, [3] * 5, [1] * 5), PAGE) is None  # more than 4 decodes
     assert decode_view_plan(meta_for([[1], [2, 3]], [3, 20], [1, 7]), PAGE) is None  # a prefill chunk in the step
+
+
+def scattered_table(rng: random.Random, runs: int, blocks: int) -> list[int]:
+    """``blocks`` distinct block ids in ``runs`` runs of consecutive ids (the last may be longer)."""
+    ids = rng.sample(range(1, 200, 20), runs)  # run starts 20 apart: runs never touch
+    sizes = [blocks // runs] * (runs - 1) + [blocks - blocks // runs * (runs - 1)]
+    return [start + j for start, size in zip(ids, sizes) for j in range(size)]
+
+
+@pytest.mark.parametrize("runs,chunk", [(1, 30), (2, 7), (MAX_VIEW_RUNS, 17)])
+def test_a_chunk_after_cached_context_through_views_matches_the_reference(runs, chunk):
+    """A question after the cached documents (and a decode in the same step): its context read in
+    place, its own keys causal, merged by log-sum-exp, as the gathering reference computes it;
+    the chunk's tokens straddle a block boundary."""
+    rng = random.Random(runs)
+    torch.manual_seed(runs)
+    k_cache, v_cache = torch.randn(220, PAGE, HKV, D), torch.randn(220, PAGE, HKV, D)
+    context = 5 * PAGE + 9
+    table = scattered_table(rng, runs, -(-(context + chunk) // PAGE))
+    decode = [210, 211]
+    tables, lens, qlens = [decode, table], [PAGE + 5, context + chunk], [1, chunk]
+    plan = chunk_view_plan(meta_for(tables, lens, qlens), PAGE)
+    assert list(plan) == [1] and len(plan[1][0]) <= runs
+    q = torch.randn(1 + chunk, HQ, D)
+    ref = paged_attention_reference(q, (k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
+    out = TorchReferenceAttention().attend(q, (k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    bf16 = TorchReferenceAttention().attend(q.bfloat16(), (k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
+    ref16 = paged_attention_reference(q.bfloat16(), (k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
+    torch.testing.assert_close(bf16.float(), ref16.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_chunks_without_context_or_with_fragmented_context_use_the_reference():
+    whole = meta_for([[1, 2, 3]], [40], [40])  # a prompt's first chunk: no cached context
+    assert chunk_view_plan(whole, PAGE) == {}
+    scattered = list(range(1, 2 * (MAX_VIEW_RUNS + 2), 2))  # every block its own run
+    assert chunk_view_plan(meta_for([scattered], [len(scattered) * PAGE], [5]), PAGE) == {}
