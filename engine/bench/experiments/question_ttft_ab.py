@@ -58,12 +58,12 @@ def ttft(prepack: bool, views: bool) -> float:
 variants = {(p, v): [] for p in (False, True) for v in (False, True)}
 print(f"# {path.rsplit('/', 1)[-1]}, {torch.get_num_threads()} threads, T={tokens} after {prefix_len} cached, {rounds} rounds", flush=True)
 for r in range(rounds + 1):
-    for key in variants:
-        seconds = ttft(*key)
-        if r:  # round 0 warms each variant
+    this_round = {key: ttft(*key) for key in variants}
+    if r:  # round 0 warms each variant
+        for key, seconds in this_round.items():
             variants[key].append(seconds)
     print(f"round {r}: " + ", ".join(f"{'prepacked' if p else 'plain'}+{'views' if v else 'gather'} "
-                                     f"{(variants[(p, v)] or [seconds])[-1] * 1e3:.0f}" for p, v in variants), flush=True)
+                                     f"{seconds * 1e3:.0f}" for (p, v), seconds in this_round.items()), flush=True)
 print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 for (p, v), times in variants.items():
     print(f"{'prepacked' if p else 'plain':9s} + {'views' if v else 'gather':6s}: TTFT p50 {statistics.median(times) * 1e3:5.0f} ms, "
