@@ -70,7 +70,7 @@ ROWS = (
     ("asr_final", "ASR final after endpoint (speculative: after speech_end)"),
     ("asr_queue", "- of which (ASR): waiting in the ASR worker's queue"),
     ("asr_decode", "- of which (ASR): the decode (its batch's time)"),
-    ("asr_handoff", "- of which (ASR): transcript handed to the event loop"),
+    ("asr_handoff", "- of which (ASR): after the decode, until the event loop has it"),
     ("response_requested", "client's response.create after ASR final"),
     ("image_read", "the turn's images read after that (OCR)"),
     ("llm_first_token", "LLM first token after ASR final (or response.create)"),

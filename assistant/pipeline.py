@@ -371,7 +371,7 @@ class VoicePipeline:
         timeline = utterance.timeline
         assert timeline is not None
         if timeline.mark("asr_final"):
-            timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.emitted_at, time.perf_counter())
+            timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.decoded_at, time.perf_counter())
         self.services.coscheduler.waits(self.id, utterance.item_id, None)
         timeline.partials, timeline.prefills = utterance.partials, self.prefills - utterance.prefills_before
         self._utterances.pop(event.utterance, None)
@@ -426,7 +426,7 @@ class VoicePipeline:
         timeline.mark("speech_end", utterance.speech_end)
         timeline.pause = utterance.paused_at
         timeline.mark("asr_final")
-        timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.emitted_at, time.perf_counter())
+        timeline.asr_final_breakdown(event.queue_s, event.decode_s, event.decoded_at, time.perf_counter())
         utterance.timeline, utterance.speculative_text = timeline, event.text
         utterance.speculation = self._start_reply(timeline, None, None, None, speculative_text=event.text)
         if self.metrics is not None:

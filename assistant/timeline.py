@@ -96,10 +96,11 @@ class Timeline:
     image_read_ms: float = 0.0  # the image reader's own time for them (cache hits: 0), wherever it overlapped
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # where asr_final's and llm_first_token's time went
 
-    def asr_final_breakdown(self, queue_s: float, decode_s: float, emitted_at: float, handled_at: float) -> None:
-        """Split the ASR final: the worker's queue, the decode, and the hand-off to the handler."""
+    def asr_final_breakdown(self, queue_s: float, decode_s: float, decoded_at: float, handled_at: float) -> None:
+        """Split the ASR final: the worker's queue, the decode, and from the decode's end to the
+        handler (the worker's bookkeeping, the other results of its batch, the hand-off)."""
         self.breakdown_ms.update(asr_queue=_ms(queue_s), asr_decode=_ms(decode_s),
-                                 asr_handoff=_ms(max(0.0, handled_at - emitted_at)))  # fmt: skip
+                                 asr_handoff=_ms(max(0.0, handled_at - decoded_at)))  # fmt: skip
 
     def first_token_breakdown(self, arrival: float, scheduled: float | None, first_token: float | None,
                               handled_at: float, asked_at: float | None) -> None:  # fmt: skip

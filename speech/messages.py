@@ -62,8 +62,9 @@ class Transcript:
     A partial (``is_final=False``) carries only the stable prefix, so every partial is a prefix of
     the later partials and of the final. ``audio_end_s`` is the stream time the decoded audio ends
     at; ``queue_s`` and ``decode_s`` are the time spent waiting for and inside the model;
-    ``emitted_at`` the ``time.perf_counter()`` instant the session handed it on (so a consumer on
-    another thread can tell how long it waited to be handled).
+    ``decoded_at`` the ``time.perf_counter()`` instant its decode ended (so a consumer on another
+    thread can tell how long it took to be handled after that: the worker's bookkeeping, the other
+    results of its batch, the hand-off).
     ``speculative`` (with ``is_final``): a decode of the utterance so far made at a
     :class:`SpeechPaused`; the utterance may still go on (a :class:`SpeechResumed` then follows).
     """
@@ -76,7 +77,7 @@ class Transcript:
     queue_s: float
     decode_s: float
     speculative: bool = False
-    emitted_at: float = 0.0
+    decoded_at: float = 0.0
 
 
 @dataclass(frozen=True)

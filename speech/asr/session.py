@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -135,7 +134,7 @@ class ASRSession:
 
     def _emit(self, event: ASREvent) -> None:
         if not self._closed:
-            self._on_event(replace(event, emitted_at=time.perf_counter()) if isinstance(event, Transcript) else event)
+            self._on_event(event)
 
     def _start(self, event: SpeechStarted) -> None:
         with self._lock:
@@ -191,7 +190,8 @@ class ASRSession:
                 spec.error = f"{type(result).__name__}: {result}"
             else:
                 text = result.text if result.text.startswith(job.prefix) else job.prefix
-                spec.final = final = Transcript(job.utterance, text, True, result.language, job.audio_end_s, queue_s, decode_s)
+                spec.final = final = Transcript(job.utterance, text, True, result.language, job.audio_end_s, queue_s, decode_s,
+                                                decoded_at=decoded_at(job, queue_s, decode_s))
             wanted, current = spec.final_wanted, self._speculation is spec
         if wanted:
             self._emit(final if final is not None else TranscriptionFailed(job.utterance, spec.error or ""))
@@ -248,7 +248,7 @@ class ASRSession:
             if grew:
                 self._emit(
                     Transcript(job.utterance, text, False, result.language, job.audio_end_s,
-                               queue_s, decode_s)
+                               queue_s, decode_s, decoded_at=decoded_at(job, queue_s, decode_s))
                 )  # fmt: skip
             return
         if isinstance(result, Exception):
@@ -259,8 +259,14 @@ class ASRSession:
         text = result.text if result.text.startswith(job.prefix) else job.prefix
         self._emit(
             Transcript(job.utterance, text, True, result.language, job.audio_end_s, queue_s,
-                       decode_s)
+                       decode_s, decoded_at=decoded_at(job, queue_s, decode_s))
         )  # fmt: skip
+
+
+def decoded_at(job: ASRJob, queue_s: float, decode_s: float) -> float:
+    """The ``time.perf_counter()`` instant ``job``'s decode ended (it was submitted, waited
+    ``queue_s``, then decoded for ``decode_s``)."""
+    return job.submitted + queue_s + decode_s
 
 
 class AsyncASRSession:

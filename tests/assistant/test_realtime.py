@@ -154,7 +154,8 @@ def check_timeline(timeline: dict, source: str = "voice", requested: bool = Fals
 
 def check_breakdown(timeline: dict) -> None:
     """Where the ASR final's and the first token's time went: every part measured, none negative;
-    the ASR parts span at least the stage (the final is queued before the endpoint is handled),
+    the ASR parts span at least the stage (the final is queued before the endpoint is handled, and
+    its hand-off runs from the decode's end, so a batch's later results count their wait there),
     the LLM parts at most the stage (the engine is asked after the stage began)."""
     parts, shares = timeline["breakdown_ms"], timeline["stages_ms"]
     llm = ("llm_submit", "llm_queue", "llm_prefill", "llm_handoff")

@@ -28,12 +28,16 @@ def chunks(audio: np.ndarray, rate: int, ms: int = 20) -> list[bytes]:
     return [pcm[i : i + step].tobytes() for i in range(0, len(pcm), step)]
 
 
-def transcribe(worker: ASRWorker, config: ASRConfig, audio: np.ndarray, rate: int, **kw) -> list:
-    """Feed a whole clip through a session as fast as possible; return its events."""
+def transcribe(worker: ASRWorker, config: ASRConfig, audio: np.ndarray, rate: int,
+               received: dict[int, float] | None = None, **kw) -> list:
+    """Feed a whole clip through a session as fast as possible; return its events (and, into
+    ``received``, when each transcript arrived: id(transcript) -> perf_counter)."""
     events: list = []
     finished = threading.Event()
 
     def on_event(event) -> None:
+        if received is not None and isinstance(event, Transcript):
+            received[id(event)] = time.perf_counter()
         events.append(event)
         if isinstance(event, TranscriptionFailed) or getattr(event, "is_final", False):
             finished.set()
@@ -422,3 +426,20 @@ def test_stable_prefix_counts_chinese_characters_as_units() -> None:
     stable = StablePrefix()
     stable.update("年假怎么")
     assert stable.update("年假怎么申请") and stable.text == "年假怎么"
+
+
+def test_a_transcript_says_when_its_decode_ended(question_clips, whisper_tiny, tiny_config) -> None:
+    """``decoded_at`` is the instant the decode ended: after the audio was fed and its queue and
+    decode times, before the transcript reached its listener, which stamps when it got it. The
+    timeline's hand-off starts there, so queue + decode + hand-off cover the ASR stage even when a
+    batch's later results wait for the earlier ones' callbacks."""
+    clip = question_clips[0]
+    received: dict[int, float] = {}
+    start = time.perf_counter()
+    with ASRWorker(whisper_tiny) as worker:
+        events = transcribe(worker, tiny_config, clip.audio, clip.sample_rate, received)
+    transcripts = [e for e in events if isinstance(e, Transcript)]
+    assert transcripts and transcripts[-1].is_final
+    for t in transcripts:
+        assert t.decode_s > 0 and t.queue_s >= 0
+        assert start + t.queue_s + t.decode_s <= t.decoded_at <= received[id(t)]
