@@ -16,10 +16,10 @@ engine/gguf_blocks.py; a fused q|k|v whose parts come in both formats runs as ro
 
 On a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16) the kernel wins only for a few
 rows (decode); for a prefill chunk or a big batch the dense bf16 matmul is faster, so each
-:class:`Int4Linear` keeps both and picks by row count (:func:`int4_max_rows`). Without them torch
-emulates bf16 matmuls and the kernel wins at every row count. There the dense copy is held in
-oneDNN's own blocked layout, made once at load: ``F.linear`` would lay the weight out again on
-every call, which for a question's 30 rows costs as much as the multiply itself.
+:class:`Int4Linear` keeps both and picks by row count (:func:`int4_max_rows`). On such a CPU the
+dense copy is held in oneDNN's own blocked layout, made once at load: ``F.linear`` would lay the
+weight out again on every call, which for a question's 30 rows costs as much as the multiply
+itself. Without hardware bf16 matmuls torch emulates them and the kernel wins at every row count.
 Scales and zeros are held in bf16 (the kernel's activation dtype): the GGUF's fp16 d and m are
 rounded to 8 mantissa bits, a relative error of at most 2^-9 on each scale.
 """

@@ -129,6 +129,13 @@ def decode_view_plan(meta: AttentionMetadata, page: int) -> list[list[tuple[int,
     return plan if all(len(r) <= MAX_VIEW_RUNS for r in plan) else None
 
 
+def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over the union of disjoint key sets from each set's (output, log-sum-exp of its
+    scores): outputs weighted by their share of the total softmax mass, in float32."""
+    w = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)[..., None]  # [parts, ..., rows, 1]
+    return sum(w[r] * o.float() for r, (o, _) in enumerate(parts))
+
+
 def decode_attention_views(
     q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: list[list[tuple[int, int, int]]], scale: float
 ) -> torch.Tensor:
@@ -147,12 +154,7 @@ def decode_attention_views(
             k = k_cache[first : first + count].view(1, -1, heads, dim)[:, :tokens].transpose(1, 2)
             v = v_cache[first : first + count].view(1, -1, heads, dim)[:, :tokens].transpose(1, 2)
             parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, k, v, scale=scale)[:2])
-        if len(parts) == 1:
-            o = parts[0][0]
-        else:
-            lse = torch.stack([p[1] for p in parts])  # [runs, 1, heads, group] float32
-            w = torch.softmax(lse, dim=0)[..., None]
-            o = sum(w[r] * parts[r][0].float() for r in range(len(parts))).to(q.dtype)
+        o = parts[0][0] if len(parts) == 1 else merge_by_lse(parts).to(q.dtype)
         out[i] = o.view(-1, dim)
     return out
 
@@ -197,9 +199,7 @@ def chunk_attention_views(
     v = v_cache.view(-1, heads, dim).index_select(0, slots).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
     o, lse = flash(q.transpose(0, 1).unsqueeze(0), k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)[:2]
     parts.append((o.reshape(1, heads, group * tokens, dim), lse.reshape(1, heads, group * tokens)))
-    w = torch.softmax(torch.stack([p[1] for p in parts]), dim=0)[..., None]  # [parts, 1, heads, G*T, 1]
-    merged = sum(w[r] * parts[r][0].float() for r in range(len(parts)))
-    return merged.view(heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, hq, dim).to(q.dtype)
+    return merge_by_lse(parts).view(heads, group, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, hq, dim).to(q.dtype)
 
 
 class TorchReferenceAttention(AttentionBackend):
