@@ -83,6 +83,8 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvP
         variants["same, PDL off"] = replace(path, pdl=False)
         for late in sorted({(), *((name,) for name in PROJECTIONS), ("o", "gate_up"), PROJECTIONS} - {path.late_release}):
             variants[f"same, late PDL release: {'+'.join(late) or 'none'}"] = replace(path, late_release=late)
+        for mib in sorted({0, 1, 4, 16, 64} - {path.prefetch_bytes >> 20}):
+            variants[f"same, L2 prefetch {mib} MiB a weight"] = replace(path, prefetch_bytes=mib << 20)
     if path.fused_swiglu:
         variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
     down = "on cuBLAS" if path.gemv_down else f"as a GEMV too (split-K {path.down_split_k})"
@@ -129,5 +131,6 @@ def path_name(path: GemvPolicy) -> str:
     parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
              f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
-             "PDL" if path.pdl else "", f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
+             "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",
+             f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)

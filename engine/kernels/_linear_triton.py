@@ -7,10 +7,14 @@ owns BLOCK_N output columns (rows of W) over the whole K: it streams its slice o
 take a 1/SPLIT_K slice of K and store float32 partials [SPLIT_K, M, N]: more programs for a
 weight with few rows, and no reduction kernel - the next residual add + RMSNorm sums them.
 
-Tried and not kept (H200): (1) with PDL, asking L2 for the first weight columns before waiting
-for the previous kernel (``prefetch.global.L2``): 8 MiB a projection was within noise of none
-(batch-1 graph replay 4.20 / 4.19 ms), 32 MiB 8% slower (``engine.bench latency``, 2026-11-30).
-(2) Computing the operand in the loop - RMSNorm(x + residual) before q|k|v or gate|up,
+``PREFETCH_K`` (with PDL): before waiting for the previous kernel, a program asks L2 for the
+first PREFETCH_K columns of its weight rows (``prefetch.global.L2``; weights never depend on the
+kernel before). On the 8B's wide weights, which stream at the copy bandwidth anyway, 8 MiB a
+projection was within noise of none (batch-1 graph replay 4.20 / 4.19 ms), 32 MiB 8% slower
+(2026-11-30); it is for small weights, whose GEMVs wait on DRAM latency rather than bandwidth
+(``GemvPolicy.prefetch_bytes``).
+
+Tried and not kept (H200): (1) see PREFETCH_K above for wide weights. (2) Computing the operand in the loop - RMSNorm(x + residual) before q|k|v or gate|up,
 silu(gate) * up before down_proj - so that op needs no kernel of its own
 (``kernel_bench --decode-linear``). A computed operand cannot be prefetched like a loaded one: the
 norm versions took 44.5 / 78.7 us where the separate kernels and cuBLAS took 17.3 / 63.1 us,
@@ -27,7 +31,7 @@ the wait (GemvPolicy.late_release says for which projections it pays).
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_release, pdl_wait
+from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2
 
 
 @triton.jit
@@ -36,6 +40,7 @@ def decode_linear_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
     COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
+    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -47,7 +52,10 @@ def decode_linear_kernel(
     before SwiGLU, bias and store. FP8_MATH (with HAS_SCALE): 0 widens each weight tile to x's
     dtype in registers (W8A16); 1 widens the tile and x to fp16 (e4m3 -> fp16 is one conversion);
     2 rounds x to e4m3 with one scale per row (its largest magnitude over the whole K, found by a
-    first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion)."""
+    first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion).
+    PREFETCH_K (> 0 with USE_PDL): columns of this program's K slice requested into L2 before the
+    wait, 8 lines of LINE elements (128 bytes) a row per round, clamped into the program's rows and
+    slice."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -63,6 +71,15 @@ def decode_linear_kernel(
     m_mask = offs_m[:, None] < M
     n_mask = n_ok[:, None]
     up_offset = N * stride_wn  # gate row j's partner: up row j, N rows further
+    if USE_PDL and PREFETCH_K > 0:  # the weight's first columns into L2 while the kernel before runs
+        own_rows = tl.where(n_ok, offs_n, pid * (BLOCK_N if COLUMNS == 0 else COLUMNS))
+        row_ptrs = W + own_rows.to(tl.int64)[:, None] * stride_wn + k_first
+        lines = tl.arange(0, 8) * LINE
+        for k0 in range(0, PREFETCH_K, 8 * LINE):
+            ptrs = row_ptrs + tl.minimum(k0 + lines, k_len - 1)[None, :]
+            prefetch_l2(ptrs)
+            if GATED:
+                prefetch_l2(ptrs + up_offset)
     pdl_wait(USE_PDL, not LATE_RELEASE)
     if HAS_SCALE and FP8_MATH == 2:  # x's per-row scale over the whole K: a few KB, read again from L2
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)

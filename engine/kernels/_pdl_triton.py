@@ -28,3 +28,9 @@ def pdl_release(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (one request per element, no register result):
+    a weight read that may run before :func:`pdl_wait`, while the previous kernel finishes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)

@@ -52,6 +52,11 @@ class GemvPolicy:
     """K elements a GEMV tile loads of an FP8 weight (0: the bf16 tile's, which then moves half the
     bytes a stage): 256, a bf16 tile's bytes at 128, 314 against 307 tok/s (same run)."""
 
+    prefetch_bytes: int = 0
+    """With ``pdl``, each GEMV first asks L2 for up to this many bytes of its weight (its first
+    columns; engine/kernels/linear.py ``prefetch_columns``) before waiting for the kernel before it.
+    0: off. For small weights, whose GEMVs cost DRAM latency more than bandwidth."""
+
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:

@@ -81,6 +81,15 @@ def usable_split_k(w: torch.Tensor, split_k: int, config: GemvConfig | None = No
     return split_k if w.shape[1] % (split_k * (config or decode_tile(*w.shape)).block_k) == 0 else 1
 
 
+def prefetch_columns(w: torch.Tensor, split_k: int, budget_bytes: int) -> int:
+    """K columns of each program's slice that a GEMV asks L2 for before its PDL wait, so that the
+    whole weight prefetched is at most ``budget_bytes`` (all of it when it fits; 0 when not even one
+    128-byte line a row does)."""
+    rows, k = w.shape
+    columns = min(k // split_k, budget_bytes // (rows * w.element_size() * split_k))
+    return columns if columns * w.element_size() >= 128 else 0
+
+
 # ---- references ----------------------------------------------------------------------------
 def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, bias).to(out_dtype or x.dtype)
@@ -90,7 +99,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
     *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16",
+    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
     -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
@@ -105,7 +114,9 @@ def decode_linear(
     overlaps the previous kernel's tail; ``late_release``: the kernel after it may launch only once
     this one's K loop is done (GemvPolicy.late_release). ``w_scale``: w is FP8 (e4m3) with these
     float32 scales, one per row of w (engine/fp8.py); ``fp8_math`` (GemvPolicy.fp8_math): "bf16" widens its tiles to
-    x's dtype, "fp16" widens tiles and x to fp16, "fp8" rounds x to e4m3 per row (W8A8) for FP8 tensor cores."""
+    x's dtype, "fp16" widens tiles and x to fp16, "fp8" rounds x to e4m3 per row (W8A8) for FP8 tensor cores.
+    ``prefetch_k`` (with ``pdl``; :func:`prefetch_columns`): columns of each program's weight rows
+    requested into L2 before the PDL wait, while the kernel before still runs."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -133,6 +144,7 @@ def decode_linear(
         EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k,
         GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
         HAS_SCALE=w_scale is not None, FP8_MATH=FP8_MATHS.index(fp8_math),
+        PREFETCH_K=prefetch_k if pdl else 0, LINE=128 // w.element_size(),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
-from engine.kernels.linear import decode_linear, decode_tile, usable_split_k
+from engine.kernels.linear import decode_linear, decode_tile, prefetch_columns, usable_split_k
 from engine.model.rope import RotaryEmbedding
 
 PLAIN = GemvPolicy()  # cuBLAS throughout: the default of every forward
@@ -202,5 +202,7 @@ def _gemv(
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV."""
     weight, scale = linear.weight, weight_scale(linear)
     config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
-    return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=usable_split_k(weight, split_k, config),
-                         late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math)
+    split_k = usable_split_k(weight, split_k, config)
+    return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
+                         late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,
+                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes))

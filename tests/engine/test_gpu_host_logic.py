@@ -139,6 +139,7 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     assert "same, PDL off" not in decode_path_variants(GemvPolicy(max_rows=1))
     releases = {v.late_release for v in variants.values() if v.max_rows}
     assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
+    assert {v.prefetch_bytes >> 20 for v in variants.values() if v.max_rows} == {0, 1, 4, 16, 64}
 
 
 def test_late_release_names_known_projections():

@@ -252,6 +252,38 @@ def test_decode_gemv_matches_reference(rows, pdl):
         assert gated.shape == (rows, n // 2) and rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
 
 
+@pytest.mark.skipif(not PDL, reason="the L2 prefetch runs before a PDL wait: Hopper+ only (the interpreter has no inline PTX)")
+def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same():
+    """GemvPolicy.prefetch_bytes: all of the weight, part of it, a split-K slice and a gated weight
+    requested into L2 first; the products are unchanged (the prefetch touches no register result)
+    and its clamped addresses stay inside the weight (a fault would abort the process)."""
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
+
+    for k, n, config in ((200, 300, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2)), (1536, 2048, None)):
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        for prefetch_k in (64, k // 2, k):
+            assert rel(decode_linear(x, w, config=config, pdl=True, prefetch_k=prefetch_k), decode_linear_ref(x, w)) < TOL
+            gated = decode_linear(x, w, config=config, gated=True, pdl=True, prefetch_k=prefetch_k)
+            assert rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
+        if k % 1024 == 0:
+            parts = decode_linear(x, w, config=config, split_k=2, pdl=True, prefetch_k=k // 2)
+            assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
+
+
+def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
+    """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
+    per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""
+    from engine.kernels.linear import prefetch_columns
+
+    w = torch.empty(2048, 1536, dtype=torch.bfloat16, device="meta")  # the 1.5B's q|k|v, 6 MiB
+    assert prefetch_columns(w, 1, 8 << 20) == 1536 and prefetch_columns(w, 1, 3 << 20) == 768
+    assert prefetch_columns(w, 2, 8 << 20) == 768 and prefetch_columns(w, 2, 3 << 20) == 384
+    assert prefetch_columns(w, 1, 0) == 0 and prefetch_columns(w, 1, 2048 * 2 * 63) == 0
+    fp8 = torch.empty(2048, 1536, dtype=torch.float8_e4m3fn, device="meta")
+    assert prefetch_columns(fp8, 1, 2048 * 128) == 128 and prefetch_columns(fp8, 1, 2048 * 127) == 0
+
+
 @pytest.mark.parametrize("pdl", PDL_CASES)
 def test_gemv_with_fewer_columns_per_program_than_its_tile(pdl, monkeypatch):
     """GemvConfig.columns: a program owns 23 of its tile's 32 columns (the masked rows unread), so

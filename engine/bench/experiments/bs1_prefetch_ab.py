@@ -1,0 +1,59 @@
+"""One-off (2026-12-03, H200): the batch-1 GEMVs' L2 prefetch before the PDL wait
+(GemvPolicy.prefetch_bytes) on the Qwen2.5-1.5B shape (random weights), with and without
+gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
+interleaved; every variant's greedy tokens checked equal to the first's. Run from the repository
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config]``.
+"""
+import random
+import sys
+from dataclasses import replace
+
+import torch
+
+from engine import EngineConfig, build_engine
+from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
+from engine.bench.timing import replay_ms
+from engine.bench.workload import random_prompt, run_to_completion
+from engine.cuda_graph import CudaGraphRunner
+from engine.sampling import SamplingParams
+
+model = sys.argv[1] if len(sys.argv) > 1 else "engine/configs/qwen2.5-coder-1.5b.json"
+config = EngineConfig(model=model, load_format="dummy", gpu_memory_utilization=0.5, max_num_seqs=8, max_model_len=4096,
+                      cuda_graph_batch_sizes=(1, 2, 4, 8))
+core = build_engine(config)
+path = core.runner.gemv
+prompt = random_prompt(random.Random(0), 512, core.model_config.vocab_size)
+ceiling = copy_bandwidth(core.device) / decode_step_bytes(core, 512 + 64)
+print("path:", path, f"\nceiling {ceiling:.1f} tok/s", flush=True)
+
+
+def decode(n):
+    req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    run_to_completion(core)
+    return req.metrics.tpot, list(req.output_token_ids)
+
+
+decode(8)
+runner, graphs = core.runner, core.runner.graphs
+variants = {}
+for mib in (0, 2, 8, 32, 128):
+    variants[f"prefetch {mib} MiB, late {'+'.join(path.late_release)}"] = replace(path, prefetch_bytes=mib << 20)
+    variants[f"prefetch {mib} MiB, late none"] = replace(path, prefetch_bytes=mib << 20, late_release=())
+first = None
+for rnd in range(3):
+    for name, variant in variants.items():
+        other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
+                                core.device, variant)
+        try:
+            runner.graphs = other
+            core.block_manager.reset_prefix_cache()
+            tpot, tokens = decode(128)
+            ms = replay_ms(other.graphs[1])
+        finally:
+            runner.graphs = graphs
+        del other
+        torch.cuda.synchronize()
+        first = first or tokens
+        same = "same tokens" if tokens == first else "TOKENS DIFFER"
+        print(f"round {rnd} {name:32s} tpot {tpot * 1e3:.4f} ms ({1 / tpot:.1f} tok/s, {1 / tpot / ceiling:.3f} of ceiling), "
+              f"replay {ms:.4f} ms, {same}", flush=True)
