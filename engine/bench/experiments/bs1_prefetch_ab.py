@@ -2,7 +2,7 @@
 (GemvPolicy.prefetch_bytes) on the Qwen2.5-1.5B shape (random weights), with and without
 gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
 interleaved; every variant's greedy tokens checked equal to the first's. Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late]``.
 """
 import random
 import sys
@@ -17,7 +17,7 @@ from engine.bench.workload import random_prompt, run_to_completion
 from engine.cuda_graph import CudaGraphRunner
 from engine.sampling import SamplingParams
 
-model = sys.argv[1] if len(sys.argv) > 1 else "engine/configs/qwen2.5-coder-1.5b.json"
+model = next((a for a in sys.argv[1:] if not a.startswith("--")), "engine/configs/qwen2.5-coder-1.5b.json")
 config = EngineConfig(model=model, load_format="dummy", gpu_memory_utilization=0.5, max_num_seqs=8, max_model_len=4096,
                       cuda_graph_batch_sizes=(1, 2, 4, 8))
 core = build_engine(config)
@@ -36,9 +36,15 @@ def decode(n):
 decode(8)
 runner, graphs = core.runner, core.runner.graphs
 variants = {}
-for mib in (0, 2, 8, 32, 128):
-    variants[f"prefetch {mib} MiB, late {'+'.join(path.late_release)}"] = replace(path, prefetch_bytes=mib << 20)
-    variants[f"prefetch {mib} MiB, late none"] = replace(path, prefetch_bytes=mib << 20, late_release=())
+if "--late" in sys.argv:  # second form: which projections release late, with and without a 2 MiB prefetch
+    for late in (("gate_up",), ("gate_up", "lm_head"), ("gate_up", "down"), ("gate_up", "o"), ("gate_up", "qkv"),
+                 ("gate_up", "o", "down"), ("qkv", "o", "gate_up", "down", "lm_head")):
+        for mib in (0, 1, 2):
+            variants[f"prefetch {mib} MiB, late {'+'.join(late)}"] = replace(path, prefetch_bytes=mib << 20, late_release=late)
+else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab.txt)
+    for mib in (0, 2, 8, 32, 128):
+        variants[f"prefetch {mib} MiB, late {'+'.join(path.late_release)}"] = replace(path, prefetch_bytes=mib << 20)
+        variants[f"prefetch {mib} MiB, late none"] = replace(path, prefetch_bytes=mib << 20, late_release=())
 first = None
 for rnd in range(3):
     for name, variant in variants.items():
@@ -55,5 +61,5 @@ for rnd in range(3):
         torch.cuda.synchronize()
         first = first or tokens
         same = "same tokens" if tokens == first else "TOKENS DIFFER"
-        print(f"round {rnd} {name:32s} tpot {tpot * 1e3:.4f} ms ({1 / tpot:.1f} tok/s, {1 / tpot / ceiling:.3f} of ceiling), "
+        print(f"round {rnd} {name:52s} tpot {tpot * 1e3:.4f} ms ({1 / tpot:.1f} tok/s, {1 / tpot / ceiling:.3f} of ceiling), "
               f"replay {ms:.4f} ms, {same}", flush=True)
