@@ -1,8 +1,10 @@
 """One-off (2026-12-03, H200): the batch-1 GEMVs' L2 prefetch before the PDL wait
 (GemvPolicy.prefetch_bytes) on the Qwen2.5-1.5B shape (random weights), with and without
 gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
-interleaved; every variant's greedy tokens checked equal to the first's. Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late]``.
+interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
+projections release late; ``--norm``: the norms in the o/down GEMVs (GemvPolicy.fused_norm) beside
+o_proj split-K and down_proj on cuBLAS. Run from the repository
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --norm]``.
 """
 import random
 import sys
@@ -41,12 +43,18 @@ if "--late" in sys.argv:  # second form: which projections release late, with an
                  ("gate_up", "o", "down"), ("qkv", "o", "gate_up", "down", "lm_head")):
         for mib in (0, 1, 2):
             variants[f"prefetch {mib} MiB, late {'+'.join(late)}"] = replace(path, prefetch_bytes=mib << 20, late_release=late)
+elif "--norm" in sys.argv:  # third form: the norms in the o/down GEMVs' last program, with o_proj split and down_proj on cuBLAS
+    variants = {"as configured": path, "norms fused": replace(path, fused_norm=True),
+                "norms fused, o split-K 2": replace(path, fused_norm=True, o_split_k=2),
+                "norms fused, down split-K 1": replace(path, fused_norm=True, down_split_k=1),
+                "down on cuBLAS": replace(path, gemv_down=False), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2),
+                "o's norm fused, down on cuBLAS, o split-K 2": replace(path, fused_norm=True, gemv_down=False, o_split_k=2)}
 else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab.txt)
     for mib in (0, 2, 8, 32, 128):
         variants[f"prefetch {mib} MiB, late {'+'.join(path.late_release)}"] = replace(path, prefetch_bytes=mib << 20)
         variants[f"prefetch {mib} MiB, late none"] = replace(path, prefetch_bytes=mib << 20, late_release=())
 first = None
-for rnd in range(3):
+for rnd in range(2 if "--norm" in sys.argv and "8b" in model else 3):
     for name, variant in variants.items():
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                 core.device, variant)
