@@ -225,8 +225,9 @@ class EngineConfig:
     on the CPU (the forward runs on the host, nothing to overlap, and outputs would come one
     step later)."""
     quantization: Literal["none", "int4", "fp8"] = "none"
-    """``int4``: run a Q4_1/Q8_0 GGUF's own 4-bit blocks with bf16 activations (CPU, see
-    engine/quantization.py) instead of dequantizing them; ``fp8``: every layer projection in e4m3
+    """``int4``: on the CPU, run a GGUF's own 4-bit blocks with bf16 activations (engine/quantization.py)
+    instead of dequantizing them; on CUDA, every layer projection in group-wise int4 (W4A16),
+    quantized at load from any weights (engine/w4a16.py); ``fp8``: every layer projection in e4m3
     with per-channel scales, quantized at load (CUDA with FP8 tensor cores, engine/fp8.py);
     ``none``: dense weights in ``dtype``."""
     native_decode_step: Literal["auto", "on", "off"] = "auto"

@@ -90,7 +90,7 @@ def build_engine(
     )
     gemv = gemv if gemv is not None else gemv_policy(config, device)
     native = None
-    if config.quantization == "int4" and config.native_decode_step != "off":
+    if config.quantization == "int4" and device.type == "cpu" and config.native_decode_step != "off":
         native = _native_decode_step(config, loaded, kv_cache, memory)
     runner = ModelRunner(loaded.model, kv_cache, backend, block_manager, device, gemv, native)
     if graphs:

@@ -12,6 +12,7 @@ from engine.model import LlamaForCausalLM
 from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
 from engine.fp8 import fp8_supported, quantize_model_fp8
+from engine.w4a16 import quantize_model_int4
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
 
@@ -57,19 +58,26 @@ class LoadedModel:
         config.validate()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, config.quantization)
-        if config.quantization == "int4" and (device.type != "cpu" or model_kind(config) != "gguf"):
-            raise ConfigError("quantization='int4' needs a GGUF model on the CPU "
-                              f"(got {model_kind(config)} weights on {device.type})")
+        cpu_int4 = config.quantization == "int4" and device.type == "cpu"  # the GGUF's own blocks; on CUDA: W4A16 at load
+        if cpu_int4 and model_kind(config) != "gguf":
+            raise ConfigError(f"quantization='int4' on the CPU runs a GGUF's own 4-bit blocks: got {model_kind(config)} weights "
+                              "(on a CUDA GPU any weights are quantized at load)")
         if config.quantization == "fp8" and not fp8_supported(device):
             raise ConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
                               f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none'"
                               + (" or 'int4' (a GGUF model)" if device.type == "cpu" else ""))
         # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
-        blocks = BlockCache(gguf_tensors(config.model)) if config.quantization == "int4" else None
+        blocks = BlockCache(gguf_tensors(config.model)) if cpu_int4 else None
         model, model_config = load_model(config, device, dtype, blocks)
         if config.quantization == "fp8":  # CUDA only (checked above)
             quantize_model_fp8(model)
             torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
+        elif config.quantization == "int4" and device.type == "cuda":
+            try:
+                quantize_model_int4(model)
+            except ValueError as e:
+                raise ConfigError(f"quantization='int4': {e}") from e
+            torch.cuda.empty_cache()
         native = None
         if blocks is not None:
             try:

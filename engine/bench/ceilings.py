@@ -14,6 +14,7 @@ from engine.engine_core import EngineCore
 from engine.fp8 import Fp8Linear
 from engine.memory import storage_bytes
 from engine.quantization import Int4Linear
+from engine.w4a16 import W4A16Linear
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -39,7 +40,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def decode_step_bytes(core: EngineCore, context: int) -> int:
     """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (the
-    native step's GGUF blocks, or int4 blocks or FP8 weights where the model has them; the embedding table is only indexed unless
+    native step's GGUF blocks, or int4 blocks, FP8 or W4A16 weights where the model has them; the embedding table is only indexed unless
     it is the head)
     plus the request's KV."""
     mc = core.model_config
@@ -49,7 +50,8 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
         return core.runner.native.weight_bytes_per_step + kv
     model = core.model
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    if int4 or any(isinstance(m, Fp8Linear) for m in model.modules()):  # the stored weights (int4 blocks, e4m3 + scales) as they are
+    if int4 or any(isinstance(m, (Fp8Linear, W4A16Linear)) for m in model.modules()):  # the stored weights (int4 blocks, e4m3 or
+        # nibbles + scales) as they are
         # not read by a one-row step: int4's dense copies, the RoPE table, and the embedding unless it is the head (an int4
         # model's head is an int4 copy of its own)
         skip = [*(m.weight for m in int4 if m.weight is not None), model.rope.cos_sin,

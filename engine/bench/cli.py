@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"),
-                   help="int4: the GGUF's own Q4_1/Q8_0 blocks with bf16 activations (CPU); fp8: e4m3 layer weights (CUDA, FP8 tensor cores)")
+                   help="int4: the GGUF's own 4-bit blocks with bf16 activations (CPU), group-wise int4 layer weights quantized at load "
+                        "(CUDA); fp8: e4m3 layer weights (CUDA, FP8 tensor cores)")
     p.add_argument("--native-decode-step", default="auto", choices=("auto", "on", "off"),
                    help="with int4 on the CPU: decode-only steps as one native call (engine/native_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -20,6 +21,12 @@ def use_triton(t: torch.Tensor) -> bool:
     """Triton kernels for CUDA tensors; CPU tensors take the torch reference. (Tests run the
     Triton versions on the CPU under ``TRITON_INTERPRET=1`` by calling them directly.)"""
     return t.is_cuda and triton_available()
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take ``t``: a CUDA tensor, or any under Triton's CPU interpreter
+    (``TRITON_INTERPRET=1``, the tests') - for modules whose only implementation is the kernel."""
+    return triton_available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def pdl_supported(device: torch.device) -> bool:

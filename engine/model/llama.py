@@ -28,6 +28,7 @@ from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.linear import decode_linear, decode_linear_add_rms_norm, decode_tile, prefetch_columns, usable_split_k
 from engine.model.rope import RotaryEmbedding
+from engine.w4a16 import W4A16Linear
 
 PLAIN = GemvPolicy()  # cuBLAS throughout: the default of every forward
 
@@ -203,7 +204,10 @@ def _gemv_norm(
     gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor, norm: RMSNorm, counter: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Projection ``name`` (o or down, split-K as the policy says) as the batch-1 GEMV whose last
-    program adds ``residual`` and applies ``norm`` -> (normed, new residual)."""
+    program adds ``residual`` and applies ``norm`` -> (normed, new residual). An int4 weight's
+    kernel has no such epilogue: the norm runs after it."""
+    if isinstance(linear, W4A16Linear):
+        return norm(_gemv(gemv, name, x, linear), residual, gemv.pdl)
     weight, scale = linear.weight, weight_scale(linear)
     config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
     split_k = usable_split_k(weight, gemv.o_split_k if name == "o" else gemv.down_split_k, config)
@@ -217,7 +221,11 @@ def _gemv(
     split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
-    embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV."""
+    embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
+    int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (not split, SwiGLU after it)."""
+    if isinstance(linear, W4A16Linear):
+        y = linear(x, out_dtype=out_dtype, pdl=gemv.pdl, prefetch_k=2 * prefetch_columns(linear.qweight, 1, gemv.prefetch_bytes))
+        return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
     split_k = usable_split_k(weight, split_k, config)

@@ -197,8 +197,8 @@ def test_engine_int4_tracks_the_float32_model(smollm_int4, smollm, llm_gguf_path
 
 
 def test_int4_needs_a_gguf_on_the_cpu(tiny_llama_dir, llm_gguf_path):
-    with pytest.raises(ConfigError, match="needs a GGUF model"):
-        LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), quantization="int4"))
+    with pytest.raises(ConfigError, match="on the CPU runs a GGUF's own 4-bit blocks: got hf weights"):
+        LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), quantization="int4", device="cpu"))
     with pytest.raises(ConfigError, match="bf16 activations"):
         EngineConfig(model=str(llm_gguf_path), quantization="int4", dtype="float32").validate()
     with pytest.raises(ConfigError, match="quantization must be"):

@@ -1,0 +1,89 @@
+"""INT4 weights on CUDA (W4A16): a quarter of the bytes of bf16 for every projection of a layer.
+
+Batch-1 decode reads every weight once a token, so bytes are its speed. Each projection of a layer
+(q|k|v, o_proj, gate|up, down_proj) becomes a :class:`W4A16Linear`:
+
+- the weight in groups of ``group`` (default 128) consecutive inputs of one output row, each group
+  with an fp16 scale and minimum (w ~ q * scale + min, q in 0..15: GGUF's Q4_1 rule, asymmetric so
+  that a group's range is used whole), two weights a byte;
+- every step multiplies through one Triton kernel (engine/kernels/int4_linear.py) that widens the
+  nibbles to fp16 in registers, with the activations cast to fp16 (bf16 out).
+
+Quantized at load from the model's bf16 weights (any format: a GGUF is dequantized first). The
+embedding, the lm_head and the norms stay bf16, as with FP8 (engine/fp8.py). On the CPU,
+``quantization="int4"`` is a different path: the GGUF's own blocks (engine/quantization.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.fp8 import PROJECTIONS
+
+GROUP = 128
+
+
+def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] (K a multiple of ``group``) -> (qweight [N, K/2] uint8, scales, mins [N, K/group] fp16)
+    with w ~ q * scale + min per group; the group's minimum and maximum are kept exactly up to fp16."""
+    n, k = w.shape
+    if k % group or group % 2:
+        raise ValueError(f"int4 groups of {group} do not divide a weight of {k} inputs")
+    g = w.float().reshape(n, k // group, group)
+    low, high = g.amin(dim=2), g.amax(dim=2)
+    scales = ((high - low) / 15).to(torch.float16)
+    mins = low.to(torch.float16)
+    step = scales.float().clamp(min=1e-12)[:, :, None]
+    q = ((g - mins.float()[:, :, None]) / step).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scales, mins
+
+
+def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """The weight the kernel multiplies, in float32 [N, K]."""
+    n = qweight.shape[0]
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=2).reshape(n, -1).float()
+    return (q.reshape(n, -1, group) * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
+
+
+class W4A16Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W in group-wise int4 (see the module doc)."""
+
+    def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
+        super().__init__()
+        qweight, scales, mins = quantize_groups(linear.weight.detach(), group)
+        self.qweight = nn.Parameter(qweight, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.mins = nn.Parameter(mins, requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.group = group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, pdl: bool = False, prefetch_k: int = 0) -> torch.Tensor:
+        """Any number of rows; the Triton kernel where it runs, its float32 reference elsewhere."""
+        from engine.kernels.int4_linear import int4_linear, int4_linear_ref
+        from engine.kernels.triton_utils import runs_triton
+
+        rows = x.reshape(-1, x.shape[-1])
+        if runs_triton(rows):
+            y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, pdl=pdl, prefetch_k=prefetch_k)
+        else:
+            y = int4_linear_ref(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernel sees it, in float32 [N, K]."""
+        return dequantize_groups(self.qweight, self.scales, self.mins, self.group)
+
+
+def quantize_model_int4(model: nn.Module, group: int = GROUP) -> int:
+    """Replace every layer projection of ``model`` (a LlamaForCausalLM) by a :class:`W4A16Linear`,
+    freeing each bf16 weight as it goes; returns how many were replaced."""
+    replaced = 0
+    for layer in model.layers:
+        for path in PROJECTIONS:
+            parent_name, _, name = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            setattr(parent, name, W4A16Linear(getattr(parent, name), group))
+            replaced += 1
+    return replaced
