@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HANDBOOK_DIR = Path(__file__).resolve().parent / "handbook"
+ENDPOINTING = ("auto", "fixed", "speculative")  # VoiceConfig.endpointing
 
 SYSTEM_PROMPT = (
     "You are the employee handbook assistant of the company. Answer the employee's question using only "
@@ -146,10 +147,21 @@ class VoiceConfig:
     (``assistant/coscheduler.py``); False: each on its own, first come first served.
     coscheduler_step_tokens: while a turn waits for its ASR final or first token, the engine's
     other requests share at most this many tokens a step.
-    endpointing: "fixed" (the turn ends after ``hangover_ms`` of silence) or "speculative" (after
+    endpointing: "fixed" (the turn ends after ``hangover_ms`` of silence), "speculative" (after
     ``speculative_pause_ms`` of silence the utterance so far is transcribed and answered at once, its
     audio held; the answer is released when the turn is confirmed, by the hangover or sooner by the
-    turn-completion rule (speech/turn_completion.py), and dropped unsent if the user goes on).
+    turn-completion rule (speech/turn_completion.py), and dropped unsent if the user goes on) or
+    "auto" (the default): speculative when the LLM engine runs on the CPU, fixed on a GPU. "auto" is
+    made concrete once, when the server loads (``assistant.voice_services.endpointing``, from the
+    loaded engine's device): the sessions and their timelines only see "fixed" or "speculative".
+    Why: on the 2-core CPU with the 1.5B model, the voice bench at 1 caller measured end of speech
+    to first audio p50 2,783 ms speculative against 3,003 ms fixed (10 turns each, 5 with a
+    mid-sentence pause, back to back on an AMX Xeon, 2026-12-03; the same false endpoints in both
+    modes, 2 of 5 paused turns), and 2,405 against 2,839 ms in a 3-turn pair: the speculative answer
+    starts ASR and prefill at the 200 ms pause instead of after the 500 ms hangover, which pays
+    where ASR + prefill take about a second. On a GPU fixed stays the default: its turn is answered
+    within ~150 ms of the endpoint, and discarded speculative answers would cost batch capacity at
+    many callers.
     false_endpoint_window_ms: speech starting this soon after an answered turn's endpoint counts as
     a false endpoint on /metrics (the turn was likely not over).
     """
@@ -178,7 +190,7 @@ class VoiceConfig:
     early_prefill: bool = False
     coscheduler: bool = True
     coscheduler_step_tokens: int = 256
-    endpointing: str = "fixed"
+    endpointing: str = "auto"
     speculative_pause_ms: int = 200
     false_endpoint_window_ms: int = 1500
 
@@ -231,8 +243,8 @@ class ServerConfig:
             raise ValueError("output_chunk_ms must be >= 10 and output_lead_ms >= 0")
         if self.voice.coscheduler_step_tokens < 1:
             raise ValueError(f"coscheduler_step_tokens must be >= 1, got {self.voice.coscheduler_step_tokens}")
-        if self.voice.endpointing not in ("fixed", "speculative") or self.voice.speculative_pause_ms < 1:
-            raise ValueError(f"endpointing must be fixed or speculative and speculative_pause_ms >= 1, got "
+        if self.voice.endpointing not in ENDPOINTING or self.voice.speculative_pause_ms < 1:
+            raise ValueError(f"endpointing must be auto, fixed or speculative and speculative_pause_ms >= 1, got "
                              f"{self.voice.endpointing!r}, {self.voice.speculative_pause_ms}")  # fmt: skip
         if self.voice.max_utterance_s is not None and self.voice.max_utterance_s * 1000 <= self.voice.start_ms:
             raise ValueError(f"max_utterance_s must be longer than start_ms or None (off), got {self.voice.max_utterance_s}")

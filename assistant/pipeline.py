@@ -23,9 +23,9 @@ Early prefill (``VoiceConfig.early_prefill``): each partial transcript prefills 
 question so far (:func:`~assistant.voice_services.prefill`); the newest partial waits for the
 running prefill, and a partial whose final has come is skipped.
 
-Speculative endpointing (``VoiceConfig.endpointing``): at a short pause the ASR session decodes
-the utterance so far and the answer starts at once, held (:attr:`Reply.held`: the outbox sends
-none of its events). The turn is confirmed when the hangover passes, or at once when the
+Speculative endpointing (``VoiceConfig.endpointing``; by default when the engine runs on the CPU):
+at a short pause the ASR session decodes the utterance so far and the answer starts at once, held
+(:attr:`Reply.held`: the outbox sends none of its events). The turn is confirmed when the hangover passes, or at once when the
 transcript reads as complete (:func:`~speech.turn_completion.is_complete`: the utterance is then
 ended there); the final transcript is the pause's decode and the held answer is released. If the
 user goes on first, the answer is discarded: engine request aborted, TTS stopped, no event of it

@@ -89,7 +89,7 @@ class Timeline:
     partials: int = 0  # partial transcripts of the utterance before its final
     prefills: int = 0  # early-prefill requests of the utterance finished before its final
     barge_in: BargeIn | None = None
-    endpointing: str = "fixed"  # fixed | speculative (VoiceConfig.endpointing)
+    endpointing: str = "fixed"  # fixed | speculative (VoiceConfig.endpointing as the server made it concrete)
     endpoint_by: str | None = None  # hangover | completion (the turn-completion rule) | commit (the client)
     pause: float | None = None  # speculative endpointing: when the short pause was heard (the answer then starts)
     images: int = 0  # images in the turn (read by the image stage)

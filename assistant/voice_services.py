@@ -18,7 +18,8 @@ import os
 import threading
 import uuid
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from speech.audio import Resampler
 from speech.cancel import CancelToken
 from speech.config import ASRConfig, TTSConfig
 from speech.tts.worker import TTSWorker
+
+if TYPE_CHECKING:
+    import torch
 
 
 def front_end_processes(config: VoiceConfig) -> int:
@@ -57,6 +61,15 @@ def tts_processes(config: VoiceConfig) -> bool:
     return config.tts_processes if config.tts_processes is not None else resolve_device(config.asr_device) == "cuda"
 
 
+def endpointing(config: VoiceConfig, engine_device: torch.device) -> str:
+    """``VoiceConfig.endpointing`` made concrete: "auto" is "speculative" when the LLM engine runs on
+    the CPU (ASR and prefill take about a second there, and start at the short pause instead of after
+    the hangover), "fixed" on a GPU (the VoiceConfig docstring has the measurements)."""
+    if config.endpointing != "auto":
+        return config.endpointing
+    return "speculative" if engine_device.type == "cpu" else "fixed"
+
+
 @dataclass
 class VoiceServices:
     """What every session shares: the answerer (engine + documents), ASR worker and TTS worker."""
@@ -75,7 +88,9 @@ class VoiceServices:
         """Load Whisper (embedded base unless ``config.asr_model``) and the TTS voice (one instance
         per TTS worker thread, each warmed up), their workers built with the co-scheduler's hooks
         (``answerer``'s engine should have its step bound; ``gpu_lock`` is the lock its CUDA graph
-        captures hold, which Whisper holds around its GPU batches)."""
+        captures hold, which Whisper holds around its GPU batches). The services keep ``config`` with
+        its endpointing made concrete for the answerer's engine (:func:`endpointing`)."""
+        config = replace(config, endpointing=endpointing(config, answerer.engine.core.device))
         asr_config = ASRConfig(
             model_path=config.asr_model or resolve("asr"), language=config.asr_language,
             cpu_threads=config.asr_threads, partial_interval_s=partial_interval(config),

@@ -32,8 +32,10 @@ def assistant_server(tmp_path_factory, whisper_tiny_path):
         # the questions include documents this folder lacks, and these tests are about the protocol: the model
         # answers every one (the refusal gate is off; test_a_refused_question_is_spoken_as_an_answer turns it on)
         assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=48, refusal=RefusalConfig(enabled=False)),
-        # the callers' resampling and VAD in a worker process, as a server with Whisper on a GPU runs them
-        voice=VoiceConfig(asr_model=whisper_tiny_path, front_end_processes=1),
+        # the callers' resampling and VAD in a worker process, as a server with Whisper on a GPU runs them;
+        # fixed endpointing, whose timelines these tests read (the hangover is the endpoint's share; the
+        # CPU's default, speculative, has its own server in test_speculative_endpoint.py)
+        voice=VoiceConfig(asr_model=whisper_tiny_path, front_end_processes=1, endpointing="fixed"),
     )  # fmt: skip
     assistant = AssistantServer(config)
     assistant.warm_up()

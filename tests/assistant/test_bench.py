@@ -26,14 +26,15 @@ def test_bench_measures_every_stage_for_two_conversing_callers_and_a_burst_then_
     results object (p50/p95/p99 per caller count, lost turns, memory by owner), JSON and PNG. Then
     (--ab) the same two callers against a second server started with the co-scheduler off, whose
     log --server-log keeps beside the first's. (One bench run for both: each run starts its own
-    server, about 25 s on a 2-core machine.)"""
+    server, about 25 s on a 2-core machine.) Fixed endpointing, so every turn's stages come in the
+    order HANDS_FREE lists them (a speculative answer's may come before its endpoint)."""
     docs = tmp_path / "docs"
     docs.mkdir()
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs)
     out, png = tmp_path / "bench.json", tmp_path / "waterfall.png"
     r = bench("--callers", "2", "--ab", "2", "--turns", "2", "--pause-s", "0.2", "0.4", "--pause-ms", "300", "--burst", "--docs", str(docs),
               "--asr", str(whisper_tiny_path), "--lang", "en", "--max-output-tokens", "8", "--tts-workers", "1", "--json", str(out),
-              "--plot", str(png), "--server-log", str(tmp_path / "logs"))  # fmt: skip
+              "--plot", str(png), "--server-log", str(tmp_path / "logs"), "--endpointing", "fixed")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| server: speech_end -> first audio sent |" in r.stdout and "| client: end of speech -> first audio received |" in r.stdout
     assert "2 caller(s), burst p50 / p95 / p99" in r.stdout and "2 caller(s), coscheduler off p50 / p95 / p99" in r.stdout

@@ -56,8 +56,9 @@ def services(tmp_path_factory, whisper_tiny_path):
     for name in ("01-annual-leave.md", "06-information-security.md"):
         shutil.copy(HANDBOOK_DIR / "en" / name, docs / name)
     # one TTS worker: the first-piece test below watches one queue's order (the pool's own tests
-    # are in tests/speech/test_tts_worker.py)
-    config = VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4, tts_workers=1)
+    # are in tests/speech/test_tts_worker.py); fixed endpointing: a turn ends at the hangover
+    # (the CPU's default, speculative, is tested in test_speculative_endpoint.py)
+    config = VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=0.4, tts_workers=1, endpointing="fixed")
     coscheduler = CoScheduler.from_config(config)
     # LONG_A asks about documents this folder lacks: the model answers it all the same (the refusal gate is off)
     answerer = Answerer.create(AssistantConfig(docs_dir=docs, language="en", max_tokens=24, refusal=RefusalConfig(enabled=False)),

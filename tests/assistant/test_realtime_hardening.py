@@ -43,7 +43,8 @@ def server(tmp_path_factory, whisper_tiny_path):
         send_timeout_s=SEND_TIMEOUT_S, max_item_chars=MAX_ITEM, max_conversation_chars=MAX_CONVERSATION,
         # one document, questions about others: the model answers every one (the refusal gate is off)
         assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=8, refusal=RefusalConfig(enabled=False)),
-        voice=VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=None),
+        # fixed endpointing (the CPU's default, speculative, is tested in test_speculative_endpoint.py)
+        voice=VoiceConfig(asr_model=whisper_tiny_path, partial_interval_s=None, endpointing="fixed"),
     )  # fmt: skip
     assistant = AssistantServer(config)
     with BackgroundServer(assistant.app) as http:

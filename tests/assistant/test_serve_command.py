@@ -79,6 +79,8 @@ def test_dummy_weights_of_a_config_shape_serve_the_bundled_handbook(tmp_path, wh
     server = AssistantServer(config)
     try:
         assert server.answerer.modes["en"] == "whole-context"  # the whole handbook is the prefix
+        # endpointing auto by default, made concrete at start-up: speculative with the engine on the CPU
+        assert (config.voice.endpointing, server.services.config.endpointing) == ("auto", "speculative")
         assert server.answerer.engine.core.model_config.num_hidden_layers == 2
         server.warm_up()
         with BackgroundServer(server.app) as http:
@@ -137,6 +139,29 @@ def test_asr_device_backend_and_load_format_reach_the_voice_config():
     assert partial_interval(parse_config(["serve", "--partial-interval", "0.3"])[0].voice) == 0.3
     assert partial_interval(parse_config(["serve", "--partial-interval", "0", "--early-prefill"])[0].voice) is None
     assert partial_interval(parse_config(["serve", "--asr-device", "cuda"])[0].voice) == 0.5  # Whisper on a GPU
+
+
+def test_endpointing_is_auto_by_default_speculative_for_an_engine_on_the_cpu_and_fixed_on_cuda(capsys):
+    """auto, fixed and speculative are accepted (auto by default, the VoiceConfig default too);
+    auto is made concrete by the engine's device; any other mode is refused, by the command line
+    and by the config's check."""
+    import torch
+
+    from assistant.config import VoiceConfig
+    from assistant.voice_services import endpointing
+
+    assert parse_config(["serve"])[0].voice.endpointing == VoiceConfig().endpointing == "auto"
+    for mode in ("fixed", "speculative"):
+        voice = parse_config(["serve", "--endpointing", mode])[0].voice
+        assert voice.endpointing == mode
+        assert endpointing(voice, torch.device("cpu")) == endpointing(voice, torch.device("cuda")) == mode
+    auto = VoiceConfig()
+    assert (endpointing(auto, torch.device("cpu")), endpointing(auto, torch.device("cuda", 0))) == ("speculative", "fixed")
+    with pytest.raises(SystemExit) as e:
+        parse_config(["serve", "--endpointing", "eager"])
+    assert e.value.code == 2 and "eager" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="endpointing must be auto, fixed or speculative"):
+        ServerConfig(voice=VoiceConfig(endpointing="eager")).validate()
 
 
 def test_the_gil_switch_interval_reaches_the_serving_process():

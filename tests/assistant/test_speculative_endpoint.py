@@ -1,6 +1,7 @@
-"""Speculative endpointing end to end: a real server on 127.0.0.1 with ``endpointing="speculative"``,
-questions spoken by the bundled hibari voice (some with a pause in the middle) over the Realtime
-WebSocket API, heard by the real Whisper tiny.en, answered by the real engine.
+"""Speculative endpointing end to end: a real server on 127.0.0.1 with its engine on the CPU and the
+default endpointing (``"auto"``: speculative there, as every turn's timeline says), questions
+spoken by the bundled hibari voice (some with a pause in the middle) over the Realtime WebSocket
+API, heard by the real Whisper tiny.en, answered by the real engine.
 
 The hangover is long (6 s), so what the tests check does not depend on the machine's speed (a
 decode may take seconds on a loaded 2-core machine): a pause shorter than it never ends the turn,
@@ -21,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, ServerConfig, VoiceConfig
+from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, ServerConfig, VoiceConfig
 from assistant.server import AssistantServer
 from engine.serving.server import BackgroundServer
 from speech.audio import to_pcm16
@@ -51,9 +52,8 @@ def server(tmp_path_factory, whisper_tiny_path):
     docs = tmp_path_factory.mktemp("handbook")
     shutil.copy(HANDBOOK_DIR / "en" / "01-annual-leave.md", docs / "01-annual-leave.md")
     config = ServerConfig(
-        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=12),
-        voice=VoiceConfig(asr_model=whisper_tiny_path, hangover_ms=HANGOVER_MS, endpointing="speculative",
-                          speculative_pause_ms=200, output_lead_ms=100),
+        assistant=AssistantConfig(docs_dir=docs, language="en", max_tokens=12, engine=EngineOptions(device="cpu")),
+        voice=VoiceConfig(asr_model=whisper_tiny_path, hangover_ms=HANGOVER_MS, speculative_pause_ms=200, output_lead_ms=100),
     )  # fmt: skip
     assistant = AssistantServer(config)
     assistant.warm_up()
