@@ -74,8 +74,10 @@ def web_server(tmp_path_factory) -> Iterator[WebServer]:
     own = tmp_path_factory.mktemp("web") / "documents"
     cmd = [sys.executable, "-m", "web", "--port", "0", "--docs", str(docs), "--documents-dir", str(own),
            "--asr", "tiny", "--lang", "en", "--max-tokens", "24", "--log-level", "warning",
-           "--allow-document-changes", "--partial-interval", "0.5"]  # fmt: skip
-    # (partials are off by default on the CPU; the push-to-talk test reads one)
+           "--allow-document-changes", "--partial-interval", "0.5", "--endpointing", "fixed"]  # fmt: skip
+    # (partials are off by default on the CPU; the push-to-talk test reads one. Fixed endpointing: these tests read
+    # the page, and Whisper tiny's wording at a 200 ms pause varies; tests/assistant/test_speculative_endpoint.py
+    # covers the CPU's default)
     with running_web(cmd, {}, tmp_path_factory.mktemp("web-log")) as url:
         yield WebServer(url, own)
 
