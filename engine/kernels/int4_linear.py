@@ -47,17 +47,18 @@ def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 def int4_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, pdl: bool = False, prefetch_k: int = 0,
+    tile: Int4Tile | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in ``out_dtype`` (default x's), W given as ``qweight``
     [N, K/2] uint8 (two weights a byte, low nibble first), ``scales`` and ``mins`` [N, K/group] fp16.
     ``pdl``: programmatic dependent launch (Hopper+); ``prefetch_k`` (with it): weight columns
-    requested into L2 before the wait."""
+    requested into L2 before the wait; ``tile``: instead of :func:`int4_tile`'s (the sweeps)."""
     from engine.kernels._int4_triton import int4_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
     m, k = x.shape
     n = qweight.shape[0]
-    tile = int4_tile(m, n, k)
+    tile = tile or int4_tile(m, n, k)
     if (qweight.shape != (n, k // 2) or qweight.dtype != torch.uint8 or k % tile.block_k or tile.block_k % group
             or scales.shape != (n, k // group) or mins.shape != scales.shape or x.stride(1) != 1 or not qweight.is_contiguous()
             or not scales.is_contiguous() or not mins.is_contiguous() or (bias is not None and bias.shape != (n,))):

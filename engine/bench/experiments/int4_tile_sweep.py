@@ -1,0 +1,56 @@
+"""One-off (2026-12-03, H200): int4 (W4A16) kernel tiles at batch 1 on the Llama-3.1-8B and
+Qwen2.5-1.5B projection shapes, random weights: microseconds per call (CUDA graph of 20 calls,
+replayed) and the bytes read per second, against cuBLAS on the bf16 weight. Run from the
+repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_tile_sweep.py``.
+"""
+import itertools
+
+import torch
+
+from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_tile
+from engine.w4a16 import quantize_groups
+
+
+def per_call_us(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * calls)
+
+
+shapes = {"8B q|k|v": (6144, 4096), "8B o_proj": (4096, 4096), "8B gate|up": (28672, 4096), "8B down_proj": (4096, 14336),
+          "1.5B q|k|v": (2048, 1536), "1.5B gate|up": (17920, 1536), "1.5B down_proj": (1536, 8960)}
+for name, (n, k) in shapes.items():
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q, s, m = quantize_groups(w)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    nbytes = q.numel() + 2 * s.numel() * 2
+    dense_us = per_call_us(lambda: torch.nn.functional.linear(x, w))
+    rows = []
+    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 6)):
+        if k % bk:
+            continue
+        tile = Int4Tile(16, bn, bk, warps, stages)
+        try:
+            us = per_call_us(lambda: int4_linear(x, q, s, m, 128, tile=tile))
+        except Exception as e:  # out of shared memory or registers: not a candidate
+            print(f"  {name} {tile}: {type(e).__name__}")
+            continue
+        rows.append((us, tile))
+    rows.sort(key=lambda r: r[0])
+    default = int4_tile(1, n, k)
+    default_us = next(us for us, t in rows if t == default)
+    print(f"{name} [{n}x{k}] cuBLAS bf16 {dense_us:.1f} us ({w.numel() * 2 / dense_us / 1e3:.0f} GB/s); int4 default {default} "
+          f"{default_us:.1f} us ({nbytes / default_us / 1e3:.0f} GB/s)", flush=True)
+    for us, tile in rows[:5]:
+        print(f"    {us:6.1f} us {nbytes / us / 1e3:5.0f} GB/s  {tile}", flush=True)
