@@ -1,13 +1,14 @@
-"""What FP8 weights (engine/fp8.py) cost in answers, on real weights, without a GPU: the model
-loaded dense (float32) on the CPU, then its layer projections rounded to e4m3 as
-``--quantization fp8`` does, each forward's activations rounded per token too (W8A8: the
+"""What the GPU's quantized weights cost in answers, on real weights, without a GPU: the model
+loaded dense (float32) on the CPU, then its layer projections rounded as ``--quantization fp8``
+does (e4m3 per output channel, each forward's activations rounded per token too: W8A8, the
 arithmetic of the GPU's FP8 matmuls; its batch-1 GEMV rounds only the weights, so this is the
-stricter case). For each prompt (handbook documents and a question, the chat template), one
+stricter case) or as ``--quantization int4`` on CUDA does (engine/w4a16.py: groups of 128 with an
+fp16 scale and minimum; the products here in float32, where the kernel rounds x to fp16). For each prompt (handbook documents and a question, the chat template), one
 forward of each model over the whole prompt: how often their next-token argmax agrees, and how far
 the FP8 model's log-prob of the dense model's argmax moves. The same for the model in bf16 (the
 GPU's unquantized dtype) puts the FP8 figures in scale.
 
-Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_quality.py
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/quantization_quality.py
 MODEL.gguf QUESTIONS.txt DOC.md...``.
 """
 import sys
@@ -19,6 +20,7 @@ from engine import EngineConfig, build_engine
 from engine.bench.correctness import prompt_logits
 from engine.fp8 import quantize_model_fp8
 from engine.loaded_model import LoadedModel
+from engine.w4a16 import quantize_model_int4
 
 
 def prompt_logprobs(core, ids: list[int]) -> torch.Tensor:
@@ -52,6 +54,9 @@ def main(model: str, questions: str, *documents: str) -> None:
     print(f"{Path(model).name}: float32 reference over {len(prompts)} prompts", flush=True)
     bf16_config = EngineConfig(model=model, device="cpu", dtype="bfloat16", max_model_len=4096)
     compare(build_engine(bf16_config, LoadedModel.load(bf16_config)), prompts, dense, "bf16")
+    int4 = LoadedModel.load(config)
+    quantize_model_int4(int4.model)
+    compare(build_engine(config, int4), prompts, dense, "int4 W4A16, groups of 128")
     quantize_model_fp8(loaded.model)
     compare(core, prompts, dense, "FP8 (W8A8)")
 
