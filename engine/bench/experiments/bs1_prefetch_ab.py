@@ -2,9 +2,10 @@
 (GemvPolicy.prefetch_bytes) on the Qwen2.5-1.5B shape (random weights), with and without
 gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
-projections release late; ``--norm``: the norms in the o/down GEMVs (GemvPolicy.fused_norm) beside
+projections release late; ``--splits``: decode attention's context splits (module constant
+TARGET_PROGRAMS patched); ``--norm``: the norms in the o/down GEMVs (GemvPolicy.fused_norm) beside
 o_proj split-K and down_proj on cuBLAS. Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --norm]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --norm | --splits]``.
 """
 import random
 import sys
@@ -12,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+import engine.attention.triton_paged as tp
 from engine import EngineConfig, build_engine
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.timing import replay_ms
@@ -43,6 +45,10 @@ if "--late" in sys.argv:  # second form: which projections release late, with an
                  ("gate_up", "o", "down"), ("qkv", "o", "gate_up", "down", "lm_head")):
         for mib in (0, 1, 2):
             variants[f"prefetch {mib} MiB, late {'+'.join(late)}"] = replace(path, prefetch_bytes=mib << 20, late_release=late)
+elif "--splits" in sys.argv:  # fourth form: decode attention's context splits at batch 1 (TARGET_PROGRAMS), norms fused or not
+    for target in (264, 32, 16, 8, 2):
+        for fused in (False, True):
+            variants[f"attention programs {target}, norms {'fused' if fused else 'kernels'}"] = (target, replace(path, fused_norm=fused))
 elif "--norm" in sys.argv:  # third form: the norms in the o/down GEMVs' last program, with o_proj split and down_proj on cuBLAS
     variants = {"as configured": path, "norms fused": replace(path, fused_norm=True),
                 "norms fused, o split-K 2": replace(path, fused_norm=True, o_split_k=2),
@@ -56,6 +62,8 @@ else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab
 first = None
 for rnd in range(2 if "--norm" in sys.argv and "8b" in model else 3):
     for name, variant in variants.items():
+        if isinstance(variant, tuple):
+            tp.TARGET_PROGRAMS, variant = variant
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                 core.device, variant)
         try:
