@@ -46,6 +46,15 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
     return (q.reshape(n, -1, group) * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
 
 
+def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W^T of engine/kernels/int4_linear.py's kernel, in float32 from the dequantized weight (tests, CPU)."""
+    y = x.float() @ dequantize_groups(qweight, scales, mins, group).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
 class W4A16Linear(nn.Module):
     """y = x @ W^T (+ bias) with W in group-wise int4 (see the module doc)."""
 
@@ -61,7 +70,7 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, pdl: bool = False, prefetch_k: int = 0) -> torch.Tensor:
         """Any number of rows; the Triton kernel where it runs, its float32 reference elsewhere."""
-        from engine.kernels.int4_linear import int4_linear, int4_linear_ref
+        from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
         rows = x.reshape(-1, x.shape[-1])

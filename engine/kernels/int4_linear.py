@@ -33,17 +33,6 @@ def int4_tile(rows: int, n: int, k: int) -> Int4Tile:
     return Int4Tile(64, 128, 128, 8, 3)
 
 
-def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
-                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The same product in float32 from the dequantized weight (tests, CPU)."""
-    from engine.w4a16 import dequantize_groups
-
-    y = x.float() @ dequantize_groups(qweight, scales, mins, group).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype or x.dtype)
-
-
 def int4_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, pdl: bool = False, prefetch_k: int = 0,

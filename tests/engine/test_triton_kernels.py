@@ -252,22 +252,24 @@ def test_decode_gemv_matches_reference(rows, pdl):
         assert gated.shape == (rows, n // 2) and rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
 
 
-@pytest.mark.skipif(not PDL, reason="the L2 prefetch runs before a PDL wait: Hopper+ only (the interpreter has no inline PTX)")
-def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same():
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same(pdl):
     """GemvPolicy.prefetch_bytes: all of the weight, part of it, a split-K slice and a gated weight
     requested into L2 first; the products are unchanged (the prefetch touches no register result)
-    and its clamped addresses stay inside the weight (a fault would abort the process)."""
+    and its clamped addresses stay inside the weight (a fault would abort the process). The
+    prefetch runs before a PDL wait, so only with PDL (Hopper+; the interpreter has no inline PTX
+    and checks that without PDL the argument changes nothing)."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
 
     for k, n, config in ((200, 300, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2)), (1536, 2048, None)):
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
         for prefetch_k in (64, k // 2, k):
-            assert rel(decode_linear(x, w, config=config, pdl=True, prefetch_k=prefetch_k), decode_linear_ref(x, w)) < TOL
-            gated = decode_linear(x, w, config=config, gated=True, pdl=True, prefetch_k=prefetch_k)
+            assert rel(decode_linear(x, w, config=config, pdl=pdl, prefetch_k=prefetch_k), decode_linear_ref(x, w)) < TOL
+            gated = decode_linear(x, w, config=config, gated=True, pdl=pdl, prefetch_k=prefetch_k)
             assert rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
         if k % 1024 == 0:
-            parts = decode_linear(x, w, config=config, split_k=2, pdl=True, prefetch_k=k // 2)
+            parts = decode_linear(x, w, config=config, split_k=2, pdl=pdl, prefetch_k=k // 2)
             assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
 
 
@@ -418,8 +420,8 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     second partial); groups of 32 and 128, K steps of 128 and 256, odd N (masked rows), a bias,
     float32 out. The groups' scales and minimums are far apart across the weight, so a group
     scaled with its neighbour's numbers fails."""
-    from engine.kernels.int4_linear import int4_linear, int4_linear_ref
-    from engine.w4a16 import quantize_groups
+    from engine.kernels.int4_linear import int4_linear
+    from engine.w4a16 import int4_linear_ref, quantize_groups
 
     tol = max(TOL, 2e-3)
     for k, n, group in ((384, 100, 128), (512, 72, 32), (256, 300, 128)):
