@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig, default_cache_dir
+from engine.config import ConfigError, EngineConfig, ModelConfig, default_cache_dir
 from engine.engine_core import EngineCore
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.linear import DECODE_MAX_ROWS
@@ -88,7 +88,7 @@ def build_engine(
         block_manager,
         step_bound,
     )
-    gemv = gemv if gemv is not None else gemv_policy(config, device)
+    gemv = gemv if gemv is not None else gemv_policy(config, device, loaded.model_config)
     native = None
     if config.quantization == "int4" and device.type == "cpu" and config.native_decode_step != "off":
         native = _native_decode_step(config, loaded, kv_cache, memory)
@@ -102,7 +102,7 @@ def build_engine(
     return core
 
 
-def gemv_policy(config: EngineConfig, device: torch.device) -> GemvPolicy:
+def gemv_policy(config: EngineConfig, device: torch.device, model: ModelConfig) -> GemvPolicy:
     """The batch-1 GEMV policy from the config: Triton GEMVs on CUDA only, PDL where supported."""
     if not (config.batch1_gemv and device.type == "cuda" and triton_available()):
         if config.pdl == "on":
@@ -112,7 +112,16 @@ def gemv_policy(config: EngineConfig, device: torch.device) -> GemvPolicy:
     if config.pdl == "on" and not pdl_supported(device):
         raise ConfigError(f"pdl='on' needs compute capability 9.0+, {torch.cuda.get_device_name(device)} has "
                           f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-    return GemvPolicy(max_rows=DECODE_MAX_ROWS, pdl=pdl)
+    return batch1_policy(model, pdl)
+
+
+def batch1_policy(model: ModelConfig, pdl: bool) -> GemvPolicy:
+    """The batch-1 GEMVs for this model's shape. A model narrower than 4,096 (the 1.5B's 1,536)
+    runs down_proj on cuBLAS and o_proj split-K 2: batch-1 graph replay of the 1.5B shape 1.289 ms
+    against 1.320 with the 8B's choices (three interleaved rounds, H200, 2026-12-03); on the 8B
+    shape the down GEMV wins (4.07 against 4.12 ms) and the split does not pay."""
+    narrow = model.hidden_size < 4096
+    return GemvPolicy(max_rows=DECODE_MAX_ROWS, pdl=pdl, gemv_down=not narrow, o_split_k=2 if narrow else 1)
 
 
 def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, spec: KVCacheSpec, max_model_len: int) -> KVBudget:

@@ -267,7 +267,6 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     model.to_empty(device=device)
     with torch.device(device):
         model.rope = RotaryEmbedding(model_config, max(max_len, 1))  # the one buffer computed, not loaded
-    model.norm_counters.zero_()  # to_empty left it uninitialized; the fused GEMV norms count from zero
     if named is None:
         init_dummy_weights(model, config.seed)
     else:

@@ -87,8 +87,6 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvP
             variants[f"same, L2 prefetch {mib} MiB a weight"] = replace(path, prefetch_bytes=mib << 20)
     if path.fused_swiglu:
         variants["same, SwiGLU as its own kernel"] = replace(path, fused_swiglu=False)
-    variants["same, norms as kernels of their own" if path.fused_norm else "same, norms in the o/down GEMVs"] = replace(
-        path, fused_norm=not path.fused_norm)
     down = "on cuBLAS" if path.gemv_down else f"as a GEMV too (split-K {path.down_split_k})"
     variants[f"same, down_proj {down}"] = replace(path, gemv_down=not path.gemv_down)
     for split in sorted({1, 2, 4} - {path.o_split_k}):
@@ -130,7 +128,7 @@ def path_name(path: GemvPolicy) -> str:
     if not path.max_rows:
         return "cuBLAS"
     fp8 = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
-    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", "norms in o/down" if path.fused_norm else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
+    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
              f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",

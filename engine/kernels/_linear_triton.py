@@ -22,7 +22,10 @@ the SwiGLU one 279 us against 32.4. Tried again (2026-11-30) with the norm's 1/r
 epilogue (the operand is the residual stream times the norm weight, its mean square summed in the
 loop) and the operand's loads issued an iteration ahead: 32 layers of q|k|v, o_proj, gate|up and
 down_proj with both norms folded replayed in 4.63 ms (7.53 without the early loads) against 3.69-
-3.75 with the norm kernels.
+3.75 with the norm kernels. (3) The residual add + RMSNorm after o_proj and down_proj run by the
+GEMV's last program to finish (each program counted itself done with an atomic; the last read the
+row back, normalized it and reset the count): on the Qwen2.5-1.5B shape the batch-1 graph replay
+took 1.545 ms against 1.320 with the norm kernels (H200, 2026-12-03, three interleaved rounds).
 
 ``LATE_RELEASE`` (with PDL): the next kernel may launch only after the K loop, not right after
 the wait (GemvPolicy.late_release says for which projections it pays).
@@ -41,7 +44,6 @@ def decode_linear_kernel(
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
     COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
     PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
-    R=None, NW=None, XO=None, RO=None, CNT=None, eps=0.0, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -56,10 +58,7 @@ def decode_linear_kernel(
     first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion).
     PREFETCH_K (> 0 with USE_PDL): columns of this program's K slice requested into L2 before the
     wait, 8 lines of LINE elements (128 bytes) a row per round, clamped into the program's rows and
-    slice.
-    NORM (not GATED, no bias): the residual add + RMSNorm after this projection, by the last program
-    to finish (see :func:`add_rms_norm_once_done`): RO = Y (its SPLIT_K partials summed) + R, XO =
-    rmsnorm(RO) * NW; the kernel that would do it is not launched."""
+    slice."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -143,36 +142,6 @@ def decode_linear_kernel(
         acc += bias.to(tl.float32)[None, :]
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & n_ok[None, :])
-    if NORM:
-        add_rms_norm_once_done(Y, R, NW, XO, RO, CNT, M, N, eps, stride_ym, stride_ys, SPLIT_K, NORM_BLOCK)
-
-
-@triton.jit
-def add_rms_norm_once_done(Y, R, NW, XO, RO, CNT, M, N, eps, stride_ym, stride_ys, SPLIT_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """Called by every program of a GEMV after its store. Each counts itself done in CNT (an int32,
-    zero between launches); the last one reads the whole output back (its split-K partials summed),
-    adds the residual R and writes the sum RO and its RMSNorm XO (weight NW), as add_rms_norm_kernel
-    would, then zeroes CNT for the next launch. The kernel after waits for this whole grid anyway,
-    so the norm costs no launch and no grid-wide hand-off of its own: in a batch-1 step of a small
-    model those, not bytes, are the time. The block barrier before the count orders every thread's
-    store before it (the count releases, the last program's acquires)."""
-    tl.debug_barrier()
-    done = tl.atomic_add(CNT, 1, sem="acq_rel")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        cols = tl.arange(0, NORM_BLOCK)
-        mask = cols < N
-        w = tl.load(NW + cols, mask=mask, other=0.0).to(tl.float32)
-        for m in range(M):
-            h = tl.load(Y + m * stride_ym + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            for part in tl.static_range(1, SPLIT_K):
-                h += tl.load(Y + part * stride_ys + m * stride_ym + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            r = tl.load(R + m * N + cols, mask=mask, other=0.0)
-            h = (h + r.to(tl.float32)).to(RO.dtype.element_ty)
-            tl.store(RO + m * N + cols, h, mask=mask)
-            hf = h.to(tl.float32)
-            var = tl.sum(hf * hf, axis=0) / N
-            tl.store(XO + m * N + cols, (hf * tl.rsqrt(var + eps) * w).to(XO.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(CNT, 0)
 
 
 @triton.jit

@@ -60,11 +60,6 @@ class GemvPolicy:
     with 1 MiB, 1.324 with 2, 1.342 without, 1.428 / 1.527 / 1.592 with 8 / 32 / 128 MiB (a larger
     prefetch competes with the kernel before it for DRAM)."""
 
-    fused_norm: bool = False
-    """The residual add + RMSNorm after o_proj and after down_proj run in those GEMVs' last program
-    (engine/kernels/linear.py ``decode_linear_add_rms_norm``): no norm kernel, no hand-off between
-    two kernels, twice a layer."""
-
     def __post_init__(self) -> None:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:

@@ -99,7 +99,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
     *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0, norm: NormAfter | None = None,
+    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
     -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
@@ -116,11 +116,7 @@ def decode_linear(
     float32 scales, one per row of w (engine/fp8.py); ``fp8_math`` (GemvPolicy.fp8_math): "bf16" widens its tiles to
     x's dtype, "fp16" widens tiles and x to fp16, "fp8" rounds x to e4m3 per row (W8A8) for FP8 tensor cores.
     ``prefetch_k`` (with ``pdl``; :func:`prefetch_columns`): columns of each program's weight rows
-    requested into L2 before the PDL wait, while the kernel before still runs. ``norm``: the residual
-    add + RMSNorm after the projection, written into its ``out`` / ``residual_out`` by the GEMV's
-    last program (:func:`decode_linear_add_rms_norm`)."""
-    import triton
-
+    requested into L2 before the PDL wait, while the kernel before still runs."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -133,13 +129,11 @@ def decode_linear(
     bias_ok = bias is None or (not gated and bias.shape == (rows,) and bias.stride(0) == 1)
     scale_ok = (w_scale is None) == (w.dtype == x.dtype) and (
         w_scale is None or (w_scale.shape == (rows,) and w_scale.dtype == torch.float32 and w_scale.stride(0) == 1))
-    norm_ok = norm is None or (not gated and bias is None and out_dtype is None and norm.fits(m, n))
     if (m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok
-            or columns > block_n or not bias_ok or not scale_ok or not norm_ok):
+            or columns > block_n or not bias_ok or not scale_ok):
         raise ValueError(f"decode_linear: x {tuple(x.shape)} {x.dtype} w {tuple(w.shape)} {w.dtype} gated={gated} split_k={split_k} "
                          f"bias {None if bias is None else tuple(bias.shape)} "
-                         f"w_scale {None if w_scale is None else (tuple(w_scale.shape), w_scale.dtype)} "
-                         f"norm={norm is not None} do not fit {config}")
+                         f"w_scale {None if w_scale is None else (tuple(w_scale.shape), w_scale.dtype)} do not fit {config}")
     if split_k > 1:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
@@ -151,42 +145,9 @@ def decode_linear(
         GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
         HAS_SCALE=w_scale is not None, FP8_MATH=FP8_MATHS.index(fp8_math),
         PREFETCH_K=prefetch_k if pdl else 0, LINE=128 // w.element_size(),
-        **({} if norm is None else dict(R=norm.residual, NW=norm.weight, XO=norm.out, RO=norm.residual_out, CNT=norm.counter,
-                                        eps=norm.eps, NORM=True, NORM_BLOCK=triton.next_power_of_2(n))),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y
-
-
-@dataclass(frozen=True)
-class NormAfter:
-    """The residual add + RMSNorm that follows a projection, for its GEMV's last program to run:
-    ``residual_out`` = the projection + ``residual``, ``out`` = rmsnorm(residual_out) * ``weight``.
-    ``counter``: one int32 on the device, zero between launches, that no other kernel in flight
-    uses (each call site of the model has its own: LlamaForCausalLM.norm_counters)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    counter: torch.Tensor
-    out: torch.Tensor
-    residual_out: torch.Tensor
-
-    def fits(self, rows: int, n: int) -> bool:
-        shapes = all(t.shape == (rows, n) and t.is_contiguous() for t in (self.residual, self.out, self.residual_out))
-        return shapes and self.weight.shape == (n,) and self.counter.dtype == torch.int32 and self.counter.numel() == 1
-
-
-def decode_linear_add_rms_norm(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
-    config: GemvConfig | None = None, **gemv: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm(decode_linear(x, w), residual, norm_weight, eps)`` in one kernel: (normed,
-    new residual). ``counter``: see :class:`NormAfter`; ``gemv``: decode_linear's keywords (split_k,
-    pdl, late_release, w_scale, fp8_math, prefetch_k)."""
-    out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
-    decode_linear(x, w, None, config, norm=NormAfter(residual, norm_weight, eps, counter, out, residual_out), **gemv)
-    return out, residual_out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig) -> torch.Tensor:

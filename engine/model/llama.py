@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
-from engine.kernels.linear import decode_linear, decode_linear_add_rms_norm, decode_tile, prefetch_columns, usable_split_k
+from engine.kernels.linear import decode_linear, decode_tile, prefetch_columns, usable_split_k
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
 
@@ -109,9 +109,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        # One int32 a fused GEMV + norm call site (o_proj and down_proj of each layer; GemvPolicy.fused_norm):
-        # the GEMV's programs count themselves done there, and the last one zeroes it again.
-        self.register_buffer("norm_counters", torch.zeros(2 * config.num_hidden_layers, dtype=torch.int32), persistent=False)
 
     def forward(
         self,
@@ -146,25 +143,20 @@ class LlamaForCausalLM(nn.Module):
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy,
                          next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then ``next_norm`` (layer i+1's input norm or the
-        final norm) of the residual stream -> (normed, new residual). With ``gemv.fused_norm`` on the
-        GEMV path, o_proj's and down_proj's GEMVs run the norm after them in their last program."""
+        final norm) of the residual stream -> (normed, new residual)."""
         layer, pdl = self.layers[i], _pdl(gemv, attn)
-        o_proj, fused = layer.self_attn.o_proj, gemv.fused_norm and _use_gemv(gemv, attn)
-        if fused:
-            x, residual = _gemv_norm(gemv, "o", attn, o_proj, residual, layer.post_attention_layernorm, self.norm_counters[2 * i:2 * i + 1])
-        else:  # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
-            h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
-            x, residual = layer.post_attention_layernorm(h, residual, pdl)
+        o_proj = layer.self_attn.o_proj
+        # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
+        h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
+        x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if _use_gemv(gemv, x) and gemv.fused_swiglu:
             act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True)
         else:
             act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
-        if not (gemv.gemv_down and _use_gemv(gemv, act)):
-            return next_norm(mlp.down_proj(act), residual, pdl)
-        if fused:
-            return _gemv_norm(gemv, "down", act, mlp.down_proj, residual, next_norm, self.norm_counters[2 * i + 1:2 * i + 2])
-        return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=gemv.down_split_k), residual, pdl)
+        if gemv.gemv_down and _use_gemv(gemv, act):
+            return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=gemv.down_split_k), residual, pdl)
+        return next_norm(mlp.down_proj(act), residual, pdl)
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
@@ -198,22 +190,6 @@ def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor) -> to
     """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module
     (cuBLAS, or FP8 tensor cores for an :class:`~engine.fp8.Fp8Linear`)."""
     return _gemv(gemv, name, x, linear, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
-
-
-def _gemv_norm(
-    gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor, norm: RMSNorm, counter: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projection ``name`` (o or down, split-K as the policy says) as the batch-1 GEMV whose last
-    program adds ``residual`` and applies ``norm`` -> (normed, new residual). An int4 weight's
-    kernel has no such epilogue: the norm runs after it."""
-    if isinstance(linear, W4A16Linear):
-        return norm(_gemv(gemv, name, x, linear), residual, gemv.pdl)
-    weight, scale = linear.weight, weight_scale(linear)
-    config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
-    split_k = usable_split_k(weight, gemv.o_split_k if name == "o" else gemv.down_split_k, config)
-    return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps, counter, config, pdl=gemv.pdl, split_k=split_k,
-                                      late_release=name in gemv.late_release, w_scale=scale, fp8_math=gemv.fp8_math,
-                                      prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes))
 
 
 def _gemv(

@@ -221,3 +221,17 @@ def test_slowest_steps_rank_by_device_span_where_recorded():
 def test_execution_paths_keep_the_mode_names_of_metrics_and_bench_json():
     assert [p.value for p in ExecutionPath] == ["graph", "mixed", "piecewise", "native", "eager"]
     assert f"{ExecutionPath.MIXED}" == "mixed"
+
+
+def test_narrow_models_take_down_proj_on_cublas_and_split_o_proj():
+    """engine_builder.batch1_policy: the 1.5B shape (hidden 1,536) runs down_proj on cuBLAS and
+    o_proj split-K 2 (faster there on the H200), the 8B shape the down GEMV unsplit o_proj."""
+    from engine.config import ModelConfig
+    from engine.engine_builder import batch1_policy
+    from tests.conftest import REPO
+
+    small = batch1_policy(ModelConfig.from_json(REPO / "engine/configs/qwen2.5-coder-1.5b.json"), pdl=True)
+    large = batch1_policy(ModelConfig.from_json(REPO / "engine/configs/llama-3.1-8b.json"), pdl=True)
+    assert (small.gemv_down, small.o_split_k, small.pdl, small.max_rows) == (False, 2, True, 1)
+    assert (large.gemv_down, large.o_split_k) == (True, 1)
+

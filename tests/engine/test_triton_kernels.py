@@ -273,44 +273,6 @@ def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same
             assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
 
 
-@pytest.mark.parametrize("pdl", PDL_CASES)
-@pytest.mark.parametrize("rows", [1, 3])
-def test_a_gemv_runs_the_residual_add_and_rms_norm_after_it_in_its_last_program(rows, pdl):
-    """GemvPolicy.fused_norm: the GEMV (plain, split-K, a program owning fewer columns than its
-    tile) whose last program adds the residual and normalizes the whole row gives exactly what the
-    GEMV then add_rms_norm_kernel give, and leaves its counter at zero for the next launch (a
-    second launch with another input is right too)."""
-    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_add_rms_norm
-
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for k, n, config, split in ((256, 300, GemvConfig("dot", 32, 64, 4, 2), 1), (512, 200, GemvConfig("dot", 32, 128, 4, 2), 2),
-                                (256, 100, GemvConfig("dot", 32, 64, 4, 2, columns=23), 1)):
-        for _ in range(2):
-            x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
-            w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
-            residual = torch.randn(rows, n, device=DEVICE, dtype=DTYPE)
-            norm_w = torch.rand(n, device=DEVICE, dtype=DTYPE) + 0.5
-            out, res = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-6, counter, config, split_k=split, pdl=pdl)
-            want_out, want_res = add_rms_norm_triton(decode_linear(x, w, config=config, split_k=split, pdl=pdl), residual, norm_w, 1e-6)
-            assert torch.equal(res, want_res) and torch.equal(out, want_out), (k, n, split)
-            ref_out, ref_res = add_rms_norm_ref(x.float() @ w.float().T, residual.float(), norm_w.float(), 1e-6)
-            assert rel(out, ref_out) < TOL and rel(res, ref_res) < TOL
-            assert counter.item() == 0
-
-
-def test_a_gemv_norm_must_fit_its_output():
-    """The fused norm is for a plain projection's [rows, n] output: not a gated one, not with a bias."""
-    from engine.kernels.linear import NormAfter, decode_linear
-
-    x, w = torch.randn(1, 64, device=DEVICE, dtype=DTYPE), torch.randn(32, 64, device=DEVICE, dtype=DTYPE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    rows32 = torch.empty(1, 32, device=DEVICE, dtype=DTYPE)
-    with pytest.raises(ValueError, match="norm=True"):
-        decode_linear(x, w, gated=True, norm=NormAfter(rows32[:, :16], rows32[0, :16], 1e-6, counter, rows32[:, :16], rows32[:, :16]))
-    with pytest.raises(ValueError, match="norm=True"):
-        decode_linear(x, w, norm=NormAfter(rows32, rows32[0, :16], 1e-6, counter, rows32, rows32))  # a weight of 16, not 32
-
-
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""
@@ -490,9 +452,8 @@ def test_a_gemv_bias_must_fit_its_output():
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, request):
     """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs (Qwen2's q|k|v bias in the
-    GEMV's epilogue; the norms after o_proj and down_proj in their GEMVs, GemvPolicy.fused_norm)
-    give the same tokens and log-probs as torch's linear (the GEMVs run in Triton's interpreter on
-    the CPU)."""
+    GEMV's epilogue; o_proj split-K, its partials summed by the norm after it) give the same
+    tokens and log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.llm import make_config
 
@@ -502,11 +463,10 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outputs = {}
     paths = {"plain": GemvPolicy(), "gemv": GemvPolicy(max_rows=1), "gemv+swiglu kernel": GemvPolicy(max_rows=1, fused_swiglu=False),
-             "gemv+down": GemvPolicy(max_rows=1, gemv_down=True), "gemv+fused norms": GemvPolicy(max_rows=1, fused_norm=True),
-             "gemv+fused norms, o split": GemvPolicy(max_rows=1, fused_norm=True, o_split_k=2)}
+             "gemv+down": GemvPolicy(max_rows=1, gemv_down=True), "gemv, o split": GemvPolicy(max_rows=1, o_split_k=2),
+             "gemv, down on torch": GemvPolicy(max_rows=1, gemv_down=False, o_split_k=2)}
     if PDL:
         paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
-        paths["gemv+pdl+fused norms"] = GemvPolicy(max_rows=1, pdl=True, fused_norm=True)
     for name, path in paths.items():
         config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
         llm = LLM(core=build_engine(config, gemv=path))
@@ -541,7 +501,7 @@ def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tin
             for path in PROJECTIONS:
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
-    policy = GemvPolicy(max_rows=1, fp8_math=math, fp8_block_k=256, fused_norm=math == "fp16")  # both norm paths with FP8
+    policy = GemvPolicy(max_rows=1, fp8_math=math, fp8_block_k=256)
     got = LLM(core=build_engine(config, fp8, gemv=policy)).generate([[5]], params)[0]
     want = LLM(core=build_engine(config, dense, gemv=GemvPolicy())).generate([[5]], params)[0]
     assert got.token_ids == want.token_ids
@@ -553,8 +513,8 @@ def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tin
 def test_an_int4_model_decodes_like_its_dequantized_weights(tmp_path):
     """The W4A16 wiring (engine/w4a16.py): a Qwen2 (q|k|v bias) whose layer projections are
     group-wise int4 - a 20-token prompt through the prefill tile, then batch-1 steps through the
-    decode tile with SwiGLU and the norms after the int4 kernels (fused_norm asked for, and not
-    possible there) - gives the tokens and log-probs of a plain model holding the dequantized
+    decode tile with SwiGLU after the int4 kernel (the gated GEMV's epilogue is not for int4) -
+    gives the tokens and log-probs of a plain model holding the dequantized
     weights (x rounded to fp16 in the kernel: 1e-2)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS
@@ -575,7 +535,7 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tmp_path):
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     prompt = [(7 * i + 3) % 300 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
-    got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1, fused_norm=True))).generate([prompt], params)[0]
+    got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1))).generate([prompt], params)[0]
     want = LLM(core=build_engine(config, dense, gemv=GemvPolicy())).generate([prompt], params)[0]
     assert got.token_ids == want.token_ids
     for a, b in zip(want.logprobs, got.logprobs):

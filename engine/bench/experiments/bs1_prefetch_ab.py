@@ -3,9 +3,11 @@
 gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
 projections release late; ``--splits``: decode attention's context splits (module constant
-TARGET_PROGRAMS patched); ``--norm``: the norms in the o/down GEMVs (GemvPolicy.fused_norm) beside
-o_proj split-K and down_proj on cuBLAS. Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --norm | --splits]``.
+TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS. (A form
+``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
+dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
+output has those variants too.) Run from the repository
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits]``.
 """
 import random
 import sys
@@ -45,22 +47,18 @@ if "--late" in sys.argv:  # second form: which projections release late, with an
                  ("gate_up", "o", "down"), ("qkv", "o", "gate_up", "down", "lm_head")):
         for mib in (0, 1, 2):
             variants[f"prefetch {mib} MiB, late {'+'.join(late)}"] = replace(path, prefetch_bytes=mib << 20, late_release=late)
-elif "--splits" in sys.argv:  # fourth form: decode attention's context splits at batch 1 (TARGET_PROGRAMS), norms fused or not
+elif "--splits" in sys.argv:  # fourth form: decode attention's context splits at batch 1 (TARGET_PROGRAMS)
     for target in (264, 32, 16, 8, 2):
-        for fused in (False, True):
-            variants[f"attention programs {target}, norms {'fused' if fused else 'kernels'}"] = (target, replace(path, fused_norm=fused))
-elif "--norm" in sys.argv:  # third form: the norms in the o/down GEMVs' last program, with o_proj split and down_proj on cuBLAS
-    variants = {"as configured": path, "norms fused": replace(path, fused_norm=True),
-                "norms fused, o split-K 2": replace(path, fused_norm=True, o_split_k=2),
-                "norms fused, down split-K 1": replace(path, fused_norm=True, down_split_k=1),
-                "down on cuBLAS": replace(path, gemv_down=False), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2),
-                "o's norm fused, down on cuBLAS, o split-K 2": replace(path, fused_norm=True, gemv_down=False, o_split_k=2)}
+        variants[f"attention programs {target}"] = (target, path)
+elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
+    variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
+                "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
 else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab.txt)
     for mib in (0, 2, 8, 32, 128):
         variants[f"prefetch {mib} MiB, late {'+'.join(path.late_release)}"] = replace(path, prefetch_bytes=mib << 20)
         variants[f"prefetch {mib} MiB, late none"] = replace(path, prefetch_bytes=mib << 20, late_release=())
 first = None
-for rnd in range(2 if "--norm" in sys.argv and "8b" in model else 3):
+for rnd in range(3):
     for name, variant in variants.items():
         if isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
