@@ -5,7 +5,8 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
 
 - the weight in groups of ``group`` (default 128) consecutive inputs of one output row, each group
   with an fp16 scale and minimum (w ~ q * scale + min, q in 0..15: GGUF's Q4_1 rule, asymmetric so
-  that a group's range is used whole), two weights a byte;
+  that a group's range is used whole), two weights a byte: a group's first half in the low nibbles
+  of its ``group / 2`` bytes, its second half in the high ones (as GGUF's 32-weight blocks);
 - every step multiplies through one Triton kernel (engine/kernels/int4_linear.py) that widens the
   nibbles to fp16 in registers, with the activations cast to fp16 (bf16 out).
 
@@ -25,25 +26,27 @@ GROUP = 128
 
 
 def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] (K a multiple of ``group``) -> (qweight [N, K/2] uint8, scales, mins [N, K/group] fp16)
+    """``w`` [N, K] (K a multiple of ``group``, itself of 32) -> (qweight [N, K/2] uint8, scales, mins [N, K/group] fp16)
     with w ~ q * scale + min per group; the group's minimum and maximum are kept exactly up to fp16."""
     n, k = w.shape
-    if k % group or group % 2:
+    if k % group or group % 32:
         raise ValueError(f"int4 groups of {group} do not divide a weight of {k} inputs")
     g = w.float().reshape(n, k // group, group)
     low, high = g.amin(dim=2), g.amax(dim=2)
     scales = ((high - low) / 15).to(torch.float16)
     mins = low.to(torch.float16)
     step = scales.float().clamp(min=1e-12)[:, :, None]
-    q = ((g - mins.float()[:, :, None]) / step).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return q[:, 0::2] | (q[:, 1::2] << 4), scales, mins
+    q = ((g - mins.float()[:, :, None]) / step).round().clamp(0, 15).to(torch.uint8)
+    half = group // 2  # a group's first half in the low nibbles of its bytes, its second half in the high ones
+    return (q[:, :, :half] | (q[:, :, half:] << 4)).reshape(n, k // 2), scales, mins
 
 
 def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """The weight the kernel multiplies, in float32 [N, K]."""
     n = qweight.shape[0]
-    q = torch.stack((qweight & 0xF, qweight >> 4), dim=2).reshape(n, -1).float()
-    return (q.reshape(n, -1, group) * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
+    packed = qweight.reshape(n, -1, group // 2)
+    q = torch.cat((packed & 0xF, packed >> 4), dim=2).float()  # [n, groups, group]
+    return (q * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
 
 
 def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
@@ -68,15 +71,22 @@ class W4A16Linear(nn.Module):
         self.group = group
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, pdl: bool = False, prefetch_k: int = 0) -> torch.Tensor:
-        """Any number of rows; the Triton kernel where it runs, its float32 reference elsewhere."""
+    def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
+                prefetch_k: int = 0) -> torch.Tensor:
+        """Any number of rows; the Triton kernel where it runs, its float32 reference elsewhere.
+        ``split_k`` > 1 (x of two dims): float32 partials [split_k, rows, out] (engine/kernels/int4_linear.py)."""
         from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
         rows = x.reshape(-1, x.shape[-1])
         if runs_triton(rows):
-            y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, pdl=pdl, prefetch_k=prefetch_k)
+            y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,
+                            prefetch_k=prefetch_k)
+            if split_k > 1:
+                return y
         else:
+            if split_k > 1:
+                raise ValueError("W4A16Linear: split-K partials come from the Triton kernel (CUDA, or TRITON_INTERPRET=1)")
             y = int4_linear_ref(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -26,6 +26,7 @@ from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
+from engine.kernels.int4_linear import int4_split_k
 from engine.kernels.linear import decode_linear, decode_tile, prefetch_columns, usable_split_k
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
@@ -154,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True)
         else:
             act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
-        if gemv.gemv_down and _use_gemv(gemv, act):
+        if _use_gemv(gemv, act) and (gemv.gemv_down or isinstance(mlp.down_proj, W4A16Linear)):  # int4: only its kernel
             return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=gemv.down_split_k), residual, pdl)
         return next_norm(mlp.down_proj(act), residual, pdl)
 
@@ -198,9 +199,11 @@ def _gemv(
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
-    int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (not split, SwiGLU after it)."""
-    if isinstance(linear, W4A16Linear):
-        y = linear(x, out_dtype=out_dtype, pdl=gemv.pdl, prefetch_k=2 * prefetch_columns(linear.qweight, 1, gemv.prefetch_bytes))
+    int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it)."""
+    if isinstance(linear, W4A16Linear):  # o_proj's and down_proj's partials are summed by the norm after: as many slices as fill the SMs
+        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if name in ("o", "down") else 1
+        y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
+                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes))
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None

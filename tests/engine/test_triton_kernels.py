@@ -378,11 +378,11 @@ def test_an_fp8_weight_gemv_scales_each_row(rows, math):
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     """W4A16 (engine/w4a16.py): the kernel's product equals x @ the dequantized weight (x rounded
-    to fp16: 1e-3), for decode tiles (1 and 5 rows) and prefill tiles (70 rows: two M tiles, the
-    second partial); groups of 32 and 128, K steps of 128 and 256, odd N (masked rows), a bias,
-    float32 out. The groups' scales and minimums are far apart across the weight, so a group
-    scaled with its neighbour's numbers fails."""
-    from engine.kernels.int4_linear import int4_linear
+    to fp16: 2e-3), for decode tiles (1 and 5 rows) and prefill tiles (70 rows: two M tiles, the
+    second partial); groups of 32 and 128, one and two groups a loop step, odd N (masked rows), a
+    bias, float32 out, split-K partials that sum to the product. The groups' scales and minimums are
+    far apart across the weight, so a group scaled with its neighbour's numbers fails."""
+    from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_split_k
     from engine.w4a16 import int4_linear_ref, quantize_groups
 
     tol = max(TOL, 2e-3)
@@ -395,12 +395,18 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
         b = torch.randn(n, device=DEVICE, dtype=DTYPE)
         got = int4_linear(x, q, scales, mins, group, b, torch.float32, pdl=pdl, prefetch_k=k)
         assert got.dtype == torch.float32 and rel(got, ref + b.float()) < tol
+        one_group = Int4Tile(16 if rows <= 16 else 64, 16, 1, 4, 2)
+        assert rel(int4_linear(x, q, scales, mins, group, pdl=pdl, tile=one_group), ref) < tol
+        if (k // group) % 2 == 0:  # slices of whole groups
+            parts = int4_linear(x, q, scales, mins, group, split_k=2, pdl=pdl, prefetch_k=k // 2)
+            assert parts.shape == (2, rows, n) and rel(parts.sum(0), ref) < tol
+    assert int4_split_k(1, 4096, 14336, 128) == 4 and int4_split_k(1, 1536, 8960, 128) == 2 and int4_split_k(70, 4096, 14336, 128) == 1
 
 
 def test_int4_groups_hold_each_weight_within_half_a_step():
     """quantize_groups: every weight within half its group's step (+ fp16 rounding of the scale
-    and minimum) of the original; a constant group is exact; the layout is two weights a byte, low
-    nibble first, as the kernel reads it."""
+    and minimum) of the original; a constant group is exact; the layout is a group's first half in
+    the low nibbles of its bytes, its second half in the high ones, as the kernel reads it."""
     from engine.w4a16 import dequantize_groups, quantize_groups
 
     w = torch.randn(6, 256) * torch.tensor([1e-3, 1e-1, 1.0, 10.0, 3.0, 0.5])[:, None]
@@ -410,8 +416,8 @@ def test_int4_groups_hold_each_weight_within_half_a_step():
     err = (dequantize_groups(q, scales, mins, 128) - w).abs().reshape(6, 2, 128).amax(dim=2)
     assert (err <= scales.float() * 0.5 + 1e-3 * w.abs().reshape(6, 2, 128).amax(dim=2) + 1e-6).all()
     assert torch.equal(dequantize_groups(q, scales, mins, 128)[5, :128], w[5, :128])
-    first = ((w[:, :2] - mins.float()[:, :1]) / scales.float()[:, :1]).round().clamp(0, 15).to(torch.uint8)
-    assert torch.equal(q[:, 0], first[:, 0] | (first[:, 1] << 4))
+    pair = ((w[:, [0, 64]] - mins.float()[:, :1]) / scales.float()[:, :1]).round().clamp(0, 15).to(torch.uint8)
+    assert torch.equal(q[:, 0], pair[:, 0] | (pair[:, 1] << 4))  # weights 0 and 64 of the first group
 
 
 def test_a_gated_gemv_needs_gate_and_up_halves():

@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from engine.bench.kernels import time_rotating
-from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_tile
+from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_split_k, int4_tile
 from engine.w4a16 import quantize_groups
 
 
@@ -24,21 +24,22 @@ for name, (n, k) in shapes.items():
     dense = [w.clone() for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
     dense_us = time_rotating(lambda i: torch.nn.functional.linear(x, dense[i]), len(dense)) * 1e6
     rows = []
-    tiles = [Int4Tile(16, bn, bk, w_, st) for bn, bk, w_, st in itertools.product((16, 32, 64, 128), (128, 256, 512), (4,), (3, 5))]
-    for tile in [int4_tile(1, n, k), *tiles]:
-        if k % tile.block_k:
+    splits = {1, int4_split_k(1, n, k, 128)} if "o_proj" in name or "down" in name else {1}
+    tiles = [(Int4Tile(16, bn, gps, 4, st), sp) for bn, gps, st, sp in itertools.product((16, 32, 64), (1, 2, 4), (3, 5), sorted(splits))]
+    default = (int4_tile(1, n, k, 128, max(splits)), max(splits))
+    for tile, split in [default, *tiles]:
+        if k % (split * 128 * tile.groups_per_step):
             continue
         try:
-            us = time_rotating(lambda i: int4_linear(x, *packs[i], 128, tile=tile), copies) * 1e6
+            us = time_rotating(lambda i: int4_linear(x, *packs[i], 128, split_k=split, tile=tile), copies) * 1e6
         except Exception as e:  # out of shared memory or registers: not a candidate
-            print(f"  {name} {tile}: {type(e).__name__}")
+            print(f"  {name} {tile} split {split}: {type(e).__name__}")
             continue
-        rows.append((us, tile))
+        rows.append((us, tile, split))
     del packs, dense
+    default_us = rows[0][0]  # timed first
     rows.sort(key=lambda r: r[0])
-    default = int4_tile(1, n, k)
-    default_us = next(us for us, t in rows if t == default)  # timed first
-    print(f"{name} [{n}x{k}] cuBLAS bf16 {dense_us:.1f} us ({w.numel() * 2 / dense_us / 1e3:.0f} GB/s); int4 default {default} "
-          f"{default_us:.1f} us ({nbytes / default_us / 1e3:.0f} GB/s)", flush=True)
-    for us, tile in rows[:5]:
-        print(f"    {us:6.1f} us {nbytes / us / 1e3:5.0f} GB/s  {tile}", flush=True)
+    print(f"{name} [{n}x{k}] cuBLAS bf16 {dense_us:.1f} us ({w.numel() * 2 / dense_us / 1e3:.0f} GB/s); int4 default {default[0]} "
+          f"split {default[1]} {default_us:.1f} us ({nbytes / default_us / 1e3:.0f} GB/s)", flush=True)
+    for us, tile, split in rows[:5]:
+        print(f"    {us:6.1f} us {nbytes / us / 1e3:5.0f} GB/s  {tile} split {split}", flush=True)
