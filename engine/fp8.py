@@ -45,6 +45,8 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        if linear.weight.is_cuda and (linear.in_features % 16 or linear.out_features % 16):
+            raise ValueError(f"FP8 matmuls need dims that are multiples of 16, not a [{linear.out_features}, {linear.in_features}] weight")
         q, scale = quantize_rows(linear.weight.detach())
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)

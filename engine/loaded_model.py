@@ -70,7 +70,10 @@ class LoadedModel:
         blocks = BlockCache(gguf_tensors(config.model)) if cpu_int4 else None
         model, model_config = load_model(config, device, dtype, blocks)
         if config.quantization == "fp8":  # CUDA only (checked above)
-            quantize_model_fp8(model)
+            try:
+                quantize_model_fp8(model)
+            except ValueError as e:
+                raise ConfigError(f"quantization='fp8': {e}") from e
             torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
         elif config.quantization == "int4" and device.type == "cuda":
             try:

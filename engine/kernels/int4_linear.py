@@ -26,10 +26,15 @@ class Int4Tile:
 
 
 def int4_tile(rows: int, n: int, k: int, group: int, split_k: int = 1) -> Int4Tile:
-    """The tile for x [rows, k] @ W [n, k]^T: two groups a loop step where the slice allows."""
-    steps = 2 if (k // split_k) % (2 * group) == 0 else 1
+    """The tile for x [rows, k] @ W [n, k]^T. At batch 1: 32 weight rows a program, 3 stages, and
+    one group a loop step for a split weight, four (or as many as the slice allows) for an unsplit
+    one: the fastest of 18 tiles a shape in isolation on the H200 (2026-12-03, weights rotating
+    through more than L2; engine/bench/experiments/int4_tile_sweep.py): 8B q|k|v 22.5 us, o_proj
+    (split 4) 15.3, gate|up 61.2, down_proj (split 4) 49.0; 1.5B down_proj (split 2) 22.2."""
+    slice_groups = k // split_k // group
+    steps = 1 if split_k > 1 else next(s for s in (4, 2, 1) if slice_groups % s == 0)
     if rows <= DECODE_ROWS:
-        return Int4Tile(16, 32 if n >= 4096 else 16, steps, 4, 4)
+        return Int4Tile(16, 32, steps, 4, 3)
     return Int4Tile(64, 64, steps, 4, 3)
 
 

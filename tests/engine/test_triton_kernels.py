@@ -488,50 +488,56 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
             assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-4), name
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_16_dir(tmp_path_factory):
+    """A Qwen2 (q|k|v bias) whose every projection has dims of 128 or 256: FP8 matmuls need
+    multiples of 16, int4 groups of 128."""
+    from tests.engine.conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-qwen2-16"), seed=3, architecture="qwen2", hidden_size=128,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
 @pytest.mark.parametrize("math", ["bf16", "fp16"])
-def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tiny_qwen2_dir, math):
-    """The FP8 wiring in LlamaForCausalLM: every step of a one-token prompt runs the GEMVs with
-    the e4m3 weights, their scales (q|k|v with Qwen2's bias, gate|up gated, down_proj split-K) and
-    the policy's FP8 math and tile K, and gives the tokens and log-probs of a plain model holding
-    the dequantized weights."""
+def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tiny_qwen2_16_dir, math):
+    """The FP8 wiring in LlamaForCausalLM: a 20-token prompt (FP8 matmuls on CUDA, their float32
+    emulation on the CPU), then batch-1 steps through the GEMVs with the e4m3 weights, their scales
+    (q|k|v with Qwen2's bias, gate|up gated, down_proj split-K) and the policy's FP8 math and tile K,
+    decode like a plain model holding the dequantized weights (scored teacher-forced)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS, quantize_model_fp8
     from engine.llm import make_config
     from engine.loaded_model import LoadedModel
 
-    config = make_config(str(tiny_qwen2_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+    config = make_config(str(tiny_qwen2_16_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
     fp8, dense = LoadedModel.load(config), LoadedModel.load(config)
     quantize_model_fp8(fp8.model)
     with torch.no_grad():
         for quantized, plain in zip(fp8.model.layers, dense.model.layers):
             for path in PROJECTIONS:
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
+    prompt = [(7 * i + 3) % 300 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
     policy = GemvPolicy(max_rows=1, fp8_math=math, fp8_block_k=256)
-    got = LLM(core=build_engine(config, fp8, gemv=policy)).generate([[5]], params)[0]
-    want = LLM(core=build_engine(config, dense, gemv=GemvPolicy())).generate([[5]], params)[0]
-    assert got.token_ids == want.token_ids
-    tol = 5e-2 if DTYPE == torch.bfloat16 else {"bf16": 1e-4, "fp16": 1e-2}[math]  # fp16: x rounded to 11 bits
-    for a, b in zip(want.logprobs, got.logprobs):
-        assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=tol)
+    got = LLM(core=build_engine(config, fp8, gemv=policy)).generate([prompt], params)[0]
+    # the prompt's activations are rounded to e4m3 (W8A8): the first token's log-prob moves more there
+    tol = 0.15 if DTYPE == torch.bfloat16 else {"bf16": 5e-2, "fp16": 5e-2}[math]
+    assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, tol)
 
 
-def test_an_int4_model_decodes_like_its_dequantized_weights(tmp_path):
+def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir):
     """The W4A16 wiring (engine/w4a16.py): a Qwen2 (q|k|v bias) whose layer projections are
     group-wise int4 - a 20-token prompt through the prefill tile, then batch-1 steps through the
-    decode tile with SwiGLU after the int4 kernel (the gated GEMV's epilogue is not for int4) -
-    gives the tokens and log-probs of a plain model holding the dequantized
-    weights (x rounded to fp16 in the kernel: 1e-2)."""
+    decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel)
+    - decodes like a plain model holding the dequantized weights (scored teacher-forced; the
+    kernel multiplies in fp16)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS
     from engine.llm import make_config
     from engine.loaded_model import LoadedModel
     from engine.w4a16 import W4A16Linear, quantize_model_int4
-    from tests.engine.conftest import save_tiny_llama
 
-    model_dir = save_tiny_llama(tmp_path, seed=3, architecture="qwen2", hidden_size=128, intermediate_size=256,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
+    config = make_config(str(tiny_qwen2_16_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
     int4, dense = LoadedModel.load(config), LoadedModel.load(config)
     assert quantize_model_int4(int4.model) == 4 * 3
     with torch.no_grad():
@@ -542,10 +548,21 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tmp_path):
     prompt = [(7 * i + 3) % 300 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
     got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1))).generate([prompt], params)[0]
-    want = LLM(core=build_engine(config, dense, gemv=GemvPolicy())).generate([prompt], params)[0]
-    assert got.token_ids == want.token_ids
-    for a, b in zip(want.logprobs, got.logprobs):
-        assert next(iter(b.values())) == pytest.approx(next(iter(a.values())), abs=5e-2 if DTYPE == torch.bfloat16 else 1e-2)
+    assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
+
+
+def assert_decodes_like(got, dense_core, prompt: list[int], tol: float) -> None:
+    """``got`` (a quantized engine's greedy tokens and log-probs) against the dense model scoring the
+    same tokens (teacher-forced, one prefill): each token's log-prob within ``tol`` of the dense
+    model's, and each token the dense model's choice or within ``tol`` of it (random tiny models
+    have near-ties that a rounding difference may flip; the sequence then goes on from there)."""
+    from engine.bench.correctness import prompt_logits
+
+    dense = torch.log_softmax(prompt_logits(dense_core, prompt + got.token_ids[:-1]).float(), dim=-1)
+    for i, (token, logprobs) in enumerate(zip(got.token_ids, got.logprobs)):
+        row = dense[len(prompt) - 1 + i]
+        assert logprobs[token] == pytest.approx(row[token].item(), abs=tol), i
+        assert (row.max() - row[token]).item() <= tol, i
 
 
 def test_late_release_reaches_the_named_projections_gemvs(tiny_llama_dir, monkeypatch):
