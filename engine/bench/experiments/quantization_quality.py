@@ -44,21 +44,23 @@ def compare(core, prompts: list[list[int]], dense: list[torch.Tensor], name: str
 
 
 def main(model: str, questions: str, *documents: str) -> None:
+    """One model in memory at a time (the float32 1.5B is 6 GB): the reference log-probs are kept,
+    each variant is loaded, compared and freed."""
     config = EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=4096)
     loaded = LoadedModel.load(config)
-    core = build_engine(config, loaded)
     text = "\n\n".join(Path(d).read_text(encoding="utf-8") for d in documents)
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {q}"}])
                for q in Path(questions).read_text(encoding="utf-8").splitlines() if q.strip()]
-    dense = [prompt_logprobs(core, p) for p in prompts]
+    dense = [prompt_logprobs(build_engine(config, loaded), p) for p in prompts]
+    del loaded
     print(f"{Path(model).name}: float32 reference over {len(prompts)} prompts", flush=True)
     bf16_config = EngineConfig(model=model, device="cpu", dtype="bfloat16", max_model_len=4096)
     compare(build_engine(bf16_config, LoadedModel.load(bf16_config)), prompts, dense, "bf16")
-    int4 = LoadedModel.load(config)
-    quantize_model_int4(int4.model)
-    compare(build_engine(config, int4), prompts, dense, "int4 W4A16, groups of 128")
-    quantize_model_fp8(loaded.model)
-    compare(core, prompts, dense, "FP8 (W8A8)")
+    for name, quantize in (("int4 W4A16, groups of 128", quantize_model_int4), ("FP8 (W8A8)", quantize_model_fp8)):
+        variant = LoadedModel.load(config)
+        quantize(variant.model)
+        compare(build_engine(config, variant), prompts, dense, name)
+        del variant
 
 
 if __name__ == "__main__":
