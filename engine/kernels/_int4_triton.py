@@ -65,3 +65,49 @@ def int4_linear_kernel(
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask & n_ok[None, :])
+
+
+@triton.jit
+def int4_gemv_kernel(
+    X, QW, S, MN, Y, B, N, K, stride_ys,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr = 0,
+):
+    """One row of x (batch 1) on the CUDA cores: each program owns BLOCK_N weight rows over its K
+    slice and never lays a tile out again for tensor cores. Per group it sums q * x over the
+    group's two halves (nibbles widened by the fp16 bit trick: ``q | 0x6400`` read as fp16 is
+    1024 + q, so no integer conversion), then adds scale * that + min * sum(x of the group):
+    w = q * scale + min factored out of the inner product. Same layout, arguments and split-K
+    partials as :func:`int4_linear_kernel` (Y [SPLIT_K, 1, N] float32 when split)."""
+    HALF: tl.constexpr = GROUP // 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = K // SPLIT_K
+    k_first = pid_k * k_len
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    n_ok = offs_n < N
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    w_ptrs = QW + rows[:, None] * (K // 2) + k_first // 2 + offs_h[None, :]
+    g_offs = rows * (K // GROUP) + k_first // GROUP
+    x_ptrs = X + k_first + offs_h
+    if USE_PDL and PREFETCH_K > 0:
+        lines = tl.arange(0, 8) * 128
+        for b0 in range(0, PREFETCH_K // 2, 8 * 128):
+            prefetch_l2(QW + rows[:, None] * (K // 2) + k_first // 2 + tl.minimum(b0 + lines, k_len // 2 - 1)[None, :])
+    pdl_wait(USE_PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g in range(0, k_len // GROUP):
+        packed = tl.load(w_ptrs + g * HALF, eviction_policy="evict_first").to(tl.uint16)
+        x_lo = tl.load(x_ptrs + g * GROUP).to(tl.float32)
+        x_hi = tl.load(x_ptrs + g * GROUP + HALF).to(tl.float32)
+        q_lo = ((packed & 0xF) | 0x6400).to(tl.float16, bitcast=True).to(tl.float32) - 1024.0
+        q_hi = ((packed >> 4) | 0x6400).to(tl.float16, bitcast=True).to(tl.float32) - 1024.0
+        qx = tl.sum(q_lo * x_lo[None, :] + q_hi * x_hi[None, :], axis=1)
+        x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
+        scale = tl.load(S + g_offs + g).to(tl.float32)
+        low = tl.load(MN + g_offs + g).to(tl.float32)
+        acc += scale * qx + low * x_sum
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)

@@ -4,6 +4,8 @@
 rows (decode) take one 16-row M tile and weight tiles of few rows, so that every SM gets programs
 (and, for o_proj and down_proj, split-K partials that the next norm sums); larger steps (prefill)
 take 64 x 64 tiles. The weight's nibbles are widened in registers, never written out as bf16.
+A one-row GEMV on the CUDA cores (``Int4Tile(kind="sum")``, int4_gemv_kernel) is there for the
+sweep to weigh against the tensor-core tiles at batch 1; not measured yet.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class Int4Tile:
     groups_per_step: int
     num_warps: int
     num_stages: int
+    kind: str = "dot"
+    """"dot": tensor cores, x padded to block_m rows; "sum": one row of x on the CUDA cores
+    (int4_gemv_kernel; groups_per_step and block_m unused)."""
 
 
 def int4_tile(rows: int, n: int, k: int, group: int, split_k: int = 1) -> Int4Tile:
@@ -60,7 +65,7 @@ def int4_linear(
     next residual add + RMSNorm to sum. ``pdl``: programmatic dependent launch (Hopper+);
     ``prefetch_k`` (with it): weight columns of each slice requested into L2 before the wait;
     ``tile``: instead of :func:`int4_tile`'s (the sweeps)."""
-    from engine.kernels._int4_triton import int4_linear_kernel
+    from engine.kernels._int4_triton import int4_gemv_kernel, int4_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
     m, k = x.shape
@@ -69,7 +74,8 @@ def int4_linear(
     if (qweight.shape != (n, k // 2) or qweight.dtype != torch.uint8 or group % 32 or split_k < 1
             or k % (split_k * group * tile.groups_per_step) or scales.shape != (n, k // group) or mins.shape != scales.shape
             or x.stride(1) != 1 or not qweight.is_contiguous() or not scales.is_contiguous() or not mins.is_contiguous()
-            or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)):
+            or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)
+            or tile.kind not in ("dot", "sum") or (tile.kind == "sum" and (m != 1 or x.stride(1) != 1))):
         raise ValueError(f"int4_linear: x {tuple(x.shape)} qweight {tuple(qweight.shape)} {qweight.dtype} scales {tuple(scales.shape)} "
                          f"mins {tuple(mins.shape)} group {group} split_k {split_k} bias {None if bias is None else tuple(bias.shape)} "
                          f"out_dtype {out_dtype} do not fit {tile}")
@@ -77,6 +83,13 @@ def int4_linear(
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if tile.kind == "sum":
+        int4_gemv_kernel[(-(-n // tile.block_n), split_k)](
+            x, qweight, scales, mins, y, qweight if bias is None else bias, n, k, y.stride(0) if split_k > 1 else 0,
+            GROUP=group, BLOCK_N=tile.block_n, SPLIT_K=split_k, HAS_BIAS=bias is not None, USE_PDL=pdl,
+            PREFETCH_K=prefetch_k if pdl else 0, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+        )
+        return y
     int4_linear_kernel[(-(-n // tile.block_n), -(-m // tile.block_m), split_k)](
         x, qweight, scales, mins, y, qweight if bias is None else bias, m, n, k, x.stride(0), y.stride(-2),
         y.stride(0) if split_k > 1 else 0,

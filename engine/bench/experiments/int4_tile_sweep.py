@@ -1,7 +1,8 @@
 """One-off (2026-12-03, H200): int4 (W4A16) kernel tiles at batch 1 on the Llama-3.1-8B and
 Qwen2.5-1.5B projection shapes, random weights: microseconds per call (one CUDA graph over
 weight copies that overflow L2, replayed, as engine.bench.kernels --gemv times them) and the bytes
-read per second, against cuBLAS on the bf16 weight. Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_tile_sweep.py``.
+read per second, against cuBLAS on the bf16 weight; the tensor-core kernel's tiles and the CUDA-core
+GEMV's (kind "sum", added after the second run). Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_tile_sweep.py``.
 """
 import itertools
 
@@ -26,6 +27,7 @@ for name, (n, k) in shapes.items():
     rows = []
     splits = {1, int4_split_k(1, n, k, 128)} if "o_proj" in name or "down" in name else {1}
     tiles = [(Int4Tile(16, bn, gps, 4, st), sp) for bn, gps, st, sp in itertools.product((16, 32, 64), (1, 2, 4), (3, 5), sorted(splits))]
+    tiles += [(Int4Tile(16, bn, 1, w_, st, "sum"), sp) for bn, w_, st, sp in itertools.product((4, 8, 16, 32), (2, 4), (2, 3), sorted(splits))]
     default = (int4_tile(1, n, k, 128, max(splits)), max(splits))
     for tile, split in [default, *tiles]:
         if k % (split * 128 * tile.groups_per_step):
