@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +13,11 @@ from engine.model import LlamaForCausalLM
 from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
 from engine.fp8 import fp8_supported, quantize_model_fp8
-from engine.w4a16 import quantize_model_int4
+from engine.w4a16 import quantize_model_int4, quantize_model_int4_from_gguf
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,7 +80,11 @@ class LoadedModel:
             torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
         elif config.quantization == "int4" and device.type == "cuda":
             try:
-                quantize_model_int4(model)
+                if model_kind(config) == "gguf":  # the file's own 4-bit groups, no second rounding
+                    replaced, kept = quantize_model_int4_from_gguf(model, BlockCache(gguf_tensors(config.model)))
+                    log.info("int4: %d layer projections from the GGUF's 4-bit groups, %d with wider types kept bf16", replaced, kept)
+                else:
+                    quantize_model_int4(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
             torch.cuda.empty_cache()

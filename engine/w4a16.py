@@ -10,17 +10,22 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
 - every step multiplies through one Triton kernel (engine/kernels/int4_linear.py) that widens the
   nibbles to fp16 in registers, with the activations cast to fp16 (bf16 out).
 
-Quantized at load from the model's bf16 weights (any format: a GGUF is dequantized first). The
-embedding, the lm_head and the norms stay bf16, as with FP8 (engine/fp8.py). On the CPU,
+Quantized at load from the model's bf16 weights (:func:`quantize_model_int4`), or, for a GGUF,
+taken from the file's own 4-bit groups of 32 where a projection has them
+(:func:`quantize_model_int4_from_gguf`; its other projections stay bf16). The embedding, the
+lm_head and the norms stay bf16, as with FP8 (engine/fp8.py). On the CPU,
 ``quantization="int4"`` is a different path: the GGUF's own blocks (engine/quantization.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.fp8 import PROJECTIONS
+from engine.gguf_blocks import GROUP as BLOCK_GROUP
+from engine.gguf_blocks import BlockCache
 
 GROUP = 128
 
@@ -61,15 +66,20 @@ def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 class W4A16Linear(nn.Module):
     """y = x @ W^T (+ bias) with W in group-wise int4 (see the module doc)."""
 
-    def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int, bias: torch.Tensor | None) -> None:
+        """The packed weight as :func:`quantize_groups` returns it (see :meth:`from_linear`)."""
         super().__init__()
-        qweight, scales, mins = quantize_groups(linear.weight.detach(), group)
         self.qweight = nn.Parameter(qweight, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.mins = nn.Parameter(mins, requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = qweight.shape[1] * 2, qweight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int = GROUP) -> "W4A16Linear":
+        """``linear``'s weight quantized in groups of ``group``."""
+        return cls(*quantize_groups(linear.weight.detach(), group), group, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
                 prefetch_k: int = 0) -> torch.Tensor:
@@ -103,6 +113,46 @@ def quantize_model_int4(model: nn.Module, group: int = GROUP) -> int:
         for path in PROJECTIONS:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
-            setattr(parent, name, W4A16Linear(getattr(parent, name), group))
+            setattr(parent, name, W4A16Linear.from_linear(getattr(parent, name), group))
             replaced += 1
     return replaced
+
+
+def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple[int, int]:
+    """Replace each layer projection whose GGUF matrices are all 4-bit (Q4_1, or Q4_K, which
+    engine/gguf_blocks.py repacks into Q4_1's groups of 32 exactly) by a :class:`W4A16Linear`
+    holding the file's own groups: no second rounding. Projections with wider parts (Q5_0, Q6_K,
+    Q8_0) keep their dense weights: re-rounding them to 4 bits is where a quantized model loses
+    answers (engine/bench/experiments/quantization_quality.py). ``blocks``: of the file the model's
+    dense weights came from. Returns (projections replaced, kept dense)."""
+    from engine.loader import _unpermute
+
+    cfg = model.config
+    permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
+    replaced = kept = 0
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        q_heads, k_heads = (cfg.num_attention_heads, cfg.num_key_value_heads) if permuted else (None, None)
+        sources = {"self_attn.qkv_proj": [("attn_q", q_heads), ("attn_k", k_heads), ("attn_v", None)],
+                   "self_attn.o_proj": [("attn_output", None)], "mlp.gate_up_proj": [("ffn_gate", None), ("ffn_up", None)],
+                   "mlp.down_proj": [("ffn_down", None)]}
+        for path, parts in sources.items():
+            matrices = [(blocks[b + name + ".weight"], heads) for name, heads in parts]
+            if not all(m.is_q4_1 for m, _ in matrices):
+                kept += 1
+                continue
+            arrays = [[a if heads is None else _unpermute(a, heads) for a in (m.q, m.d, m.m)] for m, heads in matrices]
+            q, d, m = (np.concatenate(column) for column in zip(*arrays))
+            rows, cols = q.shape
+            halves = q.reshape(rows, cols // BLOCK_GROUP, BLOCK_GROUP)
+            packed = halves[:, :, :BLOCK_GROUP // 2] | (halves[:, :, BLOCK_GROUP // 2:] << 4)  # the file's own nibble order
+            parent_name, _, name = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, name)
+            device = linear.weight.device
+            bias = None if linear.bias is None else linear.bias.detach()
+            setattr(parent, name, W4A16Linear(torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, cols // 2))).to(device),
+                                              torch.from_numpy(d).to(device, torch.float16), torch.from_numpy(m).to(device, torch.float16),
+                                              BLOCK_GROUP, bias))
+            replaced += 1
+    return replaced, kept

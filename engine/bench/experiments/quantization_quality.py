@@ -2,8 +2,10 @@
 loaded dense (float32) on the CPU, then its layer projections rounded as ``--quantization fp8``
 does (e4m3 per output channel, each forward's activations rounded per token too: W8A8, the
 arithmetic of the GPU's FP8 matmuls; its batch-1 GEMV rounds only the weights, so this is the
-stricter case) or as ``--quantization int4`` on CUDA does (engine/w4a16.py: groups of 128 with an
-fp16 scale and minimum; the products here in float32, where the kernel rounds x to fp16). For each prompt (handbook documents and a question, the chat template), one
+stricter case) or as ``--quantization int4`` on CUDA does (engine/w4a16.py: a GGUF's own 4-bit
+groups of 32 with the wider-typed projections left dense, or every projection rounded again into
+groups of 128 with an fp16 scale and minimum; the products here in float32, where the kernel
+rounds x to fp16). For each prompt (handbook documents and a question, the chat template), one
 forward of each model over the whole prompt: how often their next-token argmax agrees, and how far
 the FP8 model's log-prob of the dense model's argmax moves. The same for the model in bf16 (the
 GPU's unquantized dtype) puts the FP8 figures in scale.
@@ -20,7 +22,9 @@ from engine import EngineConfig, build_engine
 from engine.bench.correctness import prompt_logits
 from engine.fp8 import quantize_model_fp8
 from engine.loaded_model import LoadedModel
-from engine.w4a16 import quantize_model_int4
+from engine.gguf_blocks import BlockCache
+from engine.quantization import gguf_tensors
+from engine.w4a16 import quantize_model_int4, quantize_model_int4_from_gguf
 
 
 def prompt_logprobs(core, ids: list[int]) -> torch.Tensor:
@@ -56,7 +60,12 @@ def main(model: str, questions: str, *documents: str) -> None:
     print(f"{Path(model).name}: float32 reference over {len(prompts)} prompts", flush=True)
     bf16_config = EngineConfig(model=model, device="cpu", dtype="bfloat16", max_model_len=4096)
     compare(build_engine(bf16_config, LoadedModel.load(bf16_config)), prompts, dense, "bf16")
-    for name, quantize in (("int4 W4A16, groups of 128", quantize_model_int4), ("FP8 (W8A8)", quantize_model_fp8)):
+    def from_gguf(m) -> None:
+        quantize_model_int4_from_gguf(m, BlockCache(gguf_tensors(model)))
+
+    variants = (("int4 W4A16 from the GGUF's own 4-bit groups of 32, wider types bf16", from_gguf),
+                ("int4 W4A16, groups of 128", quantize_model_int4), ("FP8 (W8A8)", quantize_model_fp8))
+    for name, quantize in variants:
         variant = LoadedModel.load(config)
         quantize(variant.model)
         compare(build_engine(config, variant), prompts, dense, name)
