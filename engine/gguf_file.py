@@ -148,3 +148,9 @@ def _value(buf: memoryview, pos: int, kind: GGUFValueType) -> tuple[Any, int]:
         value, pos = _value(buf, pos, item)
         values.append(value)
     return values, pos
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF pairs halves),
+    of a weight [rows, cols] or a bias [rows]."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from engine.gguf_blocks import BlockCache, dequantized
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import GGUFFile, unpermute_rows
 from engine.model import LlamaForCausalLM
 from engine.model.rope import RotaryEmbedding
 
@@ -115,12 +115,6 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims; HF pairs halves),
-    of a weight [rows, cols] or a bias [rows]."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
 def _hf_name(path: Path, tensor_name: str) -> str | None:
     """The HF name of a GGUF tensor; None for one the engine recomputes (rope_freqs)."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor_name)
@@ -153,9 +147,9 @@ def read_gguf(path: Path, blocks: BlockCache | None = None) -> tuple[ModelConfig
                                   f"which the gguf package cannot dequantize ({e})") from e
             w = w.reshape(tuple(reversed([int(x) for x in t.shape])))
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute(w, config.num_attention_heads)
+                w = unpermute_rows(w, config.num_attention_heads)
             elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute(w, config.num_key_value_heads)
+                w = unpermute_rows(w, config.num_key_value_heads)
             yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
     return config, tensors()

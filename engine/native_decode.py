@@ -36,6 +36,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import BlockCache, Blocks
+from engine.gguf_file import unpermute_rows
 from engine.quantization import bf16_matmuls, cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "native_decode.c"
@@ -172,10 +173,9 @@ def block_matrix(blocks: Blocks, unpermute_heads: int | None = None) -> BlockMat
     """A GGUF matrix's :class:`~engine.gguf_blocks.Blocks` (any type
     :func:`~engine.gguf_blocks.tensor_blocks` reads) as a :class:`BlockMatrix`; Q/K rows
     un-permuted like the loader does for llama files."""
-    from engine.loader import _unpermute
 
     if unpermute_heads is not None:
-        blocks = Blocks(*(None if a is None else _unpermute(a, unpermute_heads) for a in (blocks.q, blocks.d, blocks.m)))
+        blocks = Blocks(*(None if a is None else unpermute_rows(a, unpermute_heads) for a in (blocks.q, blocks.d, blocks.m)))
     return BlockMatrix.from_blocks(blocks)
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.gguf_blocks import GROUP, SUPPORTED, BlockCache, Blocks
-from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.gguf_file import GGUFFile, GGUFTensor, unpermute_rows
 
 INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
 PREPACK_ROWS = 32  # the row count oneDNN lays a dense weight out for: a question after the cached documents
@@ -183,11 +183,10 @@ def gguf_int4_parts(blocks: Blocks, unpermute_heads: int | None = None) -> Int4P
     """The int4 parts of one GGUF matrix's :class:`~engine.gguf_blocks.Blocks` (any type
     :func:`~engine.gguf_blocks.tensor_blocks` reads: Q4_1, Q8_0, Q4_K, Q5_0, Q6_K); Q/K rows are
     un-permuted like the dense loader does for llama files."""
-    from engine.loader import _unpermute
 
     parts = int4_parts(blocks)
     if unpermute_heads is not None:
-        parts = [tuple(_unpermute(a, unpermute_heads) for a in p) for p in parts]
+        parts = [tuple(unpermute_rows(a, unpermute_heads) for a in p) for p in parts]
     return parts
 
 

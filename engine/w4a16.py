@@ -26,6 +26,7 @@ from torch import nn
 from engine.fp8 import PROJECTIONS
 from engine.gguf_blocks import GROUP as BLOCK_GROUP
 from engine.gguf_blocks import BlockCache
+from engine.gguf_file import unpermute_rows
 
 GROUP = 128
 
@@ -125,7 +126,6 @@ def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple
     Q8_0) keep their dense weights: re-rounding them to 4 bits is where a quantized model loses
     answers (engine/bench/experiments/quantization_quality.py). ``blocks``: of the file the model's
     dense weights came from. Returns (projections replaced, kept dense)."""
-    from engine.loader import _unpermute
 
     cfg = model.config
     permuted = cfg.architecture == "llama"  # llama.cpp interleaves llama's Q/K rows, not qwen2's
@@ -141,7 +141,7 @@ def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple
             if not all(m.is_q4_1 for m, _ in matrices):
                 kept += 1
                 continue
-            arrays = [[a if heads is None else _unpermute(a, heads) for a in (m.q, m.d, m.m)] for m, heads in matrices]
+            arrays = [[a if heads is None else unpermute_rows(a, heads) for a in (m.q, m.d, m.m)] for m, heads in matrices]
             q, d, m = (np.concatenate(column) for column in zip(*arrays))
             rows, cols = q.shape
             halves = q.reshape(rows, cols // BLOCK_GROUP, BLOCK_GROUP)
