@@ -37,10 +37,11 @@ def int4_tile(rows: int, n: int, k: int, group: int, split_k: int = 1) -> Int4Ti
     through more than L2; engine/bench/experiments/int4_tile_sweep.py): 8B q|k|v 22.5 us, o_proj
     (split 4) 15.3, gate|up 61.2, down_proj (split 4) 49.0; 1.5B down_proj (split 2) 22.2."""
     slice_groups = k // split_k // group
-    steps = 1 if split_k > 1 else next(s for s in (4, 2, 1) if slice_groups % s == 0)
     if rows <= DECODE_ROWS:
-        return Int4Tile(16, 32, steps, 4, 3)
-    return Int4Tile(64, 64, steps, 4, 3)
+        return Int4Tile(16, 32, 1 if split_k > 1 else next(s for s in (4, 2, 1) if slice_groups % s == 0), 4, 3)
+    # prefill: at most two groups a step (the tile as it ran on the H200); four 64-row x tiles of
+    # 128 fp16 inputs in 3 stages would pass the SM's shared memory
+    return Int4Tile(64, 64, 2 if slice_groups % 2 == 0 else 1, 4, 3)
 
 
 def int4_split_k(rows: int, n: int, k: int, group: int) -> int:
