@@ -1,4 +1,4 @@
-"""Batch-1 decode (the engine.bench latency suite) and the TTFT of a 30-token question after a cached 2,000-token prefix, int4 + native, on a GGUF: ``OMP_WAIT_POLICY=passive python engine/bench/experiments/qwen_cpu_decode_ttft.py MODEL.gguf`` (the prefix suite of ``engine.bench`` without its uncached runs, which take over 10 minutes on 2 cores)."""
+"""Batch-1 decode (the engine.bench latency suite) and the TTFT of a 30-token question after a cached 2,000-token prefix, int4 + native, on a GGUF: ``python engine/bench/experiments/qwen_cpu_decode_ttft.py MODEL.gguf`` (no OMP_WAIT_POLICY, as the server runs: ``passive`` decodes 10-15% slower, docs/performance.md) (the prefix suite of ``engine.bench`` without its uncached runs, which take over 10 minutes on 2 cores)."""
 import random, statistics, sys, time
 import torch
 from engine.bench.ceilings import copy_bandwidth
