@@ -19,6 +19,8 @@ and its rounding moves every logit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -69,17 +71,22 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * self.weight_scale[:, None]
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
-    """Replace every layer projection of ``model`` (a LlamaForCausalLM) by an :class:`Fp8Linear`,
-    freeing each bf16 weight as it goes; returns how many were replaced."""
+def replace_projections(model: nn.Module, make: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every layer projection (``PROJECTIONS``) of ``model`` (a LlamaForCausalLM) by
+    ``make(projection)``, freeing each old weight as it goes; returns how many were replaced."""
     replaced = 0
     for layer in model.layers:
         for path in PROJECTIONS:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
-            setattr(parent, name, Fp8Linear(getattr(parent, name)))
+            setattr(parent, name, make(getattr(parent, name)))
             replaced += 1
     return replaced
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Every layer projection of ``model`` as an :class:`Fp8Linear`; returns how many."""
+    return replace_projections(model, Fp8Linear)
 
 
 def weight_scale(linear: nn.Module) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.fp8 import PROJECTIONS
+from engine.fp8 import replace_projections
 from engine.gguf_blocks import GROUP as BLOCK_GROUP
 from engine.gguf_blocks import BlockCache
 from engine.gguf_file import unpermute_rows
@@ -107,16 +107,9 @@ class W4A16Linear(nn.Module):
 
 
 def quantize_model_int4(model: nn.Module, group: int = GROUP) -> int:
-    """Replace every layer projection of ``model`` (a LlamaForCausalLM) by a :class:`W4A16Linear`,
-    freeing each bf16 weight as it goes; returns how many were replaced."""
-    replaced = 0
-    for layer in model.layers:
-        for path in PROJECTIONS:
-            parent_name, _, name = path.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            setattr(parent, name, W4A16Linear.from_linear(getattr(parent, name), group))
-            replaced += 1
-    return replaced
+    """Every layer projection of ``model`` rounded into a :class:`W4A16Linear` of groups of
+    ``group``; returns how many."""
+    return replace_projections(model, lambda linear: W4A16Linear.from_linear(linear, group))
 
 
 def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple[int, int]:

@@ -14,7 +14,8 @@ projection was within noise of none (batch-1 graph replay 4.20 / 4.19 ms), 32 Mi
 (2026-11-30); it is for small weights, whose GEMVs wait on DRAM latency rather than bandwidth
 (``GemvPolicy.prefetch_bytes``).
 
-Tried and not kept (H200): (1) see PREFETCH_K above for wide weights. (2) Computing the operand in the loop - RMSNorm(x + residual) before q|k|v or gate|up,
+Tried and not kept (H200): (1) see PREFETCH_K above for wide weights. (2) Computing the operand
+in the loop - RMSNorm(x + residual) before q|k|v or gate|up,
 silu(gate) * up before down_proj - so that op needs no kernel of its own
 (``kernel_bench --decode-linear``). A computed operand cannot be prefetched like a loaded one: the
 norm versions took 44.5 / 78.7 us where the separate kernels and cuBLAS took 17.3 / 63.1 us,
