@@ -13,7 +13,7 @@ from engine.model import LlamaForCausalLM
 from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
 from engine.fp8 import fp8_supported, quantize_model_fp8
-from engine.w4a16 import quantize_model_int4, quantize_model_int4_from_gguf
+from engine.w4a16 import W4A16Linear, quantize_model_int4, quantize_model_int4_from_gguf
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
 
@@ -87,6 +87,9 @@ class LoadedModel:
                     quantize_model_int4(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
+            int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]
+            laid_out = sum(m.add_tinygemm() for m in int4)  # batch-1 decode may run PyTorch's kernel (GemvPolicy.int4_kernel)
+            log.info("int4: %d of %d projections also laid out for aten._weight_int4pack_mm", laid_out, len(int4))
             torch.cuda.empty_cache()
         native = None
         if blocks is not None:

@@ -8,7 +8,11 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
   that a group's range is used whole), two weights a byte: a group's first half in the low nibbles
   of its ``group / 2`` bytes, its second half in the high ones (as GGUF's 32-weight blocks);
 - every step multiplies through one Triton kernel (engine/kernels/int4_linear.py) that widens the
-  nibbles to fp16 in registers, with the activations cast to fp16 (bf16 out).
+  nibbles to fp16 in registers, with the activations cast to fp16 (bf16 out);
+- on CUDA, batch-1 decode may instead run PyTorch's own int4 kernel (``aten._weight_int4pack_mm``,
+  "tinygemm", the one gpt-fast uses; GemvPolicy.int4_kernel): :meth:`W4A16Linear.add_tinygemm`
+  lays the same groups out for it once at load. Its scale and zero are bf16 (the groups' fp16
+  scale and minimum rounded to 8 mantissa bits, as on the CPU path).
 
 Quantized at load from the model's bf16 weights (:func:`quantize_model_int4`), or, for a GGUF,
 taken from the file's own 4-bit groups of 32 where a projection has them
@@ -47,12 +51,39 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
     return (q[:, :, :half] | (q[:, :, half:] << 4)).reshape(n, k // 2), scales, mins
 
 
+def unpack_groups(qweight: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """The 4-bit values of a packed weight in input order, uint8 [N, K] in 0..15."""
+    n = qweight.shape[0]
+    packed = qweight.reshape(n, -1, group // 2)
+    return torch.cat((packed & 0xF, packed >> 4), dim=2).reshape(n, -1)
+
+
 def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """The weight the kernel multiplies, in float32 [N, K]."""
     n = qweight.shape[0]
-    packed = qweight.reshape(n, -1, group // 2)
-    q = torch.cat((packed & 0xF, packed >> 4), dim=2).float()  # [n, groups, group]
+    q = unpack_groups(qweight, group).reshape(n, scales.shape[1], group).float()
     return (q * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
+
+
+TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm takes
+TINYGEMM_INNER_K_TILES = 8  # 16-input tiles packed together: 8 gives the kernel 16-byte loads (gpt-fast's choice)
+
+
+def tinygemm_operands(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = GROUP
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups as ``aten._convert_weight_to_int4pack`` (CUDA) takes them: uint8 [N, K/2] with
+    input 2j in the high nibble of byte j and 2j+1 in the low one, and the scales and zeros,
+    bf16 [K/group, N, 2]. The kernel computes w = (q - 8) * scale + zero, so zero = min + 8 * scale."""
+    q = unpack_groups(qweight, group)
+    nibbles = (q[:, 0::2] << 4) | q[:, 1::2]
+    zeros = mins.float() + 8 * scales.float()
+    return nibbles.contiguous(), torch.stack((scales.float().t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
+
+
+def tinygemm_fits(n: int, k: int, group: int) -> bool:
+    """Whether a weight [n, k] in groups of ``group`` fits the tinygemm layout (rows in tiles of 8,
+    inputs in tiles of 16 x TINYGEMM_INNER_K_TILES)."""
+    return group in TINYGEMM_GROUPS and n % 8 == 0 and k % (16 * TINYGEMM_INNER_K_TILES) == 0 and k % group == 0
 
 
 def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
@@ -76,6 +107,8 @@ class W4A16Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
         self.in_features, self.out_features = qweight.shape[1] * 2, qweight.shape[0]
+        self.tinygemm_weight: nn.Parameter | None = None  # with the scales and zeros below: after add_tinygemm
+        self.tinygemm_scales_zeros: nn.Parameter | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int = GROUP) -> "W4A16Linear":
@@ -100,6 +133,30 @@ class W4A16Linear(nn.Module):
                 raise ValueError("W4A16Linear: split-K partials come from the Triton kernel (CUDA, or TRITON_INTERPRET=1)")
             y = int4_linear_ref(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def add_tinygemm(self) -> bool:
+        """Lay the groups out for ``aten._weight_int4pack_mm`` as well (CUDA; :func:`tinygemm_operands`),
+        kept beside the Triton kernel's copy, which prefill steps use; False where the shape does not fit."""
+        if not tinygemm_fits(self.out_features, self.in_features, self.group):
+            return False
+        nibbles, scales_zeros = tinygemm_operands(self.qweight, self.scales, self.mins, self.group)
+        self.tinygemm_weight = nn.Parameter(torch.ops.aten._convert_weight_to_int4pack(nibbles, TINYGEMM_INNER_K_TILES),
+                                            requires_grad=False)
+        self.tinygemm_scales_zeros = nn.Parameter(scales_zeros, requires_grad=False)
+        return True
+
+    @property
+    def has_tinygemm(self) -> bool:
+        return self.tinygemm_weight is not None
+
+    def tinygemm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [rows, K] @ W^T (+ bias) through ``aten._weight_int4pack_mm`` (after :meth:`add_tinygemm`);
+        bf16 activations in, ``out_dtype`` (default x's) out."""
+        y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.tinygemm_weight, self.group,
+                                               self.tinygemm_scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(out_dtype or x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, in float32 [N, K]."""

@@ -15,7 +15,8 @@ from engine.bench.timing import replay_ms, timed
 from engine.bench.workload import Sizes, engine_decode, random_prompt
 from engine.engine_core import EngineCore
 from engine.fp8 import Fp8Linear
-from engine.kernels.gemv_policy import FP8_MATHS, PROJECTIONS, GemvPolicy
+from engine.kernels.gemv_policy import FP8_MATHS, INT4_KERNELS, PROJECTIONS, GemvPolicy
+from engine.w4a16 import W4A16Linear
 
 
 def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
@@ -67,10 +68,19 @@ def hf_decode(hf: torch.nn.Module, prompt: list[int], tokens: int, device: torch
     return t1, (tn - t1) / tokens
 
 
-def decode_path_variants(path: GemvPolicy, fp8: bool = False) -> dict[str, GemvPolicy]:
+def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> dict[str, GemvPolicy]:
     """What each part of the batch-1 decode path buys: the path with one part changed (``fp8``:
-    the model has FP8 weights, so also how the GEMV multiplies them and its tiles' K)."""
+    the model has FP8 weights, so also how the GEMV multiplies them and its tiles' K; ``int4``: it
+    has int4 weights, so the other int4 kernel, PDL and the L2 prefetch, and none of the bf16
+    GEMV's tiling choices, which do not reach an int4 projection)."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
+    if int4:
+        for kernel in sorted(set(INT4_KERNELS) - {path.int4_kernel}):
+            variants[f"same, int4 kernel {kernel}"] = replace(path, int4_kernel=kernel)
+        if path.pdl:
+            variants["same, PDL off"] = replace(path, pdl=False)
+            variants["same, L2 prefetch 0 MiB a weight"] = replace(path, prefetch_bytes=0)
+        return variants
     if fp8:
         for math in sorted(set(FP8_MATHS) - {path.fp8_math}):
             variants[f"same, FP8 GEMV math {math}"] = replace(path, fp8_math=math)
@@ -105,7 +115,8 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
     runner, graphs, path = core.runner, core.runner.graphs, core.runner.gemv
     rows, by_variant = [], {}
     fp8 = any(isinstance(m, Fp8Linear) for m in core.model.modules())
-    for name, variant in decode_path_variants(path, fp8).items():
+    int4 = any(isinstance(m, W4A16Linear) for m in core.model.modules())
+    for name, variant in decode_path_variants(path, fp8, int4).items():
         try:
             other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                     core.device, variant)
@@ -128,7 +139,7 @@ def path_name(path: GemvPolicy) -> str:
     if not path.max_rows:
         return "cuBLAS"
     fp8 = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
-    parts = ["GEMVs", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
+    parts = ["GEMVs", "int4 tinygemm" if path.int4_kernel == "tinygemm" else "", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
              f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",

@@ -533,12 +533,17 @@ def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tin
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, tol)
 
 
-def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir):
+# PyTorch's tinygemm int4 kernel is CUDA-only: in the interpreter only this engine's kernel runs
+INT4_KERNELS = ["triton", "tinygemm"] if DEVICE.type == "cuda" else ["triton"]
+
+
+@pytest.mark.parametrize("kernel", INT4_KERNELS)
+def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, kernel):
     """The W4A16 wiring (engine/w4a16.py): a Qwen2 (q|k|v bias) whose layer projections are
     group-wise int4 - a 20-token prompt through the prefill tile, then batch-1 steps through the
     decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel)
-    - decodes like a plain model holding the dequantized weights (scored teacher-forced; the
-    kernel multiplies in fp16)."""
+    or through tinygemm - decodes like a plain model holding the dequantized weights (scored
+    teacher-forced; the Triton kernel multiplies in fp16, tinygemm with bf16 scales)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS
     from engine.llm import make_config
@@ -555,7 +560,9 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir):
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     prompt = [(7 * i + 3) % 300 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
-    got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1))).generate([prompt], params)[0]
+    if kernel == "tinygemm":
+        assert all(m.add_tinygemm() for m in int4.model.modules() if isinstance(m, W4A16Linear))
+    got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1, int4_kernel=kernel))).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
 
 

@@ -5,6 +5,7 @@ test_triton_kernels.py (CUDA, or Triton's interpreter)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +15,9 @@ from engine.fp8 import PROJECTIONS
 from engine.gguf_blocks import BlockCache
 from engine.loaded_model import LoadedModel
 from engine.quantization import gguf_tensors
-from engine.w4a16 import W4A16Linear, quantize_model_int4_from_gguf
+from engine.kernels.gemv_policy import GemvPolicy
+from engine.w4a16 import (W4A16Linear, int4_linear_ref, quantize_groups, quantize_model_int4_from_gguf, tinygemm_fits,
+                          tinygemm_operands, unpack_groups)
 
 
 def test_a_q4_1_gguf_becomes_int4_with_the_files_own_groups(llm_gguf_path):
@@ -61,3 +64,40 @@ def test_projections_with_wider_gguf_types_stay_dense(qwen_0_5b_gguf):
     want = blocks["blk.2.ffn_down.weight"].dequantize()
     got = down.dequantized().numpy()
     assert np.abs(got - want).max() <= 2**-10 * np.abs(want).max()
+
+
+def test_tinygemm_operands_hold_the_same_weight():
+    """The layout W4A16Linear.add_tinygemm hands PyTorch's int4 kernel: the scales and zeros
+    (zero = min + 8 * scale, bf16, [groups, N, 2]) and the nibbles (input 2j high, 2j+1 low),
+    read back into values and multiplied by the CPU build of the same kernel family
+    (aten._weight_int4pack_mm_for_cpu, which takes the values unpacked), match the dequantized
+    weight up to the bf16 rounding of the scales. The CUDA conversion itself runs in
+    engine/bench/experiments/int4_kernel_ab.py and test_triton_kernels.py on a GPU."""
+    torch.manual_seed(0)
+    for group in (32, 128):
+        w = torch.randn(48, 256) * 0.02
+        q, scales, mins = quantize_groups(w, group)
+        nibbles, scales_zeros = tinygemm_operands(q, scales, mins, group)
+        assert nibbles.shape == (48, 128) and nibbles.dtype == torch.uint8 and scales_zeros.shape == (256 // group, 48, 2)
+        values = torch.stack((nibbles >> 4, nibbles & 0xF), dim=-1).reshape(48, 256)
+        assert torch.equal(values, unpack_groups(q, group))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+        x = torch.randn(3, 256).bfloat16()
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros).float()
+        ref = int4_linear_ref(x, q, scales, mins, group, out_dtype=torch.float32)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, group
+
+
+def test_tinygemm_takes_only_the_shapes_its_layout_has():
+    assert tinygemm_fits(4096, 14336, 128) and tinygemm_fits(2048, 1536, 32)
+    assert not tinygemm_fits(4100, 4096, 128)  # rows in tiles of 8
+    assert not tinygemm_fits(4096, 4160, 32)  # inputs in tiles of 128
+    assert not tinygemm_fits(4096, 4096, 512)  # a group size the kernel lacks
+    linear = W4A16Linear(*quantize_groups(torch.randn(12, 256)), 128, None)
+    assert not linear.add_tinygemm() and not linear.has_tinygemm
+
+
+def test_a_policy_names_a_known_int4_kernel():
+    GemvPolicy(int4_kernel="tinygemm")
+    with pytest.raises(ValueError, match="int4_kernel"):
+        GemvPolicy(int4_kernel="marlin")
