@@ -65,7 +65,7 @@ class GemvPolicy:
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
     where the weight has that layout too (W4A16Linear.add_tinygemm); "triton" runs this engine's
     kernel (engine/kernels/int4_linear.py, split-K partials for o_proj and down_proj, PDL). 8B shape,
-    batch 1, H200 (2026-12-03 18:47): 360.8 against 187.6 tok/s; alone, tinygemm reads the 8B's
+    batch 1, H200 (2026-12-03 18:13 UTC): 360.8 against 187.6 tok/s; alone, tinygemm reads the 8B's
     projections at 1.3-1.9 TB/s, the Triton kernel at 0.6-1.0 (engine/bench/experiments/int4_kernel_ab.py)."""
 
     def __post_init__(self) -> None:
