@@ -66,6 +66,12 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
 
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm takes
+TINYGEMM_MAX_ROWS = 4
+"""Steps of up to this many rows run tinygemm where a projection has its layout (W4A16Linear.forward;
+batch 1 follows GemvPolicy.int4_kernel): the 8B's projections on the H200 (2026-12-03 18:20 UTC,
+engine/bench/experiments/fp8_gemv_sweep.py), tinygemm against the Triton kernel, us for q|k|v +
+o_proj + gate|up + down_proj: 1 row 69 / 149, 2 rows 73 / 150, 4 rows 96 / 150, 8 rows 156 / 150,
+16 rows 263 / 152."""
 TINYGEMM_INNER_K_TILES = 8  # 16-input tiles packed together: 8 gives the kernel 16-byte loads (gpt-fast's choice)
 
 
@@ -116,13 +122,17 @@ class W4A16Linear(nn.Module):
         return cls(*quantize_groups(linear.weight.detach(), group), group, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
-                prefetch_k: int = 0) -> torch.Tensor:
-        """Any number of rows; the Triton kernel where it runs, its float32 reference elsewhere.
-        ``split_k`` > 1 (x of two dims): float32 partials [split_k, rows, out] (engine/kernels/int4_linear.py)."""
+                prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
+        """Any number of rows; tinygemm for up to TINYGEMM_MAX_ROWS rows where the weight has its
+        layout (``kernel="triton"``: never), else the Triton kernel where it runs, its float32
+        reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials [split_k, rows, out]
+        (engine/kernels/int4_linear.py)."""
         from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
         rows = x.reshape(-1, x.shape[-1])
+        if kernel == "auto" and self.has_tinygemm and split_k == 1 and rows.shape[0] <= TINYGEMM_MAX_ROWS:
+            return self.tinygemm(rows, out_dtype).reshape(*x.shape[:-1], self.out_features)
         if runs_triton(rows):
             y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,
                             prefetch_k=prefetch_k)

@@ -13,7 +13,7 @@ steps use it (``GemvPolicy.max_rows``, engine/kernels/gemv_policy.py). ``python 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,22 @@ def decode_tile(n: int, k: int) -> GemvConfig:
     if n <= 65536:  # gate|up, gated: columns count SwiGLU outputs (n // 2), 32 a 64-row tile
         return GemvConfig("dot", 64, 128, 4, 3, columns=spread(n // 2, 32, 512))
     return GemvConfig("dot", 64, 128, 4, 3)  # lm_head
+
+
+def fp8_decode_tile(n: int, k: int, block_k: int) -> GemvConfig:
+    """The tile for an FP8 (e4m3) weight [n, k] at batch 1: :func:`decode_tile`'s with K tiles of
+    ``block_k`` elements (GemvPolicy.fp8_block_k), except for the 8B's q|k|v and down_proj shapes,
+    where a sweep of FP8 tiles found faster ones (H200, 2026-12-03 18:20 UTC, unsplit, weights
+    rotating through more than L2, engine/bench/experiments/fp8_gemv_sweep.py): down_proj 32 x 512
+    at 6 stages 25.7 us against 39.3 with the borrowed 64 x 256; q|k|v 64 x 512 at 3 stages 13.5
+    against 14.0. gate|up's borrowed tile was the sweep's fastest (31.5 us, 3.7 TB/s)."""
+    if n < 4096:  # narrower models' shapes: not swept in FP8
+        return replace(decode_tile(n, k), block_k=block_k)
+    if n == 4096 and k > 8192:
+        return GemvConfig("dot", 32, 512, 4, 6)
+    if 4096 < n <= 16384 and k % 512 == 0:
+        return GemvConfig("dot", 64, 512, 4, 3)
+    return replace(decode_tile(n, k), block_k=block_k)
 
 
 def usable_split_k(w: torch.Tensor, split_k: int, config: GemvConfig | None = None) -> int:

@@ -15,8 +15,6 @@ argument of each forward, not model state, so engines sharing one loaded model e
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +25,7 @@ from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
-from engine.kernels.linear import decode_linear, decode_tile, prefetch_columns, usable_split_k
+from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, usable_split_k
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
 
@@ -207,10 +205,10 @@ def _gemv(
     if isinstance(linear, W4A16Linear):  # o_proj's and down_proj's partials are summed by the norm after: as many slices as fill the SMs
         split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if name in ("o", "down") else 1
         y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
-                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes))
+                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes), kernel="triton")
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
-    config = replace(decode_tile(*weight.shape), block_k=gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
+    config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
     split_k = usable_split_k(weight, split_k, config)
     return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
                          late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,

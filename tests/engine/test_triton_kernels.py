@@ -352,7 +352,7 @@ def test_an_fp8_weight_gemv_scales_each_row(rows, math):
     import torch.nn.functional as F
 
     from engine.fp8 import quantize_rows
-    from engine.kernels.linear import decode_linear
+    from engine.kernels.linear import decode_linear, fp8_decode_tile
 
     k, n = 512, 96
     x = torch.randn(rows, k, device=DEVICE) * torch.logspace(0, 2, rows, device=DEVICE)[:, None]
@@ -370,6 +370,8 @@ def test_an_fp8_weight_gemv_scales_each_row(rows, math):
     gate, up = ref[:, :n], ref[:, n:]
     assert rel(decode_linear(x, q, w_scale=scale, gated=True, fp8_math=math).float(), F.silu(gate) * up) < 2 * tol
     assert rel(decode_linear(x, q, w_scale=scale, split_k=2, fp8_math=math).sum(0), ref) < tol
+    for config in (fp8_decode_tile(4096, 14336, 256), fp8_decode_tile(6144, 4096, 256)):  # the 8B's own FP8 tiles
+        assert rel(decode_linear(x, q, None, config, w_scale=scale, fp8_math=math).float(), ref) < tol, config
     with pytest.raises(ValueError, match="w_scale"):
         decode_linear(x, q)  # an FP8 weight without its scales
 
@@ -548,7 +550,7 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
     from engine.fp8 import PROJECTIONS
     from engine.llm import make_config
     from engine.loaded_model import LoadedModel
-    from engine.w4a16 import W4A16Linear, quantize_model_int4
+    from engine.w4a16 import W4A16Linear, int4_linear_ref, quantize_model_int4
 
     config = make_config(str(tiny_qwen2_16_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
     int4, dense = LoadedModel.load(config), LoadedModel.load(config)
@@ -562,6 +564,10 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
     if kernel == "tinygemm":
         assert all(m.add_tinygemm() for m in int4.model.modules() if isinstance(m, W4A16Linear))
+        proj = int4.model.layers[0].mlp.gate_up_proj  # steps of a few rows take tinygemm too, more take the Triton kernel
+        for rows in (3, 9):
+            x = torch.randn(rows, proj.in_features, device=DEVICE, dtype=DTYPE)
+            assert rel(proj(x), int4_linear_ref(x, proj.qweight, proj.scales, proj.mins, proj.group, out_dtype=torch.float32)) < 2e-2
     got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1, int4_kernel=kernel))).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
 
