@@ -26,6 +26,7 @@ from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # n
 from engine.kernels.gemv_policy import GemvPolicy  # noqa: E402
 from engine.kernels.norm import add_rms_norm_ref, add_rms_norm_triton  # noqa: E402
 from engine.kernels.triton_utils import pdl_supported  # noqa: E402
+from engine.kv_cache import LayerKV  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -70,7 +71,7 @@ def build_batch(query_lens, ctx_lens, hkv, dim, page, seed):
         num_decodes=sum(1 for q in query_lens if q == 1),
         max_seq_len=max(seq_lens),
     )
-    return (k_cache, v_cache), meta
+    return LayerKV(k_cache, v_cache), meta
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
@@ -110,7 +111,7 @@ def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unspl
     angles = torch.rand(256, dim // 2, device=DEVICE) * 6.28
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
-    ref_cache = (cache[0].clone(), cache[1].clone())
+    ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     q_ref = rotate(q, cos, sin)
     write_kv(rotate(k, cos, sin), v, ref_cache, meta.slot_mapping)
     ref = paged_attention_reference(q_ref, ref_cache, meta, dim**-0.5)
@@ -119,7 +120,7 @@ def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unspl
                      new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping))
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
-    assert rel(cache[0], ref_cache[0]) < TOL and torch.equal(cache[1], ref_cache[1]), f"seed {seed}"
+    assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
 
 
 @pytest.mark.parametrize("query_lens,ctx_lens", [([1, 1, 1], [0, 9, 40]), ([1, 1, 6], [12, 3, 20])])
@@ -140,11 +141,11 @@ def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps
     positions = torch.tensor([c + i for c, n in zip(ctx_lens, query_lens) for i in range(n)], device=DEVICE)
     angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
-    ref_cache = (cache[0].clone(), cache[1].clone())
+    ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
     out = TritonPagedAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, cache, meta, dim**-0.5)
     assert rel(out, ref) < TOL, f"seed {seed}"
-    assert rel(cache[0], ref_cache[0]) < TOL and torch.equal(cache[1], ref_cache[1]), f"seed {seed}"
+    assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
 
 
 def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
@@ -186,8 +187,8 @@ def test_rope_and_store_match_reference(pdl):
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     t, hq, hkv, dim, page = 13, 6, 2, 64, 4
-    cache_a = (torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE), torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE))
-    cache_b = (cache_a[0].clone(), cache_a[1].clone())
+    cache_a = LayerKV(torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE), torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE))
+    cache_b = LayerKV(cache_a.k.clone(), cache_a.v.clone())
     qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
     q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)  # strided views, as in the model
     q, k, v = q.reshape(t, hq, dim), k.view(t, hkv, dim), v.view(t, hkv, dim)
@@ -199,7 +200,7 @@ def test_rope_and_store_match_reference(pdl):
     q_ref, k_ref = rotate(q, cos, sin), rotate(k, cos, sin)
     write_kv(k_ref, v, cache_b, slots)
     q_out = rope_and_store(q.clone(), k, v, positions, cos_sin, cache_a, slots, pdl=pdl)
-    assert rel(q_out, q_ref) < TOL and rel(cache_a[0], cache_b[0]) < TOL and torch.equal(cache_a[1], cache_b[1])
+    assert rel(q_out, q_ref) < TOL and rel(cache_a.k, cache_b.k) < TOL and torch.equal(cache_a.v, cache_b.v)
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
