@@ -21,8 +21,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV, slot_mapping: 
         if scales is None:
             cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
         else:
-            values, scale = quantize(x)
-            cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, values)
+            values, scale = quantize(x)  # copied as bytes: index_copy_ has no e4m3 kernel on the CPU
+            cache.view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, values.view(torch.uint8))
             scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, scale)
 
 
@@ -38,9 +38,11 @@ def gather_blocks(cache: torch.Tensor, table: torch.Tensor, rows: int) -> torch.
 def gather_kv(kv_cache: LayerKV, table: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of blocks ``table`` as in :func:`gather_blocks`; an FP8 cache's dequantized to
     ``dtype`` (a plain cache's stay in its dtype: the caller converts where it needs to)."""
-    keys, values = gather_blocks(kv_cache.k, table, rows), gather_blocks(kv_cache.v, table, rows)
     if kv_cache.k_scale is None or kv_cache.v_scale is None:
-        return keys, values
+        return gather_blocks(kv_cache.k, table, rows), gather_blocks(kv_cache.v, table, rows)
+    # gathered as bytes: index_select has no e4m3 kernel on the CPU
+    keys = gather_blocks(kv_cache.k.view(torch.uint8), table, rows).view(kv_cache.k.dtype)
+    values = gather_blocks(kv_cache.v.view(torch.uint8), table, rows).view(kv_cache.v.dtype)
     heads = kv_cache.k.shape[2]
     idx = table.to(torch.long)
     k_scale = kv_cache.k_scale.view(kv_cache.k_scale.shape[0], -1).index_select(0, idx).view(rows, -1, heads)
