@@ -258,7 +258,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 16, 4, False), (8, 8, 32, 8, True)])
+@pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 64, 4, False), (8, 8, 32, 8, True)])  # >= 640 stored values
 def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq, hkv, dim, page, unsplit):
     """The decode step's one kernel with an FP8 cache: the new k (after RoPE) and v written as e4m3
     and scales (as torch rounds them), attended as stored: equal to the reference over the cache
