@@ -145,3 +145,38 @@ def test_an_engine_with_an_fp8_kv_cache_decodes_like_one_with_a_float_cache(fixt
         row = dense[len(prompt) - 1 + i]
         assert logprobs[token] == pytest.approx(row[token].item(), abs=tol), i
         assert (row.max() - row[token]).item() <= tol, i
+
+
+def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """The interpreter runs the kernels as Python and never lowers them: here the RoPE + write,
+    decode (RoPE and the write fused) and prefill kernels with FP8=True compile for sm_90 through
+    ptxas (Triton's own, no GPU needed), their e4m3 conversions included."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.attention import _triton_kernels as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
+    cache = {"K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "scale": "fp32"}
+    cases = [
+        (kernels.rope_store_kernel, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
+         {"HQ": 32, "HKV": 8, "HALF": 64, "HQ_PAD": 32, "HKV_PAD": 8, "HALF_PAD": 64, "USE_PDL": False}),
+        (kernels.split_kv_decode_attention,
+         {"Q": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32",
+          "K_NEW": "*bf16", "V_NEW": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
+         {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "TILE_N": 64, "USE_PDL": False, "FUSED_ROPE": True,
+          "HALF": 64, "SMALL_TILE": 32}),
+        (kernels.prefill_kernel,
+         {"Q": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START": "*i32", "TILE_REQ": "*i32", "TILE_START": "*i32",
+          "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32"},
+         {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 128}),
+    ]
+    for fn, pointers, constexprs in cases:
+        constexprs = {**constexprs, "FP8": True}
+        types = {**cache, **pointers}
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(fn.fn).parameters}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "e4m3" in compiled.asm["ptx"] and compiled.asm["cubin"], fn.fn.__name__
