@@ -118,6 +118,7 @@ class Answerer:
             gpu_memory_utilization=opts.gpu_memory_utilization,
             dtype=opts.dtype,  # type: ignore[arg-type]
             quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
+            kv_cache_dtype=opts.kv_cache_dtype,  # type: ignore[arg-type]
             speculative=resolve_speculative(opts),  # type: ignore[arg-type]
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
                    help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
                         "tensor cores); auto (default): int4 for a GGUF on the CPU")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
+                        "capability 8.9+ GPU); auto (default): the model's dtype")
     p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
                    help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
                         "auto (default): ngram on the CPU, off on CUDA")
@@ -272,7 +275,8 @@ async def run(args: argparse.Namespace) -> int:
             return fail(f"--audio {args.audio}: {e}")
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
-        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, speculative=args.speculative_decoding,
+        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                             speculative=args.speculative_decoding,
                              max_model_len=args.max_model_len),
     )
     voice = None

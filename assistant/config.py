@@ -39,6 +39,9 @@ class EngineOptions:
     quantization: str = "auto"
     """auto: int4 (the GGUF's own 4-bit blocks, bf16 activations) for a GGUF on the CPU, where it
     roughly halves decode and prefill time; none elsewhere. Or none / int4 explicitly."""
+    kv_cache_dtype: str = "auto"
+    """fp8: the KV cache in e4m3 with a scale per token and head (engine.EngineConfig.kv_cache_dtype),
+    ~1.94x the tokens in the same memory; auto: the model's dtype."""
     speculative: str = "auto"
     """auto: n-gram speculative decoding (engine.EngineConfig.speculative) on the CPU, where an
     answer that quotes the handbook decodes 1.67x faster at batch 1 (Qwen2.5-Coder-1.5B int4,

@@ -63,6 +63,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
                    help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
                         "tensor cores); auto (default): int4 for a GGUF on the CPU")
+    s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
+                        "capability 8.9+ GPU); auto (default): the model's dtype")
     s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
                    help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
                         "auto (default): ngram on the CPU, off on CUDA")
@@ -135,7 +138,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens, warm_documents=a.warm_documents,
                                 refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
-                                                     quantization=a.quantization, speculative=a.speculative_decoding,
+                                                     quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                                                     speculative=a.speculative_decoding,
                                                      gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs, graph_start_chunk=a.graph_start_chunk))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,

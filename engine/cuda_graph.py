@@ -39,6 +39,7 @@ from engine.block_manager import NULL_BLOCK
 from engine.kernels.argmax import argmax_rows
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.step_inputs import packed_size, scatter_decode_inputs
+from engine.kv_cache import LayerKV
 from engine.model import LlamaForCausalLM
 from engine.transfer import copy_to_device
 
@@ -85,7 +86,7 @@ class CudaGraphRunner:
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
-        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_layers: list[LayerKV],
         batch_sizes: list[int],
         max_blocks_per_seq: int,
         token_rows: int,
@@ -260,7 +261,7 @@ class PiecewiseGraphRunner:
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta: AttentionMetadata,
-        kv_layers: list[tuple[torch.Tensor, torch.Tensor]], bucket: int,
+        kv_layers: list[LayerKV], bucket: int,
     ) -> torch.Tensor:
         """The model's forward for one step of ``n <= bucket`` tokens -> hidden [n, H]."""
         n = input_ids.shape[0]
@@ -309,7 +310,7 @@ class MixedGraphRunner:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_layers: list[LayerKV],
         decode_buckets: list[int], max_chunk: int, max_blocks_per_seq: int, max_model_len: int, max_graphs: int,
         device: torch.device, gemv: GemvPolicy, capture_lock: AbstractContextManager, chunk_buckets: list[int] = (),
     ) -> None:

@@ -21,7 +21,7 @@ from engine.engine_core import EngineCore
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.linear import DECODE_MAX_ROWS
 from engine.kernels.triton_utils import pdl_supported, triton_available
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import FP8_DTYPE, KVCache, KVCacheSpec
 from engine.loaded_model import LoadedModel
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.model_runner import ModelRunner
@@ -55,7 +55,9 @@ def build_engine(
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
     if config.speculative != "off" and config.num_speculative_tokens >= max_model_len:
         raise ConfigError(f"num_speculative_tokens={config.num_speculative_tokens} leaves no room in a {max_model_len}-token context")
-    spec = KVCacheSpec.for_model(mc, config.block_size, loaded.dtype)
+    backend = select_backend(config.attention_backend, device)
+    check_kv_cache_dtype(config, device, backend.name)
+    spec = KVCacheSpec.for_model(mc, config.block_size, FP8_DTYPE if config.kv_cache_dtype == "fp8" else loaded.dtype)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     else:
@@ -70,9 +72,8 @@ def build_engine(
     if num_blocks < 2:
         raise ConfigError(f"the KV cache budget holds {num_blocks} blocks; at least 2 are needed")
     kv_cache = KVCache(spec, num_blocks, device)
-    memory.record("kv_cache", kv_cache.nbytes)
+    memory.record(kv_cache.ledger_name, kv_cache.nbytes)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    backend = select_backend(config.attention_backend, device)
     graphs = config.enable_cuda_graphs and device.type == "cuda" and backend.name == "triton"
     piecewise = [t for t in config.piecewise_cuda_graph_sizes if t <= config.max_num_batched_tokens] if graphs else []
     scheduler = Scheduler(
@@ -100,6 +101,20 @@ def build_engine(
     if config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda"):
         core.warm_up()
     return core
+
+
+def check_kv_cache_dtype(config: EngineConfig, device: torch.device, backend: str) -> None:
+    """Refuse an FP8 KV cache, before anything is allocated, where a path would read it as plain
+    floats: the native CPU decode step, and Triton's e4m3 below compute capability 8.9."""
+    if config.kv_cache_dtype != "fp8":
+        return
+    if device.type == "cpu" and config.quantization == "int4" and config.native_decode_step != "off":
+        raise ConfigError("kv_cache_dtype='fp8' cannot run with the native CPU decode step (engine/native_decode.py reads "
+                          "the cache as bf16): use kv_cache_dtype='auto' or native_decode_step='off'")
+    if device.type == "cuda" and backend == "triton" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"kv_cache_dtype='fp8' needs a compute capability 8.9+ GPU (Ada or Hopper: Triton's e4m3), "
+                          f"{torch.cuda.get_device_name(device)} has "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: use kv_cache_dtype='auto'")
 
 
 def gemv_policy(config: EngineConfig, device: torch.device, model: ModelConfig) -> GemvPolicy:

@@ -4,7 +4,11 @@ Strides and split counts that change from step to step are not specialised on
 (``do_not_specialize``): a new value must never trigger a JIT compile in the middle of serving.
 
 Cache layout: K and V each ``[num_blocks, page, kv_heads, head_dim]``; a request's token ``t``
-lives in block ``block_table[t // page]`` at row ``t % page``.
+lives in block ``block_table[t // page]`` at row ``t % page``. With ``FP8`` the cache holds e4m3
+values and K_SCALE / V_SCALE ``[num_blocks, page, kv_heads]`` one float32 scale per row
+(engine/kv_cache.py): the write quantizes each (token, head) row by its amax after RoPE; the reads
+widen the e4m3 tile to the query's dtype for the dot and apply the scales exactly and cheaply, K's
+to the score columns after the dot, V's to the probabilities' columns before ``p @ v``.
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
@@ -27,13 +31,29 @@ import triton.language as tl
 from engine.kernels._pdl_triton import pdl_wait
 from engine.kernels.cached_launch import CachedLaunch
 
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # engine/kv_cache.py FP8_MAX
+FP8_MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # engine/kv_cache.py FP8_MIN_SCALE
+
+
+@triton.jit
+def _fp8_scale(amax):
+    """A row's scale from its amax, as engine/kv_cache.py quantize."""
+    return tl.maximum(amax / FP8_MAX, FP8_MIN_SCALE)
+
+
+@triton.jit
+def _to_fp8(x, scale, dtype: tl.constexpr):
+    """x / scale in ``dtype`` (e4m3), clamped: amax / scale may round a hair above 448."""
+    return tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX).to(dtype)
+
 
 @triton.jit
 def rope_store_kernel(
-    Q, K, V, POS, COS_SIN, K_CACHE, V_CACHE, SLOT,
+    Q, K, V, POS, COS_SIN, K_CACHE, V_CACHE, SLOT, K_SCALE, V_SCALE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_cslot, stride_ch,
+    stride_sslot, stride_sh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -58,16 +78,33 @@ def rope_store_kernel(
     k1 = tl.load(k_ptr, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptr + HALF, mask=mk, other=0.0).to(tl.float32)
     c_ptr = slot * stride_cslot + hk * stride_ch + j[None, :]
-    tl.store(K_CACHE + c_ptr, (k1 * cos - k2 * sin).to(K_CACHE.dtype.element_ty), mask=mk)
-    tl.store(K_CACHE + c_ptr + HALF, (k2 * cos + k1 * sin).to(K_CACHE.dtype.element_ty), mask=mk)
+    k_lo = k1 * cos - k2 * sin
+    k_hi = k2 * cos + k1 * sin
     v_ptr = V + t * stride_vt + hk * stride_vh + j[None, :]
-    tl.store(V_CACHE + c_ptr, tl.load(v_ptr, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
-    tl.store(V_CACHE + c_ptr + HALF, tl.load(v_ptr + HALF, mask=mk, other=0.0).to(V_CACHE.dtype.element_ty), mask=mk)
+    v_lo = tl.load(v_ptr, mask=mk, other=0.0).to(tl.float32)
+    v_hi = tl.load(v_ptr + HALF, mask=mk, other=0.0).to(tl.float32)
+    if FP8:  # each (token, head) row by its amax; padded lanes loaded 0 and do not move it
+        s_ptr = slot * stride_sslot + tl.arange(0, HKV_PAD) * stride_sh
+        smask = tl.arange(0, HKV_PAD) < HKV
+        ks = _fp8_scale(tl.maximum(tl.max(tl.abs(k_lo), 1), tl.max(tl.abs(k_hi), 1)))
+        vs = _fp8_scale(tl.maximum(tl.max(tl.abs(v_lo), 1), tl.max(tl.abs(v_hi), 1)))
+        tl.store(K_SCALE + s_ptr, ks, mask=smask)
+        tl.store(V_SCALE + s_ptr, vs, mask=smask)
+        tl.store(K_CACHE + c_ptr, _to_fp8(k_lo, ks[:, None], K_CACHE.dtype.element_ty), mask=mk)
+        tl.store(K_CACHE + c_ptr + HALF, _to_fp8(k_hi, ks[:, None], K_CACHE.dtype.element_ty), mask=mk)
+        tl.store(V_CACHE + c_ptr, _to_fp8(v_lo, vs[:, None], V_CACHE.dtype.element_ty), mask=mk)
+        tl.store(V_CACHE + c_ptr + HALF, _to_fp8(v_hi, vs[:, None], V_CACHE.dtype.element_ty), mask=mk)
+    else:
+        tl.store(K_CACHE + c_ptr, k_lo.to(K_CACHE.dtype.element_ty), mask=mk)
+        tl.store(K_CACHE + c_ptr + HALF, k_hi.to(K_CACHE.dtype.element_ty), mask=mk)
+        tl.store(V_CACHE + c_ptr, v_lo.to(V_CACHE.dtype.element_ty), mask=mk)
+        tl.store(V_CACHE + c_ptr + HALF, v_hi.to(V_CACHE.dtype.element_ty), mask=mk)
 
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks,
-                 stride_kh, scale, D: tl.constexpr, PAGE: tl.constexpr):
+                 stride_kh, scale, K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D: tl.constexpr, PAGE: tl.constexpr,
+                 FP8: tl.constexpr):
     """Online softmax over the context positions ``offs`` (those < end): the running output,
     max and sum updated (m_i may stay -inf only for a tile with no valid position)."""
     valid = offs < end
@@ -75,13 +112,20 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
     kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
     kvmask = valid[:, None] & (d < D)[None, :]
     k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale
+    if FP8:
+        sc = page * stride_sb + (offs % PAGE) * stride_ss + kvh * stride_sh
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * tl.load(K_SCALE + sc, mask=valid, other=0.0)[None, :] * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    if FP8:  # V's scales on p's columns: p @ (v * scale) without scaling the tile
+        p = p * tl.load(V_SCALE + sc, mask=valid, other=0.0)[None, :]
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
@@ -89,14 +133,14 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def split_kv_decode_attention(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
-    K_NEW, V_NEW, POS, COS_SIN, SLOT,
+    K_NEW, V_NEW, POS, COS_SIN, SLOT, K_SCALE, V_SCALE,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, stride_sb, stride_ss, stride_sh,
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
-    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr,
+    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
@@ -143,28 +187,45 @@ def split_kv_decode_attention(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     if (per_split <= SMALL_TILE) & (start < end):  # a short slice: one narrow tile
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, SMALL_TILE), end, d, b, kvh, K_CACHE, V_CACHE,
-                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale, D, PAGE)
+                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
+                                     K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
     else:
         for n0 in range(start, end, TILE_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
-                                         BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale, D, PAGE)
+                                         BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
+                                         K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
     if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
         k_row = K_NEW + b * stride_knt + kvh * stride_knh
-        k_new = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
-                 + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin).to(K_CACHE.dtype.element_ty)
-        v_new = tl.load(V_NEW + b * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0).to(V_CACHE.dtype.element_ty)
+        k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
+               + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin)
+        v_f = tl.load(V_NEW + b * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0).to(tl.float32)
         dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
         write = d < tl.where(owner, D, 0)  # dmask for the owner, nothing for the other splits
+        if FP8:  # attended as stored (the values later steps read), not as computed
+            ks_new = _fp8_scale(tl.max(tl.abs(k_f), 0))
+            vs_new = _fp8_scale(tl.max(tl.abs(v_f), 0))
+            k_new = _to_fp8(k_f, ks_new, K_CACHE.dtype.element_ty)
+            v_new = _to_fp8(v_f, vs_new, V_CACHE.dtype.element_ty)
+            dst_s = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + kvh * stride_sh
+            tl.store(K_SCALE + dst_s, ks_new, mask=owner)
+            tl.store(V_SCALE + dst_s, vs_new, mask=owner)
+            k_att = k_new.to(tl.float32) * ks_new
+            v_att = v_new.to(tl.float32) * vs_new
+        else:
+            k_new = k_f.to(K_CACHE.dtype.element_ty)
+            v_new = v_f.to(V_CACHE.dtype.element_ty)
+            k_att = k_new.to(tl.float32)
+            v_att = v_new.to(tl.float32)
         tl.store(K_CACHE + dst, k_new, mask=write)
         tl.store(V_CACHE + dst, v_new, mask=write)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        s_new = tl.sum(q.to(tl.float32) * k_att[None, :], 1) * scale
         s_new = tl.where(owner, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p_new = tl.exp(s_new - m_safe)
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -207,8 +268,8 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _prefill_block(
     acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
-    stride_kb, stride_ks, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+    stride_kb, stride_ks, K_SCALE, V_SCALE, scale_head, stride_sb, stride_ss,
+    D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr,
 ):
     """One BLOCK_N slice of keys for a tile of rows; m_i is in base 2 (scores times qk_scale =
     softmax scale x log2(e), applied in float32 inside the exponent's FMA).
@@ -227,7 +288,17 @@ def _prefill_block(
         k = tl.load(K_CACHE + kv[:, None] + d[None, :])
     else:
         k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    s = tl.dot(q, tl.trans(k))
+    if FP8:  # e4m3 widened for the dot; K's scales on the score columns
+        sc = page * stride_sb + (offs_n % PAGE) * stride_ss + scale_head
+        if MASKED:
+            k_scale = tl.load(K_SCALE + sc, mask=n_valid, other=0.0)
+            v_scale = tl.load(V_SCALE + sc, mask=n_valid, other=0.0)
+        else:
+            k_scale = tl.load(K_SCALE + sc)
+            v_scale = tl.load(V_SCALE + sc)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * k_scale[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -241,18 +312,21 @@ def _prefill_block(
         v = tl.load(V_CACHE + kv[:, None] + d[None, :])
     else:
         v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    if FP8:  # V's scales on p's columns
+        p = p * v_scale[None, :]
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def prefill_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, QUERY_START, TILE_REQ, TILE_START, OUT, O_PART, LSE_PART, K_SCALE, V_SCALE,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out_t, stride_out_h,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_sb, stride_ss, stride_sh,
     scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, FP8: tl.constexpr,
 ):
     """One program: BLOCK_M rows of one request and one KV head, over one slice of the context.
     Rows pack the GQA group: row m is query ``m // GROUP`` of query head ``kvh*GROUP + m % GROUP``,
@@ -294,13 +368,16 @@ def prefill_kernel(
     mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
     table = BLOCK_TABLES + r * stride_bt
     kv_head = kvh * stride_kh
+    scale_head = kvh * stride_sh
     qk_scale = scale * LOG2E
     for n0 in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = _prefill_block(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
-                                       stride_kb, stride_ks, D, D_PAD, PAGE, BLOCK_N, False)
+                                       stride_kb, stride_ks, K_SCALE, V_SCALE, scale_head, stride_sb, stride_ss,
+                                       D, D_PAD, PAGE, BLOCK_N, False, FP8)
     for n0 in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _prefill_block(acc, l_i, m_i, q, K_CACHE, V_CACHE, table, kv_head, n0, hi, q_pos, d, qk_scale,
-                                       stride_kb, stride_ks, D, D_PAD, PAGE, BLOCK_N, True)
+                                       stride_kb, stride_ks, K_SCALE, V_SCALE, scale_head, stride_sb, stride_ss,
+                                       D, D_PAD, PAGE, BLOCK_N, True, FP8)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:  # a runtime branch: split counts never trigger a recompile

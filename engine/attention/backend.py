@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_cache import LayerKV
+
 
 @dataclass
 class AttentionMetadata:
@@ -39,7 +41,7 @@ class AttentionBackend:
 
     def rope_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, pdl: bool = False,
+        kv_cache: LayerKV, meta: AttentionMetadata, pdl: bool = False,
     ) -> torch.Tensor:
         """Rotate q and k by their positions (``cos_sin`` table [positions, head_dim]: cos | sin),
         write k and v to ``meta.slot_mapping``; return the rotated q. ``pdl``: the caller's
@@ -47,14 +49,15 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attend(
-        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, pdl: bool = False,
+        self, q: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata, scale: float, pdl: bool = False,
     ) -> torch.Tensor:
-        """q [T, Hq, D] against cache (k, v) each [blocks, page, Hkv, D] -> [T, Hq, D]."""
+        """q [T, Hq, D] against the layer's cache (k, v each [blocks, page, Hkv, D], an FP8 cache's
+        scales beside them) -> [T, Hq, D]."""
         raise NotImplementedError
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, pdl: bool = False,
+        kv_cache: LayerKV, meta: AttentionMetadata, scale: float, pdl: bool = False,
     ) -> torch.Tensor:
         """:meth:`rope_and_store` then :meth:`attend` - what a layer calls; a backend may fuse
         the two (the Triton backend does for decode steps)."""

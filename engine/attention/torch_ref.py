@@ -11,13 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.kv_cache import LayerKV, dequantize, quantize
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows into their cache slots."""
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into their cache slots (an FP8 cache: e4m3 values and each
+    (token, head) row's scale)."""
+    for x, cache, scales in ((k, kv_cache.k, kv_cache.k_scale), (v, kv_cache.v, kv_cache.v_scale)):
+        if scales is None:
+            cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:
+            values, scale = quantize(x)  # copied as bytes: index_copy_ has no e4m3 kernel on the CPU
+            cache.view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, values.view(torch.uint8))
+            scales.view(-1, x.shape[1]).index_copy_(0, slot_mapping, scale)
 
 
 def gather_blocks(cache: torch.Tensor, table: torch.Tensor, rows: int) -> torch.Tensor:
@@ -29,15 +35,29 @@ def gather_blocks(cache: torch.Tensor, table: torch.Tensor, rows: int) -> torch.
     return flat.view(rows, -1, heads, dim)
 
 
+def gather_kv(kv_cache: LayerKV, table: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of blocks ``table`` as in :func:`gather_blocks`; an FP8 cache's dequantized to
+    ``dtype`` (a plain cache's stay in its dtype: the caller converts where it needs to)."""
+    if kv_cache.k_scale is None or kv_cache.v_scale is None:
+        return gather_blocks(kv_cache.k, table, rows), gather_blocks(kv_cache.v, table, rows)
+    # gathered as bytes: index_select has no e4m3 kernel on the CPU
+    keys = gather_blocks(kv_cache.k.view(torch.uint8), table, rows).view(kv_cache.k.dtype)
+    values = gather_blocks(kv_cache.v.view(torch.uint8), table, rows).view(kv_cache.v.dtype)
+    heads = kv_cache.k.shape[2]
+    idx = table.to(torch.long)
+    k_scale = kv_cache.k_scale.view(kv_cache.k_scale.shape[0], -1).index_select(0, idx).view(rows, -1, heads)
+    v_scale = kv_cache.v_scale.view(kv_cache.v_scale.shape[0], -1).index_select(0, idx).view(rows, -1, heads)
+    return dequantize(keys, k_scale, dtype), dequantize(values, v_scale, dtype)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Attention of every query over its request's cached context (KV already written)."""
-    k_cache, v_cache = kv_cache
-    block_size = k_cache.shape[1]
+    block_size = kv_cache.k.shape[1]
     nd = meta.num_decodes
     if nd:
         # Decodes (one query each) as one batched SDPA over contexts padded to the longest.
@@ -52,8 +72,8 @@ def paged_attention_reference(
                 mask = (torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
             decode = meta.scratch["decode"] = (table, max_len, mask)
         table, max_len, mask = decode
-        keys = gather_blocks(k_cache, table, nd)[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
-        values = gather_blocks(v_cache, table, nd)[:, :max_len].transpose(1, 2)
+        keys, values = gather_kv(kv_cache, table, nd, q.dtype)
+        keys, values = keys[:, :max_len].transpose(1, 2), values[:, :max_len].transpose(1, 2)  # [nd, Hkv, L, D]
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
         if nd == meta.num_requests:
             return o
@@ -70,8 +90,9 @@ def paged_attention_reference(
             continue
         nblocks = -(-slen // block_size)
         table = meta.block_tables[i, :nblocks]
-        keys = gather_blocks(k_cache, table, 1)[0, :slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        values = gather_blocks(v_cache, table, 1)[0, :slen].transpose(0, 1).unsqueeze(0)
+        keys, values = gather_kv(kv_cache, table, 1, q.dtype)
+        keys = keys[0, :slen].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        values = values[0, :slen].transpose(0, 1).unsqueeze(0)
         qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
         if qlen == slen:
             o = F.scaled_dot_product_attention(qi, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
@@ -136,14 +157,12 @@ def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
     return sum(w[r] * o.float() for r, (o, _) in enumerate(parts))
 
 
-def decode_attention_views(
-    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], plan: list[list[tuple[int, int, int]]], scale: float
-) -> torch.Tensor:
+def decode_attention_views(q: torch.Tensor, kv_cache: LayerKV, plan: list[list[tuple[int, int, int]]], scale: float) -> torch.Tensor:
     """Decode attention reading K/V in place: each run of consecutive blocks is a strided view of
     the cache, not a gathered copy (at 2.6k context on the CPU: 186 vs 441 µs a layer). The
     query's GQA group becomes the query axis of its KV head, so one SDPA call serves the group;
-    runs are merged by their log-sum-exp."""
-    k_cache, v_cache = kv_cache
+    runs are merged by their log-sum-exp. A plain (not FP8) cache only."""
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     heads, dim = k_cache.shape[2:]
     group = q.shape[1] // heads
     out = torch.empty_like(q)
@@ -176,15 +195,16 @@ def chunk_view_plan(meta: AttentionMetadata, page: int) -> dict[int, tuple[list[
 
 
 def chunk_attention_views(
-    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], runs: list[tuple[int, int, int]], slots: torch.Tensor, scale: float
+    q: torch.Tensor, kv_cache: LayerKV, runs: list[tuple[int, int, int]], slots: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One request's prefill chunk ``q`` [T, Hq, D] after its cached context (a question after
     the cached documents): the context, seen whole by every row (no mask), is read in place
     through strided views of its block runs, with the GQA group and the chunk's rows as one query
     axis of each KV head; the chunk's own T keys, gathered by their ``slots``, are seen causally.
     The parts are merged by their log-sum-exp. On a 2-core CPU, a 30-token question after 5,000
-    cached tokens: no gathered copy of the context and one SDPA call a KV head's whole group."""
-    k_cache, v_cache = kv_cache
+    cached tokens: no gathered copy of the context and one SDPA call a KV head's whole group.
+    A plain (not FP8) cache only."""
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     heads, dim = k_cache.shape[2:]
     tokens, hq, _ = q.shape
     group = hq // heads
@@ -215,12 +235,15 @@ class TorchReferenceAttention(AttentionBackend):
         return q
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
-        if q.device.type == "cpu":
+        # An FP8 cache takes the gathering path, which dequantizes what it gathers: the in-place
+        # views would hand SDPA e4m3 values without their scales.
+        if q.device.type == "cpu" and not kv_cache.quantized:
+            page = kv_cache.k.shape[1]
             if "decode_views" not in meta.scratch:  # planned once per step, shared by every layer
-                meta.scratch["decode_views"] = decode_view_plan(meta, kv_cache[0].shape[1])
+                meta.scratch["decode_views"] = decode_view_plan(meta, page)
             plan = meta.scratch["decode_views"]
             if plan is not None:
                 return decode_attention_views(q, kv_cache, plan, scale)
             if "chunk_views" not in meta.scratch:
-                meta.scratch["chunk_views"] = chunk_view_plan(meta, kv_cache[0].shape[1])
+                meta.scratch["chunk_views"] = chunk_view_plan(meta, page)
         return paged_attention_reference(q, kv_cache, meta, scale)

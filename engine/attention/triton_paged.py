@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kernels.triton_utils import launch_options
+from engine.kv_cache import LayerKV
 from engine.transfer import to_device
 
 DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
@@ -40,6 +41,14 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, 1 << (max(n, 1) - 1).bit_length())
 
 
+def scale_args(kv_cache: LayerKV) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """An FP8 cache's K and V scales and their (block, row, head) strides; for a plain cache the
+    K cache twice and zero strides, which the kernels (FP8=False) never read."""
+    if kv_cache.k_scale is None or kv_cache.v_scale is None:
+        return kv_cache.k, kv_cache.k, 0, 0, 0
+    return kv_cache.k_scale, kv_cache.v_scale, *kv_cache.k_scale.stride()
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
     """Context splits per (request, KV head): a function of the batch shape only, so a CUDA
     graph captured for a batch size stays valid whatever the context lengths are."""
@@ -48,22 +57,27 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
 
 def rope_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, *, pdl: bool = False,
+    kv_cache: LayerKV, slot_mapping: torch.Tensor, *, pdl: bool = False,
 ) -> torch.Tensor:
     """``pdl``: launch with programmatic dependent launch (Hopper+, engine/kernels/_pdl_triton.py)."""
     from engine.attention._triton_kernels import rope_store_launch
 
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     t, hq, dim = q.shape
     hkv = k.shape[1]
     half = dim // 2
     kc = k_cache.view(-1, hkv, dim)
     vc = v_cache.view(-1, hkv, dim)
+    k_scale, v_scale, *_ = scale_args(kv_cache)
+    if kv_cache.quantized:  # per slot, as the cache is viewed
+        k_scale, v_scale = k_scale.view(-1, hkv), v_scale.view(-1, hkv)
+    stride_sslot, stride_sh = (k_scale.stride(0), k_scale.stride(1)) if kv_cache.quantized else (0, 0)
     rope_store_launch[(t,)](
-        q, k, v, positions, cos_sin, kc, vc, slot_mapping,
+        q, k, v, positions, cos_sin, kc, vc, slot_mapping, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
-        kc.stride(0), kc.stride(1),
-        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=_pow2(hq), HKV_PAD=_pow2(hkv), HALF_PAD=_pow2(half), USE_PDL=pdl, **launch_options(pdl),
+        kc.stride(0), kc.stride(1), stride_sslot, stride_sh,
+        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=_pow2(hq), HKV_PAD=_pow2(hkv), HALF_PAD=_pow2(half), USE_PDL=pdl,
+        FP8=kv_cache.quantized, **launch_options(pdl),
     )
     return q
 
@@ -82,7 +96,7 @@ class NewTokens:
 
 
 def decode_attention(
-    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
@@ -93,7 +107,8 @@ def decode_attention(
     (``python -m engine.bench.kernels --decode-tiles`` sweeps others)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache = kv_cache.k, kv_cache.v
+    k_scale, v_scale, stride_sb, stride_ss, stride_sh = scale_args(kv_cache)
     b, hq, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -106,15 +121,15 @@ def decode_attention(
     k_new, v_new, positions, cos_sin, slots = (new.k, new.v, new.positions, new.cos_sin, new.slot_mapping) if new else (q, q, seq_lens, q, seq_lens)
     decode_launch[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
-        k_new, v_new, positions, cos_sin, slots,
+        k_new, v_new, positions, cos_sin, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0), stride_sb, stride_ss, stride_sh,
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=tile_n or DECODE_TILE, NUM_SPLITS=splits,
         SMALL_TILE=small_tile or DECODE_SMALL_TILE,
-        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized, num_warps=4, **launch_options(pdl),
     )
     if splits == 1:
         return out
@@ -151,13 +166,14 @@ def prefill_splits(num_programs: int, max_context: int) -> int:
 
 
 def prefill_attention(
-    q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    q: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor,
     config: PrefillConfig = PREFILL,
 ) -> torch.Tensor:
     """Attention for the prefill requests of the batch (those after the decodes)."""
     from engine.attention._triton_kernels import combine_launch, prefill_launch
 
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache = kv_cache.k, kv_cache.v
+    k_scale, v_scale, stride_sb, stride_ss, stride_sh = scale_args(kv_cache)
     t, hq, dim = q.shape
     hkv = k_cache.shape[2]
     tiles = meta.scratch.get("prefill_tiles")
@@ -176,12 +192,13 @@ def prefill_attention(
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     prefill_launch[(tile_req.numel(), hkv, splits)](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_req, tile_start, out, o_part, lse,
+        k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), stride_sb, stride_ss, stride_sh,
         scale,
         GROUP=hq // hkv, D=dim, D_PAD=d_pad, PAGE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
+        NUM_SPLITS=splits, FP8=kv_cache.quantized, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         first = meta.num_decodes  # decode rows come first, one token each

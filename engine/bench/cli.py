@@ -75,12 +75,24 @@ QUANTIZED_KEYS = {"decode_bs1_tok_s": "decode_bs1_{q}_tok_s", "prefill_tok_s": "
                   "throughput_output_tok_s": "throughput_{q}_output_tok_s"}
 
 
-def quantized_keys(results: dict, quantization: str) -> dict:
-    """The headline figures again under names that say the weights' format (``decode_bs1_fp8_tok_s``),
-    so that runs of several formats merge into one ``results`` object; none for dense weights."""
-    if quantization == "none":
+def format_label(quantization: str, kv_cache_dtype: str = "auto") -> str | None:
+    """What the keys of :func:`quantized_keys` call a run's formats: the weights' (``fp8``), with
+    an FP8 KV cache ``fp8_kv`` after them (FP8 weights: just ``fp8_kv``; dense: ``dense_fp8_kv``);
+    None for dense weights and a plain cache."""
+    if kv_cache_dtype == "auto":
+        return None if quantization == "none" else quantization
+    weights = {"none": "dense_", "fp8": ""}.get(quantization, f"{quantization}_")
+    return f"{weights}fp8_kv"
+
+
+def quantized_keys(results: dict, quantization: str, kv_cache_dtype: str = "auto") -> dict:
+    """The headline figures again under names that say the weights' and the KV cache's format
+    (``decode_bs1_fp8_tok_s``, ``throughput_fp8_kv_output_tok_s``), so that runs of several formats
+    merge into one ``results`` object; none for dense weights and a plain cache."""
+    label = format_label(quantization, kv_cache_dtype)
+    if label is None:
         return {}
-    return {name.format(q=quantization): results[key] for key, name in QUANTIZED_KEYS.items() if key in results}
+    return {name.format(q=label): results[key] for key, name in QUANTIZED_KEYS.items() if key in results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"),
                    help="int4: the GGUF's own 4-bit blocks with bf16 activations (CPU), group-wise int4 layer weights quantized at load "
                         "(CUDA); fp8: e4m3 layer weights (CUDA, FP8 tensor cores)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="fp8: K and V in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory "
+                        "(CUDA compute capability 8.9+, or the CPU without the native decode step)")
     p.add_argument("--native-decode-step", default="auto", choices=("auto", "on", "off"),
                    help="with int4 on the CPU: decode-only steps as one native call (engine/native_decode.py)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
@@ -136,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization, native_decode_step=args.native_decode_step, async_scheduling=args.async_scheduling,
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, native_decode_step=args.native_decode_step, async_scheduling=args.async_scheduling,
                           pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
@@ -184,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
-    results.update(quantized_keys(results, args.quantization))
+    results.update(quantized_keys(results, args.quantization, args.kv_cache_dtype))
     hf = None
     memory["throughput engine" if separate else "engine"] = core.memory_rows()
     print(format_table(rows))

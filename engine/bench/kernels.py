@@ -21,6 +21,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import PrefillConfig, decode_attention, prefill_attention
 from engine.config import ModelConfig
+from engine.kv_cache import LayerKV
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 PREFILL_VARIANTS = [PrefillConfig(), PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 4)]
@@ -49,7 +50,7 @@ def make_batch(query_lens: list[int], ctx_lens: list[int], device: torch.device,
         num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(seq),
     )
     q = torch.randn(sum(query_lens), HQ, D, device=device, dtype=torch.bfloat16)
-    return q, (k, v), meta
+    return q, LayerKV(k, v), meta
 
 
 def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:

@@ -26,6 +26,7 @@ from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
 from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, usable_split_k
+from engine.kv_cache import LayerKV
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
 
@@ -65,7 +66,7 @@ class LlamaAttention(nn.Module):
         cos_sin: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         pdl: bool = False,
     ) -> torch.Tensor:
         """The part between the projections: RoPE, KV write, paged attention -> [T, q_size].
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         gemv: GemvPolicy = PLAIN,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened tokens of one step; writes their KV.

@@ -180,3 +180,9 @@ def test_the_gil_switch_interval_reaches_the_serving_process():
 def test_the_refusal_gate_is_on_unless_turned_off():
     assert parse_config(["serve"])[0].assistant.refusal.enabled
     assert not parse_config(["serve", "--no-refusal-gate"])[0].assistant.refusal.enabled
+
+
+def test_kv_cache_dtype_reaches_the_engine_options():
+    """--kv-cache-dtype fp8 (an e4m3 KV cache) is passed through to the engine; auto by default."""
+    assert parse_config(["serve"])[0].assistant.engine.kv_cache_dtype == "auto"
+    assert parse_config(["serve", "--kv-cache-dtype", "fp8"])[0].assistant.engine.kv_cache_dtype == "fp8"

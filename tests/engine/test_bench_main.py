@@ -152,6 +152,18 @@ def test_a_quantized_run_names_its_headline_figures_by_the_weights_format():
     assert quantized_keys(results, "none") == {}
 
 
+def test_a_run_with_an_fp8_kv_cache_names_its_figures_by_both_formats():
+    """FP8 weights and an FP8 KV cache: ``throughput_fp8_kv_output_tok_s``, apart from FP8 weights
+    alone; other weights keep their name before ``fp8_kv``."""
+    from engine.bench.cli import quantized_keys
+
+    tput = {"throughput_output_tok_s": 9000.0}
+    assert quantized_keys(tput, "fp8", "fp8") == {"throughput_fp8_kv_output_tok_s": 9000.0}
+    assert quantized_keys(tput, "fp8", "auto") == {"throughput_fp8_output_tok_s": 9000.0}
+    assert quantized_keys(tput, "int4", "fp8") == {"throughput_int4_fp8_kv_output_tok_s": 9000.0}
+    assert quantized_keys(tput, "none", "fp8") == {"throughput_dense_fp8_kv_output_tok_s": 9000.0}
+
+
 def test_a_setting_the_machine_cannot_run_is_one_line_not_a_traceback(tiny_llama_dir):
     """``python -m engine.bench ... --quantization fp8`` on a CPU: the engine's reason, exit 1."""
     import subprocess

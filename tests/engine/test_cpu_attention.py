@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.kv_cache import LayerKV
 from engine.attention.torch_ref import (
     MAX_VIEW_RUNS,
     TorchReferenceAttention,
@@ -61,10 +62,10 @@ def test_views_match_the_gathering_reference(runs):
     plan = decode_view_plan(meta, PAGE)
     assert plan is not None and max(len(p) for p in plan) <= runs
     q = torch.randn(3, HQ, D)
-    ref = paged_attention_reference(q, (k_cache, v_cache), meta, D**-0.5)
-    out = decode_attention_views(q, (k_cache, v_cache), plan, D**-0.5)
+    ref = paged_attention_reference(q, LayerKV(k_cache, v_cache), meta, D**-0.5)
+    out = decode_attention_views(q, LayerKV(k_cache, v_cache), plan, D**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(TorchReferenceAttention().attend(q, (k_cache, v_cache), meta, D**-0.5), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(TorchReferenceAttention().attend(q, LayerKV(k_cache, v_cache), meta, D**-0.5), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fragmented_large_or_mixed_steps_use_the_reference():
@@ -96,11 +97,11 @@ def test_a_chunk_after_cached_context_through_views_matches_the_reference(runs, 
     plan = chunk_view_plan(meta_for(tables, lens, qlens), PAGE)
     assert list(plan) == [1] and len(plan[1][0]) <= runs
     q = torch.randn(1 + chunk, HQ, D)
-    ref = paged_attention_reference(q, (k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
-    out = TorchReferenceAttention().attend(q, (k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
+    ref = paged_attention_reference(q, LayerKV(k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
+    out = TorchReferenceAttention().attend(q, LayerKV(k_cache, v_cache), meta_for(tables, lens, qlens), D**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    bf16 = TorchReferenceAttention().attend(q.bfloat16(), (k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
-    ref16 = paged_attention_reference(q.bfloat16(), (k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
+    bf16 = TorchReferenceAttention().attend(q.bfloat16(), LayerKV(k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
+    ref16 = paged_attention_reference(q.bfloat16(), LayerKV(k_cache.bfloat16(), v_cache.bfloat16()), meta_for(tables, lens, qlens), D**-0.5)
     torch.testing.assert_close(bf16.float(), ref16.float(), rtol=2e-2, atol=2e-2)
 
 
