@@ -86,6 +86,8 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False
             variants[f"same, FP8 GEMV math {math}"] = replace(path, fp8_math=math)
         for block_k in sorted({0, 256} - {path.fp8_block_k}):
             variants[f"same, FP8 tiles of K {block_k or 'as bf16'}"] = replace(path, fp8_block_k=block_k)
+        for split in sorted({1, 2} - {path.fp8_down_split_k}):
+            variants[f"same, FP8 down_proj split-K {split}"] = replace(path, fp8_down_split_k=split)
         for math, block_k in (("fp16", 256), ("fp8", 256)):
             if (math, block_k) != (path.fp8_math, path.fp8_block_k):
                 variants[f"same, FP8 GEMV math {math}, tiles of K {block_k}"] = replace(path, fp8_math=math, fp8_block_k=block_k)

@@ -53,6 +53,11 @@ class GemvPolicy:
     """K elements a GEMV tile loads of an FP8 weight (0: the bf16 tile's, which then moves half the
     bytes a stage): 256, a bf16 tile's bytes at 128, 314 against 307 tok/s (same run)."""
 
+    fp8_down_split_k: int = 1
+    """``down_split_k`` for an FP8 down_proj, whose own tile (engine/kernels/linear.py fp8_decode_tile)
+    streams K 512 at a time: unsplit 332.9 tok/s against 311.4 with split 2 and 279.6 with 4 (8B
+    shape, batch 1, H200, one run, 2026-12-03 18:56 UTC)."""
+
     prefetch_bytes: int = 1 << 20
     """With ``pdl``, each GEMV first asks L2 for up to this many bytes of its weight (its first
     columns; engine/kernels/linear.py ``prefetch_columns``) before waiting for the kernel before it;

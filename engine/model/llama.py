@@ -155,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
         if _use_gemv(gemv, act) and (gemv.gemv_down or isinstance(mlp.down_proj, W4A16Linear)):  # int4: only its kernel
-            return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=gemv.down_split_k), residual, pdl)
+            split = gemv.fp8_down_split_k if weight_scale(mlp.down_proj) is not None else gemv.down_split_k
+            return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=split), residual, pdl)
         return next_norm(mlp.down_proj(act), residual, pdl)
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
