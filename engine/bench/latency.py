@@ -130,20 +130,22 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
             runner.graphs = graphs
         del other
         by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
-        rows += [Row(f"decode batch 1 ({path_name(path)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
+        rows += [Row(f"decode batch 1 ({path_name(path, fp8, int4)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
                  Row("  graph replay", gpu_ms, "ms", name, other_ms, False)]
     results.update(decode_bs1_path=asdict(path), decode_bs1_variants=by_variant)
     return rows
 
 
-def path_name(path: GemvPolicy) -> str:
-    """A short name of the decode path's parts, for the A/B rows."""
+def path_name(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> str:
+    """A short name of the decode path's parts, for the A/B rows (the FP8 and int4 choices only
+    for a model with such weights)."""
     if not path.max_rows:
         return "cuBLAS"
-    fp8 = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
-    parts = ["GEMVs", "int4 tinygemm" if path.int4_kernel == "tinygemm" else "", "SwiGLU in gate|up" if path.fused_swiglu else "", fp8 if path.fp8_math != "bf16" or path.fp8_block_k else "",
-             f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
-             f"down GEMV split-K {path.down_split_k}" if path.gemv_down else "",
+    fp8_math = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
+    down_split = path.fp8_down_split_k if fp8 else path.down_split_k
+    parts = ["GEMVs", f"int4 {path.int4_kernel}" if int4 else "", "SwiGLU in gate|up" if path.fused_swiglu else "",
+             fp8_math if fp8 else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
+             f"down GEMV split-K {down_split}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",
              f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)

@@ -140,6 +140,25 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     releases = {v.late_release for v in variants.values() if v.max_rows}
     assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
     assert {v.prefetch_bytes >> 20 for v in variants.values() if v.max_rows} == {0, 1, 4, 16, 64}
+    for fp8, int4 in ((True, False), (False, True)):  # FP8 weights: also their math, tiles and down split; int4: its kernel
+        quantized = decode_path_variants(path, fp8, int4)
+        for name, variant in quantized.items():
+            if variant.max_rows:
+                changed = [f.name for f in fields(GemvPolicy) if getattr(variant, f.name) != getattr(path, f.name)]
+                assert len(changed) <= 2, (name, changed)
+        kinds = {v.int4_kernel for v in quantized.values()}
+        assert (kinds == {"tinygemm", "triton"}) == int4
+        assert ({v.fp8_down_split_k for v in quantized.values()} == {1, 2}) == fp8
+
+
+def test_the_decode_path_label_names_only_the_weights_own_choices():
+    from engine.bench.latency import path_name
+    from engine.kernels.gemv_policy import GemvPolicy
+
+    path = GemvPolicy(max_rows=1, pdl=True)
+    assert "FP8" not in path_name(path) and "int4" not in path_name(path)
+    assert "FP8 math fp16 K 256" in path_name(path, fp8=True) and "down GEMV split-K 1" in path_name(path, fp8=True)
+    assert "int4 tinygemm" in path_name(path, int4=True) and "down GEMV split-K 2" in path_name(path, int4=True)
 
 
 def test_late_release_names_known_projections():
