@@ -110,7 +110,8 @@ def check_kv_cache_dtype(config: EngineConfig, device: torch.device, backend: st
         return
     if device.type == "cpu" and config.quantization == "int4" and config.native_decode_step != "off":
         raise ConfigError("kv_cache_dtype='fp8' cannot run with the native CPU decode step (engine/native_decode.py reads "
-                          "the cache as bf16): use kv_cache_dtype='auto' or native_decode_step='off'")
+                          "the cache as bf16): use kv_cache_dtype='auto', native_decode_step='off', or quantization='none' "
+                          "(the assistant: --quantization none)")
     if device.type == "cuda" and backend == "triton" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(f"kv_cache_dtype='fp8' needs a compute capability 8.9+ GPU (Ada or Hopper: Triton's e4m3), "
                           f"{torch.cuda.get_device_name(device)} has "

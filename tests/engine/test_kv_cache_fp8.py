@@ -117,7 +117,7 @@ def test_fp8_kv_with_the_native_cpu_decode_step_is_refused_at_start_up(llm_gguf_
     from engine import build_engine
 
     config = EngineConfig(model=str(llm_gguf_path), quantization="int4", kv_cache_dtype="fp8", num_kv_blocks=16, max_model_len=64)
-    with pytest.raises(ConfigError, match=r"native CPU decode step.*kv_cache_dtype='auto' or native_decode_step='off'"):
+    with pytest.raises(ConfigError, match=r"native CPU decode step.*kv_cache_dtype='auto', native_decode_step='off', or quantization='none'"):
         build_engine(config, smollm_int4)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be"):
         EngineConfig(model=str(llm_gguf_path), kv_cache_dtype="fp16").validate()  # type: ignore[arg-type]
