@@ -526,9 +526,14 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 #endif
 
 /* Attention is split like flash-decoding: a task is one request over a chunk of ATTN_CHUNK
-   context tokens, all heads at once, so each token's K and V rows (every KV head, contiguous in
-   the cache) are read from memory once and converted once per GQA group; the chunks' partial
-   results are merged by their log-sum-exp. At a 2.6k-token context that keeps both cores busy. */
+   context tokens, and a work item one KV head of it with its GQA group of query heads, so each
+   token's K and V slice of that head is read from memory once and converted once per group; the
+   chunks' partial results are merged by their log-sum-exp. At a 2.6k-token context the chunks
+   keep both cores busy; below ATTN_CHUNK tokens (a short decode) the KV heads do: with all heads
+   in one item, one thread attended alone while the other waited. Qwen2.5-1.5B at 152 tokens on
+   the 2-core Xeon (2026-12-03): attention and the merge 1.7-1.8 ms of a 60 ms step, 1.0-1.2 ms
+   split by KV head (docs/results/2026-12-03-cpu-native-shared-attention-silu-profile.txt).
+   Per head the sums are unchanged. */
 #define ATTN_CHUNK 256
 #define MAX_HEADS 64
 
@@ -536,46 +541,42 @@ typedef struct { /* a chunk's result for one query head: max score, sum of exp (
     float max, sum;
 } partial_t;
 
-/* scores[h, i] = q_h . k_t * scale for the chunk's tokens t = t0 + i, every head h. */
-static void chunk_scores(const float *q, const uint16_t *k_cache, const int64_t *table, int t0, int t1, int page,
-                         int kv_heads, int hd, int group, float scale, float *scores) {
-    const size_t slot_stride = (size_t)kv_heads * hd;
+/* scores[g, i] = q_g . k_t * scale for the chunk's tokens t = t0 + i, each query head g of one
+   KV head's group; k_cache points at that KV head's slice of slot 0 (slots slot_stride apart). */
+static void chunk_scores(const float *q, const uint16_t *k_cache, size_t slot_stride, const int64_t *table, int t0, int t1,
+                         int page, int hd, int group, float scale, float *scores) {
     for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
-        const uint16_t *row = k_cache + ((size_t)table[blk] * page + off) * slot_stride;
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const uint16_t *k = row + (size_t)kvh * hd;
-            const float *qg = q + (size_t)kvh * group * hd;
-            float *sg = scores + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
+        const uint16_t *k = k_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        float *sg = scores + (t - t0);
 #ifdef __AVX2__
-            if (hd % 8 == 0) {
-                __m256 acc[8];
-                for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
-                for (int j = 0; j < hd; j += 8) {
-                    const __m256 kv = load_bf16x8(k + j);
-                    for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * hd + j), kv, acc[g]);
-                }
-                for (int g = 0; g < group; g++) sg[g * ATTN_CHUNK] = hsum(acc[g]) * scale;
-                continue;
+        if (hd % 8 == 0) {
+            __m256 acc[8];
+            for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+            for (int j = 0; j < hd; j += 8) {
+                const __m256 kv = load_bf16x8(k + j);
+                for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + j), kv, acc[g]);
             }
+            for (int g = 0; g < group; g++) sg[g * ATTN_CHUNK] = hsum(acc[g]) * scale;
+            continue;
+        }
 #endif
-            for (int g = 0; g < group; g++) {
-                float dot = 0.f;
-                for (int j = 0; j < hd; j++) dot += qg[g * hd + j] * bf16_to_f32(k[j]);
-                sg[g * ATTN_CHUNK] = dot * scale;
-            }
+        for (int g = 0; g < group; g++) {
+            float dot = 0.f;
+            for (int j = 0; j < hd; j++) dot += q[g * hd + j] * bf16_to_f32(k[j]);
+            sg[g * ATTN_CHUNK] = dot * scale;
         }
     }
 }
 
-/* out[h, :] = sum_t p[h, t] v_t (unnormalised), every head h. With AVX2 an 8-wide column slice
-   of every head of a GQA group stays in registers over a run of VALUE_RUN tokens (their V rows in
-   L1), instead of a load and store of the output per token; each output still adds its tokens
-   in order, so the sums are the same. */
+/* out[g, :] = sum_t p[g, t] v_t (unnormalised), each query head g of one KV head's group
+   (v_cache: that KV head's slice of slot 0). With AVX2 an 8-wide column slice of every head of
+   the group stays in registers over a run of VALUE_RUN tokens (their V rows in L1), instead of a
+   load and store of the output per token; each output still adds its tokens in order, so the
+   sums are the same. */
 #define VALUE_RUN 64
-static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t *table, int t0, int t1, int page,
-                         int kv_heads, int hd, int group, float *out) {
-    const size_t slot_stride = (size_t)kv_heads * hd;
-    for (int i = 0; i < kv_heads * group * hd; i++) out[i] = 0.f;
+static void chunk_values(const float *p, const uint16_t *v_cache, size_t slot_stride, const int64_t *table, int t0, int t1,
+                         int page, int hd, int group, float *out) {
+    for (int i = 0; i < group * hd; i++) out[i] = 0.f;
 #ifdef __AVX2__
     if (hd % 8 == 0) {
         const uint16_t *rows[VALUE_RUN];
@@ -585,34 +586,26 @@ static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t 
                 const int t = r0 + i;
                 rows[i] = v_cache + ((size_t)table[t / page] * page + t % page) * slot_stride;
             }
-            for (int kvh = 0; kvh < kv_heads; kvh++) {
-                const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (r0 - t0);
-                float *og = out + (size_t)kvh * group * hd;
-                for (int g0 = 0; g0 < group; g0 += 8) /* at most 8 heads' accumulators at a time */
-                    for (int j = 0; j < hd; j += 8) {
-                        const int gs = group - g0 < 8 ? group - g0 : 8;
-                        __m256 acc[8];
-                        for (int g = 0; g < gs; g++) acc[g] = _mm256_loadu_ps(og + (g0 + g) * hd + j);
-                        for (int i = 0; i < n; i++) {
-                            const __m256 vv = load_bf16x8(rows[i] + (size_t)kvh * hd + j);
-                            for (int g = 0; g < gs; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pg[(g0 + g) * ATTN_CHUNK + i]), vv, acc[g]);
-                        }
-                        for (int g = 0; g < gs; g++) _mm256_storeu_ps(og + (g0 + g) * hd + j, acc[g]);
+            const float *pg = p + (r0 - t0);
+            for (int g0 = 0; g0 < group; g0 += 8) /* at most 8 heads' accumulators at a time */
+                for (int j = 0; j < hd; j += 8) {
+                    const int gs = group - g0 < 8 ? group - g0 : 8;
+                    __m256 acc[8];
+                    for (int g = 0; g < gs; g++) acc[g] = _mm256_loadu_ps(out + (g0 + g) * hd + j);
+                    for (int i = 0; i < n; i++) {
+                        const __m256 vv = load_bf16x8(rows[i] + j);
+                        for (int g = 0; g < gs; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pg[(g0 + g) * ATTN_CHUNK + i]), vv, acc[g]);
                     }
-            }
+                    for (int g = 0; g < gs; g++) _mm256_storeu_ps(out + (g0 + g) * hd + j, acc[g]);
+                }
         }
         return;
     }
 #endif
     for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
-        const uint16_t *row = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const uint16_t *v = row + (size_t)kvh * hd;
-            const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
-            float *og = out + (size_t)kvh * group * hd;
-            for (int g = 0; g < group; g++)
-                for (int j = 0; j < hd; j++) og[g * hd + j] += pg[g * ATTN_CHUNK] * bf16_to_f32(v[j]);
-        }
+        const uint16_t *v = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < hd; j++) out[g * hd + j] += p[g * ATTN_CHUNK + (t - t0)] * bf16_to_f32(v[j]);
     }
 }
 
@@ -656,26 +649,28 @@ static float exp_shifted(float *s, int n, float shift) {
     return total;
 }
 
-/* One task: one request's query heads q [heads, hd] over context tokens [t0, t1). */
-static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int t0,
-                         int t1, int page, int kv_heads, int hd, int group, float scale, partial_t *part, float *out) {
+/* One work item: the query heads q [group, hd] of one KV head (k_cache, v_cache: its slice of
+   slot 0) over context tokens [t0, t1). */
+static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, size_t slot_stride,
+                         const int64_t *table, int t0, int t1, int page, int hd, int group, float scale, partial_t *part,
+                         float *out) {
     float scores[MAX_HEADS * ATTN_CHUNK];
-    chunk_scores(q, k_cache, table, t0, t1, page, kv_heads, hd, group, scale, scores);
-    for (int h = 0; h < kv_heads * group; h++) {
+    chunk_scores(q, k_cache, slot_stride, table, t0, t1, page, hd, group, scale, scores);
+    for (int h = 0; h < group; h++) {
         float *sh = scores + (size_t)h * ATTN_CHUNK, mx = -INFINITY;
         for (int i = 0; i < t1 - t0; i++) mx = fmaxf(mx, sh[i]);
         part[h] = (partial_t){mx, exp_shifted(sh, t1 - t0, mx)};
     }
-    chunk_values(scores, v_cache, table, t0, t1, page, kv_heads, hd, group, out);
+    chunk_values(scores, v_cache, slot_stride, table, t0, t1, page, hd, group, out);
 }
 
 /* Attention work: rows [b0, b1) of one request (a prefill chunk's tokens share its block table)
-   over context chunk ``chunk``, one row after another, so the chunk's K/V (<= 2 * ATTN_CHUNK rows)
+   over context chunk ``chunk`` and KV head ``kvh``, one row after another, so the chunk's K/V (<= 2 * ATTN_CHUNK rows)
    comes from memory once for up to ATTN_ROWS rows and from L2 for the rest; each row's own
    sums are unchanged. Rows of different requests are items of their own. */
 #define ATTN_ROWS 16
 typedef struct {
-    int b0, b1, chunk;
+    int b0, b1, chunk, kvh;
 } attn_work_t;
 
 static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m->inter : m->hidden); }
@@ -711,7 +706,7 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     task_start[0] = 0;
     for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
     const int tasks = task_start[B];
-    attn_work_t *work = malloc(sizeof(attn_work_t) * (size_t)tasks); /* at most one item per task */
+    attn_work_t *work = malloc(sizeof(attn_work_t) * (size_t)tasks * nkv); /* at most one item per task and KV head */
     int works = 0;
     for (int b0 = 0, b1; work && b0 < B; b0 = b1) {
         int chunks = task_start[b0 + 1] - task_start[b0];
@@ -719,7 +714,8 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                           !memcmp(block_tables + (size_t)b1 * table_width, block_tables + (size_t)b0 * table_width, sizeof(int64_t) * table_width);
              b1++)
             if (task_start[b1 + 1] - task_start[b1] > chunks) chunks = task_start[b1 + 1] - task_start[b1];
-        for (int c = 0; c < chunks; c++) work[works++] = (attn_work_t){b0, b1, c};
+        for (int c = 0; c < chunks; c++)
+            for (int kvh = 0; kvh < nkv; kvh++) work[works++] = (attn_work_t){b0, b1, c, kvh};
     }
     partial_t *parts = malloc(sizeof(partial_t) * (size_t)tasks * nh);
     float *part_out = malloc(sizeof(float) * (size_t)tasks * qsz);
@@ -763,10 +759,11 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
             for (int w = 0; w < works; w++)
                 for (int b = work[w].b0; b < work[w].b1; b++) {
                     const int task = task_start[b] + work[w].chunk, t0 = work[w].chunk * ATTN_CHUNK, len = (int)positions[b] + 1;
+                    const int h0 = work[w].kvh * group; /* the KV head's first query head */
                     if (task >= task_start[b + 1]) continue; /* an earlier row of the request: fewer chunks */
-                    attend_chunk(qkv + (size_t)b * qkv_n, kc, vc, block_tables + b * table_width, t0,
-                                 t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, nkv, hd, group, 1.f / sqrtf((float)hd),
-                                 parts + (size_t)task * nh, part_out + (size_t)task * qsz);
+                    attend_chunk(qkv + (size_t)b * qkv_n + (size_t)h0 * hd, kc + (size_t)work[w].kvh * hd, vc + (size_t)work[w].kvh * hd,
+                                 kvsz, block_tables + b * table_width, t0, t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, hd,
+                                 group, 1.f / sqrtf((float)hd), parts + (size_t)task * nh + h0, part_out + (size_t)task * qsz + (size_t)h0 * hd);
                 }
 #pragma omp for schedule(static)
             for (int bh = 0; bh < B * nh; bh++) { /* merge each head's chunks by their log-sum-exp */
