@@ -335,6 +335,26 @@ static inline float min_terms(const float *m, const float *s, int nb) {
     return hsum512(acc);
 }
 
+/* Software prefetch inside the row loop, in step with it: the weight stream PREFETCH_BLOCKS
+   blocks ahead of block blk (past a row's end: the next rows, as laid out), one quad's bytes
+   each quad, and every 16 blocks the line of scales (and Q4_1 minima) as far ahead. Row by row
+   (prefetch_row_ahead) a long row of down (8960 wide) asked for its 105 lines at once, more than
+   a core has fill buffers for: 28 layers of down at batch 1 on the 2-core Xeon (2026-12-03)
+   read 18.1-19.8 GB/s that way (Q4_1), 23.2-23.9 this way; Q8_0 16.4-19.4 against 17.7-20.1;
+   gate|up and down together 18.7-21.1 against 22.7-23.5
+   (docs/results/2026-12-03-cpu-native-prefetch-in-loop-matvec-bw.txt). */
+#define PREFETCH_BLOCKS 128
+
+static inline __attribute__((always_inline)) void prefetch_quad_ahead(const uint8_t *qs, int block_bytes, const float *d,
+                                                                      const float *m, int blk) {
+    const uint8_t *q = qs + (size_t)(blk + PREFETCH_BLOCKS) * block_bytes;
+    for (int i = 0; i < 4 * block_bytes; i += 64) __builtin_prefetch(q + i, 0, 3);
+    if (blk % 16 == 0) {
+        __builtin_prefetch(d + blk + PREFETCH_BLOCKS, 0, 3);
+        if (m) __builtin_prefetch(m + blk + PREFETCH_BLOCKS, 0, 3);
+    }
+}
+
 static inline __m512 pair_fma(__m512i w, __m512i x, __m512 scale, __m512 acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), scale, acc);
 }
@@ -348,6 +368,7 @@ static inline __attribute__((always_inline)) void wide_q4_1(const uint8_t *qs, c
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int blk = 0;
     for (; blk + 4 <= nb; blk += 4) {
+        prefetch_quad_ahead(qs, 16, d, m, blk);
         __m512i w01, w23;
         unpack_q4_quad(qs + blk * 16, &w01, &w23);
         quad_scales(d, a, blk, t0, NT, s01, s23);
@@ -375,6 +396,7 @@ static inline __attribute__((always_inline)) void wide_q8_0(const int8_t *qs, co
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int blk = 0;
     for (; blk + 4 <= nb; blk += 4) {
+        prefetch_quad_ahead((const uint8_t *)qs, QK, d, NULL, blk);
         const __m512i w01 = _mm512_loadu_si512(qs + blk * QK), w23 = _mm512_loadu_si512(qs + blk * QK + 2 * QK);
         const __m512i a01 = _mm512_abs_epi8(w01), a23 = _mm512_abs_epi8(w23);
         const __mmask64 n01 = _mm512_movepi8_mask(w01), n23 = _mm512_movepi8_mask(w23);
@@ -440,6 +462,8 @@ static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, 
    with this, 12.7-13.3 and 23.6-25.3 (1 KiB ahead: 23.6-24.3; 4 KiB: 23.1; whole rows 2 ahead: 23.3-23.9;
    engine/bench/experiments/native_matvec_bw.c). The engine's batch-1 decode of Qwen2.5-1.5B went
    from 0.67-0.71 of its bandwidth ceiling to 0.78-0.83 (docs/results/2026-12-03-cpu-native-prefetch-ab.txt).
+   The wide tile has since moved its prefetch into its loop (prefetch_quad_ahead); this one serves
+   the other tiles (the 256-bit tile on the same machine, one pair of runs: 13.8 -> 18.3 GB/s).
    Both helpers are always inlined: gcc 12 at -O2 takes a function whose only effect is a prefetch
    for one without effects and drops its calls. */
 #define PREFETCH_AHEAD 2048
@@ -463,7 +487,9 @@ static inline __attribute__((always_inline)) void prefetch_row_ahead(const matri
 static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int ldy, int r0, int r1, int tiled) {
     const int nb = w->k / QK;
     for (int r = r0; r < r1; r++) {
+#ifndef WIDE_TILE /* the wide tile prefetches inside its loop (prefetch_quad_ahead) */
         prefetch_row_ahead(w, r);
+#endif
         if (tiled) {
             for (int t0 = 0; t0 < B; t0 += TILE)
                 dot_tile(w, r, a, t0, B - t0 < TILE ? B - t0 : TILE, y + (size_t)t0 * ldy + r, (size_t)ldy);
