@@ -88,27 +88,28 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* Block b of activation row r (k wide) from its 32 values xb; a->k is left to the caller. */
+static void quantize_block(const float *xb, int k, int r, int b, qact_t *a) {
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int8_t *qb = a->q + (size_t)r * k + b * QK;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        int v = (int)nearbyintf(xb[j] * inv);
+        qb[j] = (int8_t)v;
+        sum += v;
+    }
+    a->d[r * (k / QK) + b] = d;
+    a->s[r * (k / QK) + b] = d * (float)sum;
+    a->dt[(size_t)b * a->bp + r] = d;
+    a->st[(size_t)b * a->bp + r] = d * (float)sum;
+}
+
 static void quantize_rows(const float *x, int rows, int k, qact_t *a) {
     a->k = k;
-    for (int r = 0; r < rows; r++) {
-        for (int b = 0; b < k / QK; b++) {
-            const float *xb = x + (size_t)r * k + b * QK;
-            float amax = 0.f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int8_t *qb = a->q + (size_t)r * k + b * QK;
-            int sum = 0;
-            for (int j = 0; j < QK; j++) {
-                int v = (int)nearbyintf(xb[j] * inv);
-                qb[j] = (int8_t)v;
-                sum += v;
-            }
-            a->d[r * (k / QK) + b] = d;
-            a->s[r * (k / QK) + b] = d * (float)sum;
-            a->dt[(size_t)b * a->bp + r] = d;
-            a->st[(size_t)b * a->bp + r] = d * (float)sum;
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < k / QK; b++) quantize_block(x + (size_t)r * k + b * QK, k, r, b, a);
 }
 
 #ifdef __AVX2__
@@ -334,6 +335,26 @@ static inline float min_terms(const float *m, const float *s, int nb) {
     return hsum512(acc);
 }
 
+/* Software prefetch inside the row loop, in step with it: the weight stream PREFETCH_BLOCKS
+   blocks ahead of block blk (past a row's end: the next rows, as laid out), one quad's bytes
+   each quad, and every 16 blocks the line of scales (and Q4_1 minima) as far ahead. Row by row
+   (prefetch_row_ahead) a long row of down (8960 wide) asked for its 105 lines at once, more than
+   a core has fill buffers for: 28 layers of down at batch 1 on the 2-core Xeon (2026-12-03)
+   read 18.1-19.8 GB/s that way (Q4_1), 23.2-23.9 this way; Q8_0 16.4-19.4 against 17.7-20.1;
+   gate|up and down together 18.7-21.1 against 22.7-23.5
+   (docs/results/2026-12-03-cpu-native-prefetch-in-loop-matvec-bw.txt). */
+#define PREFETCH_BLOCKS 128
+
+static inline __attribute__((always_inline)) void prefetch_quad_ahead(const uint8_t *qs, int block_bytes, const float *d,
+                                                                      const float *m, int blk) {
+    const uint8_t *q = qs + (size_t)(blk + PREFETCH_BLOCKS) * block_bytes;
+    for (int i = 0; i < 4 * block_bytes; i += 64) __builtin_prefetch(q + i, 0, 3);
+    if (blk % 16 == 0) {
+        __builtin_prefetch(d + blk + PREFETCH_BLOCKS, 0, 3);
+        if (m) __builtin_prefetch(m + blk + PREFETCH_BLOCKS, 0, 3);
+    }
+}
+
 static inline __m512 pair_fma(__m512i w, __m512i x, __m512 scale, __m512 acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), scale, acc);
 }
@@ -347,6 +368,7 @@ static inline __attribute__((always_inline)) void wide_q4_1(const uint8_t *qs, c
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int blk = 0;
     for (; blk + 4 <= nb; blk += 4) {
+        prefetch_quad_ahead(qs, 16, d, m, blk);
         __m512i w01, w23;
         unpack_q4_quad(qs + blk * 16, &w01, &w23);
         quad_scales(d, a, blk, t0, NT, s01, s23);
@@ -374,6 +396,7 @@ static inline __attribute__((always_inline)) void wide_q8_0(const int8_t *qs, co
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int blk = 0;
     for (; blk + 4 <= nb; blk += 4) {
+        prefetch_quad_ahead((const uint8_t *)qs, QK, d, NULL, blk);
         const __m512i w01 = _mm512_loadu_si512(qs + blk * QK), w23 = _mm512_loadu_si512(qs + blk * QK + 2 * QK);
         const __m512i a01 = _mm512_abs_epi8(w01), a23 = _mm512_abs_epi8(w23);
         const __mmask64 n01 = _mm512_movepi8_mask(w01), n23 = _mm512_movepi8_mask(w23);
@@ -432,6 +455,31 @@ static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, 
 }
 #endif
 
+/* Software prefetch of the weights PREFETCH_AHEAD bytes ahead of the row being multiplied (the
+   scales as far ahead in their own streams). The hardware prefetcher alone left a core short of
+   memory: on the 2-core Xeon (AMX) of 2026-12-03, 28 layers' gate_up and down at batch 1 read
+   10.0 GB/s on one thread and 19-20 GB/s on two, where a plain read loop reads 13.8 and 26.7;
+   with this, 12.7-13.3 and 23.6-25.3 (1 KiB ahead: 23.6-24.3; 4 KiB: 23.1; whole rows 2 ahead: 23.3-23.9;
+   engine/bench/experiments/native_matvec_bw.c). The engine's batch-1 decode of Qwen2.5-1.5B went
+   from 0.67-0.71 of its bandwidth ceiling to 0.78-0.83 (docs/results/2026-12-03-cpu-native-prefetch-ab.txt).
+   The wide tile has since moved its prefetch into its loop (prefetch_quad_ahead); this one serves
+   the other tiles (the 256-bit tile on the same machine, one pair of runs: 13.8 -> 18.3 GB/s).
+   Both helpers are always inlined: gcc 12 at -O2 takes a function whose only effect is a prefetch
+   for one without effects and drops its calls. */
+#define PREFETCH_AHEAD 2048
+
+static inline __attribute__((always_inline)) void prefetch_span(const void *base, size_t from, size_t to, size_t end) {
+    for (size_t i = from; i < to && i < end; i += 64) __builtin_prefetch((const char *)base + i, 0, 3);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row_ahead(const matrix_t *w, int r) {
+    const size_t nb = w->k / QK, qrow = nb * (w->type == Q4_1 ? 16 : QK), srow = nb * sizeof(float);
+    const size_t ahead = PREFETCH_AHEAD * srow / qrow;
+    prefetch_span(w->qs, r * qrow + PREFETCH_AHEAD, (r + 1) * qrow + PREFETCH_AHEAD, w->n * qrow);
+    prefetch_span(w->d, r * srow + ahead, (r + 1) * srow + ahead, w->n * srow);
+    if (w->m) prefetch_span(w->m, r * srow + ahead, (r + 1) * srow + ahead, w->n * srow);
+}
+
 /* y[b * ldy + row] = W[row, :] . x[b, :] for rows [r0, r1). A row's blocks (<= 1 KiB) stay in L1
    while the B activation rows pass over them, so each weight byte comes from memory once.
    ``tiled``: the tokens in tiles of TILE that share each unpacked block (dot_tile); otherwise
@@ -439,6 +487,9 @@ static void dot_tile(const matrix_t *w, int r, const qact_t *a, int t0, int nt, 
 static void matvec_rows(const matrix_t *w, const qact_t *a, int B, float *y, int ldy, int r0, int r1, int tiled) {
     const int nb = w->k / QK;
     for (int r = r0; r < r1; r++) {
+#ifndef WIDE_TILE /* the wide tile prefetches inside its loop (prefetch_quad_ahead) */
+        prefetch_row_ahead(w, r);
+#endif
         if (tiled) {
             for (int t0 = 0; t0 < B; t0 += TILE)
                 dot_tile(w, r, a, t0, B - t0 < TILE ? B - t0 : TILE, y + (size_t)t0 * ldy + r, (size_t)ldy);
@@ -502,9 +553,14 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 #endif
 
 /* Attention is split like flash-decoding: a task is one request over a chunk of ATTN_CHUNK
-   context tokens, all heads at once, so each token's K and V rows (every KV head, contiguous in
-   the cache) are read from memory once and converted once per GQA group; the chunks' partial
-   results are merged by their log-sum-exp. At a 2.6k-token context that keeps both cores busy. */
+   context tokens, and a work item one KV head of it with its GQA group of query heads, so each
+   token's K and V slice of that head is read from memory once and converted once per group; the
+   chunks' partial results are merged by their log-sum-exp. At a 2.6k-token context the chunks
+   keep both cores busy; below ATTN_CHUNK tokens (a short decode) the KV heads do: with all heads
+   in one item, one thread attended alone while the other waited. Qwen2.5-1.5B at 152 tokens on
+   the 2-core Xeon (2026-12-03): attention and the merge 1.7-1.8 ms of a 60 ms step, 1.0-1.2 ms
+   split by KV head (docs/results/2026-12-03-cpu-native-shared-attention-silu-profile.txt).
+   Per head the sums are unchanged. */
 #define ATTN_CHUNK 256
 #define MAX_HEADS 64
 
@@ -512,46 +568,42 @@ typedef struct { /* a chunk's result for one query head: max score, sum of exp (
     float max, sum;
 } partial_t;
 
-/* scores[h, i] = q_h . k_t * scale for the chunk's tokens t = t0 + i, every head h. */
-static void chunk_scores(const float *q, const uint16_t *k_cache, const int64_t *table, int t0, int t1, int page,
-                         int kv_heads, int hd, int group, float scale, float *scores) {
-    const size_t slot_stride = (size_t)kv_heads * hd;
+/* scores[g, i] = q_g . k_t * scale for the chunk's tokens t = t0 + i, each query head g of one
+   KV head's group; k_cache points at that KV head's slice of slot 0 (slots slot_stride apart). */
+static void chunk_scores(const float *q, const uint16_t *k_cache, size_t slot_stride, const int64_t *table, int t0, int t1,
+                         int page, int hd, int group, float scale, float *scores) {
     for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
-        const uint16_t *row = k_cache + ((size_t)table[blk] * page + off) * slot_stride;
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const uint16_t *k = row + (size_t)kvh * hd;
-            const float *qg = q + (size_t)kvh * group * hd;
-            float *sg = scores + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
+        const uint16_t *k = k_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        float *sg = scores + (t - t0);
 #ifdef __AVX2__
-            if (hd % 8 == 0) {
-                __m256 acc[8];
-                for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
-                for (int j = 0; j < hd; j += 8) {
-                    const __m256 kv = load_bf16x8(k + j);
-                    for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * hd + j), kv, acc[g]);
-                }
-                for (int g = 0; g < group; g++) sg[g * ATTN_CHUNK] = hsum(acc[g]) * scale;
-                continue;
+        if (hd % 8 == 0) {
+            __m256 acc[8];
+            for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+            for (int j = 0; j < hd; j += 8) {
+                const __m256 kv = load_bf16x8(k + j);
+                for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + j), kv, acc[g]);
             }
+            for (int g = 0; g < group; g++) sg[g * ATTN_CHUNK] = hsum(acc[g]) * scale;
+            continue;
+        }
 #endif
-            for (int g = 0; g < group; g++) {
-                float dot = 0.f;
-                for (int j = 0; j < hd; j++) dot += qg[g * hd + j] * bf16_to_f32(k[j]);
-                sg[g * ATTN_CHUNK] = dot * scale;
-            }
+        for (int g = 0; g < group; g++) {
+            float dot = 0.f;
+            for (int j = 0; j < hd; j++) dot += q[g * hd + j] * bf16_to_f32(k[j]);
+            sg[g * ATTN_CHUNK] = dot * scale;
         }
     }
 }
 
-/* out[h, :] = sum_t p[h, t] v_t (unnormalised), every head h. With AVX2 an 8-wide column slice
-   of every head of a GQA group stays in registers over a run of VALUE_RUN tokens (their V rows in
-   L1), instead of a load and store of the output per token; each output still adds its tokens
-   in order, so the sums are the same. */
+/* out[g, :] = sum_t p[g, t] v_t (unnormalised), each query head g of one KV head's group
+   (v_cache: that KV head's slice of slot 0). With AVX2 an 8-wide column slice of every head of
+   the group stays in registers over a run of VALUE_RUN tokens (their V rows in L1), instead of a
+   load and store of the output per token; each output still adds its tokens in order, so the
+   sums are the same. */
 #define VALUE_RUN 64
-static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t *table, int t0, int t1, int page,
-                         int kv_heads, int hd, int group, float *out) {
-    const size_t slot_stride = (size_t)kv_heads * hd;
-    for (int i = 0; i < kv_heads * group * hd; i++) out[i] = 0.f;
+static void chunk_values(const float *p, const uint16_t *v_cache, size_t slot_stride, const int64_t *table, int t0, int t1,
+                         int page, int hd, int group, float *out) {
+    for (int i = 0; i < group * hd; i++) out[i] = 0.f;
 #ifdef __AVX2__
     if (hd % 8 == 0) {
         const uint16_t *rows[VALUE_RUN];
@@ -561,34 +613,26 @@ static void chunk_values(const float *p, const uint16_t *v_cache, const int64_t 
                 const int t = r0 + i;
                 rows[i] = v_cache + ((size_t)table[t / page] * page + t % page) * slot_stride;
             }
-            for (int kvh = 0; kvh < kv_heads; kvh++) {
-                const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (r0 - t0);
-                float *og = out + (size_t)kvh * group * hd;
-                for (int g0 = 0; g0 < group; g0 += 8) /* at most 8 heads' accumulators at a time */
-                    for (int j = 0; j < hd; j += 8) {
-                        const int gs = group - g0 < 8 ? group - g0 : 8;
-                        __m256 acc[8];
-                        for (int g = 0; g < gs; g++) acc[g] = _mm256_loadu_ps(og + (g0 + g) * hd + j);
-                        for (int i = 0; i < n; i++) {
-                            const __m256 vv = load_bf16x8(rows[i] + (size_t)kvh * hd + j);
-                            for (int g = 0; g < gs; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pg[(g0 + g) * ATTN_CHUNK + i]), vv, acc[g]);
-                        }
-                        for (int g = 0; g < gs; g++) _mm256_storeu_ps(og + (g0 + g) * hd + j, acc[g]);
+            const float *pg = p + (r0 - t0);
+            for (int g0 = 0; g0 < group; g0 += 8) /* at most 8 heads' accumulators at a time */
+                for (int j = 0; j < hd; j += 8) {
+                    const int gs = group - g0 < 8 ? group - g0 : 8;
+                    __m256 acc[8];
+                    for (int g = 0; g < gs; g++) acc[g] = _mm256_loadu_ps(out + (g0 + g) * hd + j);
+                    for (int i = 0; i < n; i++) {
+                        const __m256 vv = load_bf16x8(rows[i] + j);
+                        for (int g = 0; g < gs; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pg[(g0 + g) * ATTN_CHUNK + i]), vv, acc[g]);
                     }
-            }
+                    for (int g = 0; g < gs; g++) _mm256_storeu_ps(out + (g0 + g) * hd + j, acc[g]);
+                }
         }
         return;
     }
 #endif
     for (int t = t0, blk = t0 / page, off = t0 % page; t < t1; t++, off = off + 1 == page ? 0 : off + 1, blk += off == 0) {
-        const uint16_t *row = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const uint16_t *v = row + (size_t)kvh * hd;
-            const float *pg = p + (size_t)kvh * group * ATTN_CHUNK + (t - t0);
-            float *og = out + (size_t)kvh * group * hd;
-            for (int g = 0; g < group; g++)
-                for (int j = 0; j < hd; j++) og[g * hd + j] += pg[g * ATTN_CHUNK] * bf16_to_f32(v[j]);
-        }
+        const uint16_t *v = v_cache + ((size_t)table[blk] * page + off) * slot_stride;
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < hd; j++) out[g * hd + j] += p[g * ATTN_CHUNK + (t - t0)] * bf16_to_f32(v[j]);
     }
 }
 
@@ -632,26 +676,28 @@ static float exp_shifted(float *s, int n, float shift) {
     return total;
 }
 
-/* One task: one request's query heads q [heads, hd] over context tokens [t0, t1). */
-static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int t0,
-                         int t1, int page, int kv_heads, int hd, int group, float scale, partial_t *part, float *out) {
+/* One work item: the query heads q [group, hd] of one KV head (k_cache, v_cache: its slice of
+   slot 0) over context tokens [t0, t1). */
+static void attend_chunk(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, size_t slot_stride,
+                         const int64_t *table, int t0, int t1, int page, int hd, int group, float scale, partial_t *part,
+                         float *out) {
     float scores[MAX_HEADS * ATTN_CHUNK];
-    chunk_scores(q, k_cache, table, t0, t1, page, kv_heads, hd, group, scale, scores);
-    for (int h = 0; h < kv_heads * group; h++) {
+    chunk_scores(q, k_cache, slot_stride, table, t0, t1, page, hd, group, scale, scores);
+    for (int h = 0; h < group; h++) {
         float *sh = scores + (size_t)h * ATTN_CHUNK, mx = -INFINITY;
         for (int i = 0; i < t1 - t0; i++) mx = fmaxf(mx, sh[i]);
         part[h] = (partial_t){mx, exp_shifted(sh, t1 - t0, mx)};
     }
-    chunk_values(scores, v_cache, table, t0, t1, page, kv_heads, hd, group, out);
+    chunk_values(scores, v_cache, slot_stride, table, t0, t1, page, hd, group, out);
 }
 
 /* Attention work: rows [b0, b1) of one request (a prefill chunk's tokens share its block table)
-   over context chunk ``chunk``, one row after another, so the chunk's K/V (<= 2 * ATTN_CHUNK rows)
+   over context chunk ``chunk`` and KV head ``kvh``, one row after another, so the chunk's K/V (<= 2 * ATTN_CHUNK rows)
    comes from memory once for up to ATTN_ROWS rows and from L2 for the rest; each row's own
    sums are unchanged. Rows of different requests are items of their own. */
 #define ATTN_ROWS 16
 typedef struct {
-    int b0, b1, chunk;
+    int b0, b1, chunk, kvh;
 } attn_work_t;
 
 static size_t max_k(const model_t *m) { return (size_t)(m->inter > m->hidden ? m->inter : m->hidden); }
@@ -687,7 +733,7 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
     task_start[0] = 0;
     for (int b = 0; b < B; b++) task_start[b + 1] = task_start[b] + (int)((positions[b] + ATTN_CHUNK) / ATTN_CHUNK);
     const int tasks = task_start[B];
-    attn_work_t *work = malloc(sizeof(attn_work_t) * (size_t)tasks); /* at most one item per task */
+    attn_work_t *work = malloc(sizeof(attn_work_t) * (size_t)tasks * nkv); /* at most one item per task and KV head */
     int works = 0;
     for (int b0 = 0, b1; work && b0 < B; b0 = b1) {
         int chunks = task_start[b0 + 1] - task_start[b0];
@@ -695,7 +741,8 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                           !memcmp(block_tables + (size_t)b1 * table_width, block_tables + (size_t)b0 * table_width, sizeof(int64_t) * table_width);
              b1++)
             if (task_start[b1 + 1] - task_start[b1] > chunks) chunks = task_start[b1 + 1] - task_start[b1];
-        for (int c = 0; c < chunks; c++) work[works++] = (attn_work_t){b0, b1, c};
+        for (int c = 0; c < chunks; c++)
+            for (int kvh = 0; kvh < nkv; kvh++) work[works++] = (attn_work_t){b0, b1, c, kvh};
     }
     partial_t *parts = malloc(sizeof(partial_t) * (size_t)tasks * nh);
     float *part_out = malloc(sizeof(float) * (size_t)tasks * qsz);
@@ -739,10 +786,11 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
             for (int w = 0; w < works; w++)
                 for (int b = work[w].b0; b < work[w].b1; b++) {
                     const int task = task_start[b] + work[w].chunk, t0 = work[w].chunk * ATTN_CHUNK, len = (int)positions[b] + 1;
+                    const int h0 = work[w].kvh * group; /* the KV head's first query head */
                     if (task >= task_start[b + 1]) continue; /* an earlier row of the request: fewer chunks */
-                    attend_chunk(qkv + (size_t)b * qkv_n, kc, vc, block_tables + b * table_width, t0,
-                                 t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, nkv, hd, group, 1.f / sqrtf((float)hd),
-                                 parts + (size_t)task * nh, part_out + (size_t)task * qsz);
+                    attend_chunk(qkv + (size_t)b * qkv_n + (size_t)h0 * hd, kc + (size_t)work[w].kvh * hd, vc + (size_t)work[w].kvh * hd,
+                                 kvsz, block_tables + b * table_width, t0, t0 + ATTN_CHUNK < len ? t0 + ATTN_CHUNK : len, m->page, hd,
+                                 group, 1.f / sqrtf((float)hd), parts + (size_t)task * nh + h0, part_out + (size_t)task * qsz + (size_t)h0 * hd);
                 }
 #pragma omp for schedule(static)
             for (int bh = 0; bh < B * nh; bh++) { /* merge each head's chunks by their log-sum-exp */
@@ -767,14 +815,17 @@ int decode_step(const model_t *m, int B, const int64_t *tokens, const int64_t *p
                 quantize_rows(x, B, H, &act);
             }
             matvec(&L->gate_up, &act, B, gu, tiled);
-#pragma omp single
-            {
-                for (int b = 0; b < B; b++)
-                    for (int i = 0; i < I; i++) {
-                        const float g = gu[(size_t)b * 2 * I + i], u = gu[(size_t)b * 2 * I + I + i];
-                        x[(size_t)b * I + i] = g / (1.f + expf(-g)) * u;
-                    }
-                quantize_rows(x, B, I, &act);
+            /* SiLU-mul and quantization block by block, shared by the team: on one thread they took
+               1.1 ms of a 60 ms step (Qwen2.5-1.5B, 2-core Xeon, 2026-12-03), shared 0.7 ms
+               (docs/results/2026-12-03-cpu-native-shared-attention-silu-profile.txt). */
+#pragma omp for schedule(static)
+            for (int rb = 0; rb < B * (I / QK); rb++) {
+                const int b = rb / (I / QK), blk = rb % (I / QK);
+                const float *g = gu + (size_t)b * 2 * I + blk * QK, *u = g + I;
+                float *xb = x + (size_t)b * I + blk * QK;
+                for (int j = 0; j < QK; j++) xb[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+                quantize_block(xb, I, b, blk, &act);
+                if (rb == 0) act.k = I; /* read by the down matvec only, after this loop's barrier */
             }
             matvec(&L->down, &act, B, out, tiled);
 #pragma omp single
