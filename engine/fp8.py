@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.kernels.row_quant import can_quantize_rows, quantize_rows_triton
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -57,7 +59,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        xq, x_scale = quantize_rows(rows)
+        # one fused kernel on CUDA (engine/kernels/row_quant.py), the torch rule elsewhere
+        xq, x_scale = quantize_rows_triton(rows, FP8_MAX) if x.is_cuda and can_quantize_rows(rows) else quantize_rows(rows)
         if x.device.type == "cuda":
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale[:, None], scale_b=self.weight_scale[None, :], out_dtype=x.dtype)
         else:  # the same arithmetic for the CPU's tests: both operands rounded to e4m3, products in float32
