@@ -162,7 +162,7 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
         log.warning("native CPU decode step unavailable, decoding through PyTorch: %s", e)
         return None
     memory.record("weights (native decode layout)", step.weight_bytes_per_step)
-    log.info("native CPU decode step: %s, %d threads, every decode-only step", step.simd, step.threads)
+    log.info("native CPU decode step: %s, %d threads, every decode-only step", step.simd, step.thread_choice.max_threads)
     return step
 
 

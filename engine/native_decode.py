@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,6 +228,60 @@ class NativeWeights:
         return self.head.nbytes + sum(layer.nbytes for layer in self.layers)
 
 
+# ---- how many threads a step takes -------------------------------------------------------------
+@dataclass
+class ThreadChoice:
+    """The threads a native step runs on: all of ``max_threads`` while the cores are the engine's,
+    one while another process holds a core (speech recognition or synthesis beside the LLM on a
+    small CPU). A step's threads meet at ~340 barriers (a few per layer); when one thread is
+    descheduled each barrier waits for it. The 2-core Xeon, the 1.5B at batch 1, one core kept busy
+    by another process (2026-12-03 19:53-19:57 UTC, engine/bench/experiments/native_contention.py,
+    three interleaved rounds): 2 threads 1.6-2.1 tok/s, 1 thread 10.0-10.1, this choice 8.0-8.3;
+    idle 18.0-19.0, 9.5-10.2 and 17.9-19.0.
+
+    Contention shows in the calling thread (one of the step's threads): its CPU time over the
+    step's wall time drops below ``busy_ratio`` (a thread waiting at a barrier spins, so an idle
+    machine keeps it near 1). Then steps run on one thread, and after a wait one step tries all
+    threads again; the wait starts at ``retry_s`` and doubles with each try that finds the cores
+    still shared, up to ``max_retry_s`` (a try on shared cores costs a slow step). A step on all
+    threads that finds them free resets it. ``adaptive=False``: always ``max_threads`` (benchmarks'
+    fixed A/Bs)."""
+
+    max_threads: int
+    adaptive: bool = True
+    busy_ratio: float = 0.8
+    retry_s: float = 1.0
+    max_retry_s: float = 16.0
+    min_wall_s: float = 0.002  # shorter steps say too little about the scheduler
+    threads: int = 0
+    since: float = 0.0  # when the steps went down to one thread
+    wait_s: float = 0.0
+    trying: bool = False  # the next recorded step is a try on all threads after a wait
+
+    def __post_init__(self) -> None:
+        self.threads = self.threads or self.max_threads
+        self.wait_s = self.wait_s or self.retry_s
+
+    def for_step(self, now: float) -> int:
+        """The threads the next step (starting at ``now``, seconds) takes."""
+        if not self.adaptive:
+            return self.max_threads
+        if self.threads < self.max_threads and now - self.since >= self.wait_s:
+            self.threads, self.trying = self.max_threads, True
+        return self.threads
+
+    def record(self, threads: int, wall_s: float, cpu_s: float, now: float) -> None:
+        """A step on ``threads`` took ``wall_s``, of which the calling thread ran ``cpu_s``."""
+        if not self.adaptive or threads == 1 or wall_s < self.min_wall_s:
+            return
+        if cpu_s < self.busy_ratio * wall_s:  # the cores are shared: one thread, for longer after a failed try
+            self.wait_s = min(self.wait_s * 2, self.max_retry_s) if self.trying else self.retry_s
+            self.threads, self.since = 1, now
+        else:
+            self.wait_s = self.retry_s
+        self.trying = False
+
+
 # ---- the step ----------------------------------------------------------------------------------
 class NativeDecodeStep:
     """Runs decode-only steps of any number of requests over :class:`NativeWeights`."""
@@ -239,7 +294,7 @@ class NativeDecodeStep:
         self.lib, self.kv, self.weights = lib, kv_storage, weights
         self.num_blocks = kv_storage.shape[2]
         self.vocab = cfg.vocab_size
-        self.threads = torch.get_num_threads()
+        self.thread_choice = ThreadChoice(torch.get_num_threads())
         self.max_tokens = native_max_tokens(cpu_flags())  # steps with prefill chunks up to this run here
         # Keep every array the C structs point to alive for the kernel's lifetime.
         fp32 = lambda t: t.detach().float().contiguous()  # noqa: E731
@@ -279,9 +334,12 @@ class NativeDecodeStep:
         ids, pos, tables = (t.to(torch.int64).contiguous() for t in (input_ids, positions, block_tables))
         out = None if rows is None else rows.to(torch.int64).contiguous()
         logits = torch.empty(b if out is None else len(out), self.vocab, dtype=torch.float32)
+        threads = self.thread_choice.for_step(time.monotonic())
+        wall, cpu = time.perf_counter(), time.thread_time()
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
                                   tables.shape[1], self.kv.data_ptr(), self.num_blocks, None if out is None else out.data_ptr(),
-                                  len(logits), logits.data_ptr(), self.threads, int(tiled))
+                                  len(logits), logits.data_ptr(), threads, int(tiled))
+        self.thread_choice.record(threads, time.perf_counter() - wall, time.thread_time() - cpu, time.monotonic())
         if rc != 0:
             raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position, block id or row out of range, or out of memory)")
         return logits

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         nice = os.nice(0)
     except OSError:
         nice = "?"
-    print(f"# native-prefill on {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {kernel.threads} threads, "
+    print(f"# native-prefill on {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {kernel.thread_choice.max_threads} threads, "
           f"nice {nice}, {kernel.simd}; {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}")
     print(f"# model {Path(args.model).name}: {cfg.num_hidden_layers} layers, {step_macs(loaded.native_weights, 1) / 1e9:.2f} G multiply-adds/token, "
           f"{weight_bytes / 1e6:,.0f} MB of weight blocks; cached context {args.context} tokens (random K/V)")

@@ -29,7 +29,7 @@ narrow = NativeDecodeStep(build_library(default_cache_dir(), wide=False), loaded
 variants = {f"{wide.simd} tile": (wide, True), f"{narrow.simd} 256-bit tile": (narrow, True), "per-row": (narrow, False)}
 cases = [(t, c) for t in (1, 30) for c in (0, CONTEXT)]
 times: dict = {(name, case): [] for name in variants for case in cases}
-print(f"# {model.rsplit('/', 1)[-1]}, {wide.threads} threads, {rounds} rounds; ms per step, median (min)", flush=True)
+print(f"# {model.rsplit('/', 1)[-1]}, {wide.thread_choice.max_threads} threads, {rounds} rounds; ms per step, median (min)", flush=True)
 for r in range(rounds):
     for t, c in cases:
         ids, pos = torch.randint(0, 1000, (t,)), torch.arange(c, c + t)
