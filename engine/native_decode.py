@@ -235,21 +235,25 @@ class ThreadChoice:
     one while another process holds a core (speech recognition or synthesis beside the LLM on a
     small CPU). A step's threads meet at ~340 barriers (a few per layer); when one thread is
     descheduled each barrier waits for it. The 2-core Xeon, the 1.5B at batch 1, one core kept busy
-    by another process (2026-12-03 19:53-19:57 UTC, engine/bench/experiments/native_contention.py,
-    three interleaved rounds): 2 threads 1.6-2.1 tok/s, 1 thread 10.0-10.1, this choice 8.0-8.3;
-    idle 18.0-19.0, 9.5-10.2 and 17.9-19.0.
+    by another process (2026-12-03 20:04-20:06 UTC, engine/bench/experiments/native_contention.py,
+    two interleaved rounds): 2 threads 3.2-4.4 tok/s, 1 thread 10.1-10.3, this choice 8.8-9.0;
+    idle 19.3-19.8, 10.3-10.4 and 19.2-19.4. In the voice bench (1 caller, 10 turns, one run each)
+    native steps averaged 149.6 ms on fixed 2 threads, 196.5 with timed tries alone (no idle-time
+    signal) and 167.5 with this choice.
 
     Contention shows in the calling thread (one of the step's threads): its CPU time over the
     step's wall time drops below ``busy_ratio`` (a thread waiting at a barrier spins, so an idle
-    machine keeps it near 1). Then steps run on one thread, and after a wait one step tries all
-    threads again; the wait starts at ``retry_s`` and doubles with each try that finds the cores
-    still shared, up to ``max_retry_s`` (a try on shared cores costs a slow step). A step on all
-    threads that finds them free resets it. ``adaptive=False``: always ``max_threads`` (benchmarks'
-    fixed A/Bs)."""
+    machine keeps it near 1). Then steps run on one thread until the machine's idle time during
+    one of them (``idle_s``, from /proc/stat) shows the other cores free again: at least
+    ``free_ratio`` of their share of the step's wall time. Where that cannot be read, a step tries
+    all threads after a wait that starts at ``retry_s`` and doubles with each try that finds the
+    cores still shared, up to ``max_retry_s``. ``adaptive=False``: always ``max_threads``
+    (benchmarks' fixed A/Bs)."""
 
     max_threads: int
     adaptive: bool = True
     busy_ratio: float = 0.8
+    free_ratio: float = 0.6
     retry_s: float = 1.0
     max_retry_s: float = 16.0
     min_wall_s: float = 0.002  # shorter steps say too little about the scheduler
@@ -270,9 +274,14 @@ class ThreadChoice:
             self.threads, self.trying = self.max_threads, True
         return self.threads
 
-    def record(self, threads: int, wall_s: float, cpu_s: float, now: float) -> None:
-        """A step on ``threads`` took ``wall_s``, of which the calling thread ran ``cpu_s``."""
-        if not self.adaptive or threads == 1 or wall_s < self.min_wall_s:
+    def record(self, threads: int, wall_s: float, cpu_s: float, now: float, idle_s: float | None = None) -> None:
+        """A step on ``threads`` took ``wall_s``, of which the calling thread ran ``cpu_s``; the
+        machine's cores were idle ``idle_s`` in all during it (None: unknown)."""
+        if not self.adaptive or wall_s < self.min_wall_s:
+            return
+        if threads == 1:
+            if idle_s is not None and idle_s >= self.free_ratio * wall_s * (self.max_threads - 1):
+                self.threads, self.wait_s = self.max_threads, self.retry_s  # the other cores sat idle
             return
         if cpu_s < self.busy_ratio * wall_s:  # the cores are shared: one thread, for longer after a failed try
             self.wait_s = min(self.wait_s * 2, self.max_retry_s) if self.trying else self.retry_s
@@ -280,6 +289,16 @@ class ThreadChoice:
         else:
             self.wait_s = self.retry_s
         self.trying = False
+
+
+def idle_seconds() -> float | None:
+    """The machine's idle time so far, all cores together (/proc/stat), None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")  # idle + iowait
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -335,11 +354,13 @@ class NativeDecodeStep:
         out = None if rows is None else rows.to(torch.int64).contiguous()
         logits = torch.empty(b if out is None else len(out), self.vocab, dtype=torch.float32)
         threads = self.thread_choice.for_step(time.monotonic())
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu, idle = time.perf_counter(), time.thread_time(), idle_seconds()
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
                                   tables.shape[1], self.kv.data_ptr(), self.num_blocks, None if out is None else out.data_ptr(),
                                   len(logits), logits.data_ptr(), threads, int(tiled))
-        self.thread_choice.record(threads, time.perf_counter() - wall, time.thread_time() - cpu, time.monotonic())
+        idle_after = idle_seconds()
+        self.thread_choice.record(threads, time.perf_counter() - wall, time.thread_time() - cpu, time.monotonic(),
+                                  None if idle is None or idle_after is None else idle_after - idle)
         if rc != 0:
             raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position, block id or row out of range, or out of memory)")
         return logits

@@ -48,3 +48,24 @@ def test_short_steps_and_fixed_choices_never_switch():
     fixed = ThreadChoice(2, adaptive=False)
     fixed.record(2, wall_s=0.3, cpu_s=0.01, now=0.3)
     assert fixed.for_step(0.4) == 2
+
+
+def test_one_thread_steps_go_back_to_every_thread_once_the_other_cores_sat_idle():
+    choice = ThreadChoice(2, retry_s=100.0)  # no timed try in this test
+    choice.for_step(0.0)
+    choice.record(2, wall_s=0.3, cpu_s=0.1, now=0.3)
+    assert choice.for_step(0.4) == 1
+    choice.record(1, wall_s=0.1, cpu_s=0.1, now=0.5, idle_s=0.02)  # the other core mostly busy
+    assert choice.for_step(0.6) == 1
+    choice.record(1, wall_s=0.1, cpu_s=0.1, now=0.7, idle_s=0.09)  # it sat idle: take it back
+    assert choice.for_step(0.8) == 2
+
+
+def test_the_machines_idle_time_is_read_and_grows():
+    import time
+
+    from engine.native_decode import idle_seconds
+
+    first = idle_seconds()
+    time.sleep(0.05)
+    assert first is not None and idle_seconds() >= first
