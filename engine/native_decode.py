@@ -354,13 +354,15 @@ class NativeDecodeStep:
         out = None if rows is None else rows.to(torch.int64).contiguous()
         logits = torch.empty(b if out is None else len(out), self.vocab, dtype=torch.float32)
         threads = self.thread_choice.for_step(time.monotonic())
-        wall, cpu, idle = time.perf_counter(), time.thread_time(), idle_seconds()
+        # the machine's idle time only matters on one thread (whether the other cores are free again)
+        idle = idle_seconds() if threads == 1 else None
+        wall, cpu = time.perf_counter(), time.thread_time()
         rc = self.lib.decode_step(ctypes.addressof(self.struct), b, ids.data_ptr(), pos.data_ptr(), tables.data_ptr(),
                                   tables.shape[1], self.kv.data_ptr(), self.num_blocks, None if out is None else out.data_ptr(),
                                   len(logits), logits.data_ptr(), threads, int(tiled))
-        idle_after = idle_seconds()
-        self.thread_choice.record(threads, time.perf_counter() - wall, time.thread_time() - cpu, time.monotonic(),
-                                  None if idle is None or idle_after is None else idle_after - idle)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        idle_after = idle_seconds() if idle is not None else None
+        self.thread_choice.record(threads, wall, cpu, time.monotonic(), None if idle_after is None else idle_after - idle)
         if rc != 0:
             raise NativeDecodeError(f"decode_step failed with code {rc} (a token id, position, block id or row out of range, or out of memory)")
         return logits

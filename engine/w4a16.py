@@ -125,15 +125,15 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
                 prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
-        """Any number of rows; tinygemm for up to TINYGEMM_MAX_ROWS rows where the weight has its
-        layout (``kernel="triton"``: never), else the Triton kernel where it runs, its float32
-        reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials [split_k, rows, out]
-        (engine/kernels/int4_linear.py)."""
+        """Any number of rows; tinygemm where the weight has its layout and ``kernel`` is "tinygemm"
+        (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
+        its float32 reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials
+        [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py)."""
         from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
         rows = x.reshape(-1, x.shape[-1])
-        if kernel == "auto" and self.has_tinygemm and split_k == 1 and rows.shape[0] <= TINYGEMM_MAX_ROWS:
+        if self.has_tinygemm and split_k == 1 and (kernel == "tinygemm" or (kernel == "auto" and rows.shape[0] <= TINYGEMM_MAX_ROWS)):
             return self.tinygemm(rows, out_dtype).reshape(*x.shape[:-1], self.out_features)
         if runs_triton(rows):
             y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,

@@ -201,13 +201,12 @@ def _gemv(
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it),
     or PyTorch's tinygemm where the policy says so and the weight has that layout."""
-    if isinstance(linear, W4A16Linear) and gemv.int4_kernel == "tinygemm" and linear.has_tinygemm:
-        y = linear.tinygemm(x, out_dtype)
-        return silu_and_mul(y, pdl=gemv.pdl) if gated else y
-    if isinstance(linear, W4A16Linear):  # o_proj's and down_proj's partials are summed by the norm after: as many slices as fill the SMs
-        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if name in ("o", "down") else 1
+    if isinstance(linear, W4A16Linear):
+        # Triton: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
+        triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
+        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if triton and name in ("o", "down") else 1
         y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
-                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes), kernel="triton")
+                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes), kernel=gemv.int4_kernel)
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
