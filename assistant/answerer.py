@@ -85,6 +85,15 @@ def resolve_speculative(opts: EngineOptions) -> str:
     return "ngram" if resolve_device(opts.device).type == "cpu" else "off"
 
 
+def resolve_draft_model(opts: EngineOptions) -> str | None:
+    """The draft model's path with speculative="draft" (default: the embedded Qwen2.5-Coder-0.5B), else None."""
+    if resolve_speculative(opts) != "draft":
+        return None
+    from assistant.models import resolve
+
+    return str(opts.draft_model) if opts.draft_model else str(resolve("llm-qwen-0.5b"))
+
+
 class Answerer:
     def __init__(self, config: AssistantConfig, engine: AsyncEngine, library: dict[str, DocumentSet]) -> None:
         self.config = config
@@ -120,6 +129,7 @@ class Answerer:
             quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
             kv_cache_dtype=opts.kv_cache_dtype,  # type: ignore[arg-type]
             speculative=resolve_speculative(opts),  # type: ignore[arg-type]
+            draft_model=resolve_draft_model(opts),
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,

@@ -66,9 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
                         "capability 8.9+ GPU); auto (default): the model's dtype")
-    p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
-                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
-                        "auto (default): ngram on the CPU, off on CUDA")
+    p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram", "draft"), default="auto",
+                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); draft: by a "
+                        "draft model's greedy tokens (--draft-model); auto (default): ngram on the CPU, off on CUDA")
+    p.add_argument("--draft-model", type=Path, help="with --speculative-decoding draft: the draft model, same tokenizer as "
+                   "the model (default: the embedded Qwen2.5-Coder-0.5B)")
     p.add_argument(
         "--timings", action="store_true",
         help="print the documents mode (whole-context or retrieval) and, per answer, TTFT, tokens/s and cached prompt tokens",
@@ -276,7 +278,7 @@ async def run(args: argparse.Namespace) -> int:
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
         engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                             speculative=args.speculative_decoding,
+                             speculative=args.speculative_decoding, draft_model=args.draft_model,
                              max_model_len=args.max_model_len),
     )
     voice = None
@@ -292,7 +294,7 @@ async def run(args: argparse.Namespace) -> int:
         print("Loading the model and the handbook...", file=sys.stderr, flush=True)
         try:
             answerer = Answerer.create(config)
-        except (DocumentError, FileNotFoundError, ConfigError) as e:
+        except (DocumentError, FileNotFoundError, ConfigError, ValueError) as e:
             return fail(str(e))
         try:
             return await converse(answerer, question, args.timings, voice, Conversation(), images)

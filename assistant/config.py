@@ -46,7 +46,11 @@ class EngineOptions:
     """auto: n-gram speculative decoding (engine.EngineConfig.speculative) on the CPU, where an
     answer that quotes the handbook decodes 1.67x faster at batch 1 (Qwen2.5-Coder-1.5B int4,
     2-core CPU, docs/performance.md), and off on CUDA, where it would turn off async scheduling
-    and the decode CUDA graphs. Or off / ngram explicitly."""
+    and the decode CUDA graphs. Or off / ngram / draft explicitly (draft: ``draft_model`` proposes;
+    on the 2-core CPU its steps cost more than they save, so there it stays off in effect)."""
+    draft_model: Path | None = None
+    """With speculative="draft": the draft model (same tokenizer as ``model``); None: the embedded
+    Qwen2.5-Coder-0.5B (assistant.models.resolve("llm-qwen-0.5b"))."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
@@ -114,6 +118,11 @@ class AssistantConfig:
             raise ValueError("load_format dummy needs a model config.json (e.g. engine/configs/llama-3.1-8b.json)")
         if self.engine.tokenizer is not None and not self.engine.tokenizer.exists():
             raise FileNotFoundError(f"tokenizer not found: {self.engine.tokenizer}")
+        if self.engine.draft_model is not None and self.engine.speculative != "draft":
+            raise ValueError(f"a draft model ({self.engine.draft_model}) is used only with speculative decoding 'draft' "
+                             f"(--speculative-decoding draft), not {self.engine.speculative!r}")
+        if self.engine.draft_model is not None and not self.engine.draft_model.exists():
+            raise FileNotFoundError(f"draft model not found: {self.engine.draft_model}")
         self.refusal.validate()
 
 

@@ -66,9 +66,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
                         "capability 8.9+ GPU); auto (default): the model's dtype")
-    s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram"), default="auto",
-                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); "
-                        "auto (default): ngram on the CPU, off on CUDA")
+    s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram", "draft"), default="auto",
+                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); draft: by a "
+                        "draft model's greedy tokens (--draft-model); auto (default): ngram on the CPU, off on CUDA")
+    s.add_argument("--draft-model", type=Path, help="with --speculative-decoding draft: the draft model, same tokenizer as "
+                   "the model (default: the embedded Qwen2.5-Coder-0.5B)")
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--asr-device", choices=("auto", "cpu", "cuda"), default="auto", help="Whisper's device (auto: cuda when there is a GPU)")
@@ -139,7 +141,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
                                 refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
                                                      quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-                                                     speculative=a.speculative_decoding,
+                                                     speculative=a.speculative_decoding, draft_model=a.draft_model,
                                                      gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs, graph_start_chunk=a.graph_start_chunk))  # fmt: skip
     voice = VoiceConfig(asr_model=a.asr, asr_language=a.asr_language, asr_device=a.asr_device, asr_backend=a.asr_backend,

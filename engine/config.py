@@ -238,12 +238,26 @@ class EngineConfig:
     """With ``quantization="int4"`` on the CPU, every decode-only step (any batch size) runs as
     one native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
     else warn and stay on PyTorch; ``on``: fail if it cannot be built; ``off``: never."""
-    speculative: Literal["off", "ngram"] = "off"
+    speculative: Literal["off", "ngram", "draft"] = "off"
     """``ngram``: decode steps of at most ``speculative_max_batch`` requests also verify up to
     ``num_speculative_tokens`` tokens proposed by n-gram prompt lookup (engine/speculative.py):
     the same tokens at temperature 0, the same distribution above it, fewer steps when answers
-    quote their prompt. Drafts are verified on the host between steps, so it runs without async
-    scheduling (``auto`` then turns that off; ``on`` with it is refused)."""
+    quote their prompt. ``draft``: the drafts are what ``draft_model``, a smaller model of the same
+    tokenizer, says greedily (engine/draft_model.py). Drafts are verified on the host between
+    steps, so it runs without async scheduling (``auto`` then turns that off; ``on`` with it is
+    refused)."""
+    draft_model: str | None = None
+    """With ``speculative="draft"``: the draft model's path (any form ``model`` takes). It runs
+    as an engine of its own (same device, quantization, block size and context), with a KV cache
+    of ``kv_cache_memory_bytes`` (the CPU default on the CPU; a tenth of ``gpu_memory_utilization``
+    of the GPU's memory on CUDA, taken before the target's cache is sized)."""
+    speculative_draft_cost: float = 0.64
+    """A draft model's decode step as a share of the target's (``best_k`` weighs it per draft).
+    Measured on the 2-core CPU, int4 + native steps: a Qwen2.5-Coder-0.5B draft step took 35.1 ms
+    with the host's work against 54.9 ms for a 1.5B decode step (docs/performance.md). With a
+    draft row's 0.45 on top, a draft there costs more than the token it may save, so no number of
+    drafts pays and requests do not draft: on that CPU n-gram lookup (free drafts) is the one that
+    pays. A launch-bound GPU step of a small model costs nearly a full step too."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float = 0.45
@@ -294,8 +308,15 @@ class EngineConfig:
             raise ConfigError(f"quantization={self.quantization!r} runs bf16 activations; dtype {self.dtype!r} is not possible with it")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
-        if self.speculative not in ("off", "ngram"):
-            raise ConfigError(f"speculative must be 'off' or 'ngram', got {self.speculative!r}")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ConfigError(f"speculative must be 'off', 'ngram' or 'draft', got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError("speculative='draft' and draft_model go together: name the draft model's path with "
+                              f"speculative='draft' (got speculative={self.speculative!r}, draft_model={self.draft_model!r})")
+        if self.draft_model is not None and not Path(self.draft_model).exists():
+            raise ConfigError(f"draft model path does not exist: {self.draft_model}")
+        if self.speculative_draft_cost < 0:
+            raise ConfigError(f"speculative_draft_cost must be >= 0, got {self.speculative_draft_cost}")
         if self.speculative != "off" and self.async_scheduling == "on":
             raise ConfigError("speculative decoding verifies drafts on the host between steps: it cannot run with "
                               "async_scheduling='on' (use 'auto' or 'off')")

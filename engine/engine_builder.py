@@ -9,6 +9,7 @@ runs steps.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 
 import logging
 
@@ -17,6 +18,7 @@ import torch
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, ModelConfig, default_cache_dir
+from engine.draft_model import DraftModelProposer
 from engine.engine_core import EngineCore
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.kernels.linear import DECODE_MAX_ROWS
@@ -28,6 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
 from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
+from engine.speculative import NgramProposer, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,11 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 def build_engine(
     config: EngineConfig, loaded: LoadedModel | None = None, *, gemv: GemvPolicy | None = None,
     step_bound: StepBoundPolicy | None = None, capture_lock: AbstractContextManager | None = None,
+    draft_loaded: LoadedModel | None = None,
 ) -> EngineCore:
     """An engine ready to serve: ``loaded`` reuses weights already loaded (benchmarks build
-    several engines on one model); ``gemv`` overrides the config's batch-1 GEMV policy (tests run
+    several engines on one model), ``draft_loaded`` a draft model's (``speculative="draft"``);
+    ``gemv`` overrides the config's batch-1 GEMV policy (tests run
     each variant in Triton's interpreter on the CPU); ``step_bound`` is the scheduler's per-step
     bound on background work (:class:`~engine.scheduler.StepBound`; a voice co-scheduler's);
     ``capture_lock`` is held around every CUDA graph capture, here and while serving, so that
@@ -55,6 +60,8 @@ def build_engine(
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")
     if config.speculative != "off" and config.num_speculative_tokens >= max_model_len:
         raise ConfigError(f"num_speculative_tokens={config.num_speculative_tokens} leaves no room in a {max_model_len}-token context")
+    # the draft engine first: on CUDA its memory is then in use when the target's KV cache is sized
+    proposer = _proposer(config, loaded, draft_loaded, max_model_len, memory, capture_lock)
     backend = select_backend(config.attention_backend, device)
     check_kv_cache_dtype(config, device, backend.name)
     spec = KVCacheSpec.for_model(mc, config.block_size, FP8_DTYPE if config.kv_cache_dtype == "fp8" else loaded.dtype)
@@ -97,10 +104,51 @@ def build_engine(
     if graphs:
         with capture_lock or nullcontext():
             _capture_graphs(runner, config, max_model_len, piecewise, memory, capture_lock or nullcontext())
-    core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner)
+    core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner, proposer)
     if config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda"):
         core.warm_up()
     return core
+
+
+def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedModel | None, max_model_len: int,
+              memory: MemoryLedger, capture_lock: AbstractContextManager | None) -> Proposer | None:
+    """The drafts' source for ``config.speculative``: n-gram lookup, or a draft model's engine
+    (built here, its weights and KV cache entered in ``memory``), refused unless it reads and
+    writes the target's tokens."""
+    if config.speculative == "ngram":
+        return NgramProposer(config.num_speculative_tokens)
+    if config.speculative != "draft":
+        return None
+    kv_bytes = config.kv_cache_memory_bytes
+    if kv_bytes is None and loaded.device.type == "cuda":
+        kv_bytes = int(config.gpu_memory_utilization * torch.cuda.get_device_properties(loaded.device).total_memory / 10)
+    draft_config = replace(
+        config, model=config.draft_model, speculative="off", draft_model=None, async_scheduling="off", tokenizer=None,
+        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
+    )
+    draft_loaded = draft_loaded or LoadedModel.load(draft_config)
+    check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
+    if draft_loaded.model_config.max_position_embeddings < max_model_len:
+        raise ConfigError(f"the draft model {config.draft_model} has {draft_loaded.model_config.max_position_embeddings} "
+                          f"positions, the target's context is {max_model_len}: lower max_model_len")
+    draft = build_engine(draft_config, draft_loaded, capture_lock=capture_lock)
+    for owner, nbytes in draft.memory.entries.items():
+        memory.record(f"draft model: {owner}", nbytes)
+    log.info("speculative decoding with the draft model %s", config.draft_model)
+    return DraftModelProposer(draft)
+
+
+def check_draft_vocabulary(target: LoadedModel, draft: LoadedModel, draft_path: str | None) -> None:
+    """Refuse a draft model whose token ids mean other text than the target's: its drafts would be
+    noise (every one rejected) and its ids may lie outside the target's vocabulary."""
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        same = target.tokenizer.hf.get_vocab() == draft.tokenizer.hf.get_vocab()
+    else:  # random weights without a tokenizer: only the sizes can be compared
+        same = target.model_config.vocab_size == draft.model_config.vocab_size
+    if not same:
+        raise ConfigError(f"the draft model {draft_path} has another tokenizer than the target model (its token ids mean other "
+                          f"text): speculative='draft' needs a draft of the same tokenizer, e.g. a smaller model of the same "
+                          f"family, or use speculative='ngram'")
 
 
 def check_kv_cache_dtype(config: EngineConfig, device: torch.device, backend: str) -> None:

@@ -29,7 +29,7 @@ from engine.prefix_cache import PrefixCacheStats
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculative import NgramProposer, SpecDecodeStats, accepted_tokens, best_k
+from engine.speculative import DraftWant, Proposer, SpecDecodeStats, accepted_tokens, best_k
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,10 @@ class RequestError(ValueError):
 class EngineCore:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, max_model_len: int, kv_cache: KVCache,
-        block_manager: BlockManager, scheduler: Scheduler, runner: ModelRunner,
+        block_manager: BlockManager, scheduler: Scheduler, runner: ModelRunner, proposer: Proposer | None = None,
     ) -> None:
-        """The step loop over parts already set up (:func:`engine.engine_builder.build_engine`)."""
+        """The step loop over parts already set up (:func:`engine.engine_builder.build_engine`);
+        ``proposer`` gives decoding requests their drafts before each step (speculative decoding)."""
         self.config = config
         self.device, self.dtype = loaded.device, loaded.dtype
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
@@ -78,7 +79,8 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda" and config.speculative == "off")
         # speculative decoding: drafts proposed before each step (EngineConfig.speculative)
-        self.proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
+        self.proposer = proposer
+        self.draft_cost = config.speculative_draft_cost if config.speculative == "draft" else 0.0
         self._inflight: InflightStep | None = None
         self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
@@ -233,14 +235,19 @@ class EngineCore:
         ``max_tokens`` or the context."""
         decoding = [r for r in self.scheduler.running if not r.is_prefilling]
         speculate = len(decoding) <= self.config.speculative_max_batch
+        wants: list[tuple[Request, DraftWant]] = []
         for req in decoding:
+            req.draft_token_ids = []
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens)
+            pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens, self.draft_cost)
             k = min(room, pays)
-            usable = speculate and k > 0 and not req.sampling_params.has_penalties
-            req.draft_token_ids = self.proposer.propose(req.all_token_ids, k) if usable else []
+            if speculate and k > 0 and not req.sampling_params.has_penalties:
+                wants.append((req, DraftWant(req.request_id, req.all_token_ids, k)))
             if speculate and pays == 0:
                 req.acceptance.rest()
+        if wants:
+            for (req, _), drafts in zip(wants, self.proposer.propose_batch([w for _, w in wants])):
+                req.draft_token_ids = drafts
 
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
@@ -384,6 +391,8 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
         self._generators.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
 
     # ---- observability ---------------------------------------------------------------------------
     def memory_ledger(self) -> MemoryLedger:

@@ -30,10 +30,11 @@ def make_config(model: str, **kwargs: Any) -> EngineConfig:
 class LLM:
     def __init__(
         self, model: str | None = None, *, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-        core: EngineCore | None = None, **kwargs: Any
+        core: EngineCore | None = None, draft_loaded: LoadedModel | None = None, **kwargs: Any
     ) -> None:
-        """``LLM(path, **EngineConfig fields)``; pass ``loaded`` to reuse already loaded weights, or
-        ``core`` to drive an engine already built (:func:`engine.engine_builder.build_engine`)."""
+        """``LLM(path, **EngineConfig fields)``; pass ``loaded`` (and ``draft_loaded``, a draft
+        model's) to reuse already loaded weights, or ``core`` to drive an engine already built
+        (:func:`engine.engine_builder.build_engine`)."""
         if core is not None:
             self.core = core
             return
@@ -41,7 +42,7 @@ class LLM:
             if model is None:
                 raise ConfigError("LLM needs a model path or an EngineConfig")
             config = make_config(model, **kwargs)
-        self.core = build_engine(config, loaded)
+        self.core = build_engine(config, loaded, draft_loaded=draft_loaded)
 
     @property
     def tokenizer(self) -> Tokenizer:

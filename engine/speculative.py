@@ -24,6 +24,10 @@ keeps an estimate of how often its drafts are accepted (:class:`Acceptance`), an
 proposes the number of drafts (:func:`best_k`, possibly none) that maximizes the tokens expected per
 unit of step cost: an answer that quotes its prompt gets several, one that does not soon gets none.
 
+Drafts come from a :class:`Proposer`: :class:`NgramProposer` here, or a smaller model of the same
+tokenizer that decodes ahead greedily (engine/draft_model.py). A model's draft costs a step of the
+draft model as well, which :func:`best_k` weighs (``draft_cost``).
+
 Each step counts proposed and accepted drafts (:class:`SpecDecodeStats`, on ``/metrics`` under
 vLLM's ``vllm:spec_decode_*`` names).
 """
@@ -31,8 +35,31 @@ vLLM's ``vllm:spec_decode_*`` names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftWant:
+    """One request's ask for drafts before a step: its tokens so far (prompt and verified output)
+    and how many drafts pay (``k`` >= 1)."""
+
+    request_id: str
+    token_ids: list[int]
+    k: int
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for the decoding requests of one step."""
+
+    def propose_batch(self, wants: list[DraftWant]) -> list[list[int]]:
+        """Up to ``want.k`` draft tokens for each want, in order (possibly none)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its draft state, if the proposer keeps any)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,16 +91,25 @@ class NgramProposer:
                 return ids[start : start + k].tolist()
         return []
 
+    def propose_batch(self, wants: list[DraftWant]) -> list[list[int]]:
+        """Each want's proposal on its own: a lookup in its own tokens."""
+        return [self.propose(w.token_ids, w.k) for w in wants]
 
-def best_k(acceptance: float, row_cost: float, k_max: int) -> int:
+    def release(self, request_id: str) -> None:
+        """Nothing to forget: a proposal reads only the request's tokens."""
+
+
+def best_k(acceptance: float, row_cost: float, k_max: int, draft_cost: float = 0.0) -> int:
     """The number of drafts (0..``k_max``) that maximizes expected tokens per step cost: with each
     draft accepted with probability ``acceptance`` given the ones before it, k drafts yield
-    1 + a + a^2 + ... + a^k tokens for a step costing 1 + ``row_cost`` * k one-row steps."""
+    1 + a + a^2 + ... + a^k tokens for a step costing 1 + ``row_cost`` * k one-row steps, plus
+    ``draft_cost`` (one draft-model step, as a share of a target step) for each draft a model
+    proposes (0 for n-gram lookup)."""
     best, best_rate = 0, 1.0
     expected = 1.0
     for k in range(1, k_max + 1):
         expected += acceptance**k
-        rate = expected / (1 + row_cost * k)
+        rate = expected / (1 + (row_cost + draft_cost) * k)
         if rate > best_rate:
             best, best_rate = k, rate
     return best

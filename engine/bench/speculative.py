@@ -1,12 +1,15 @@
-"""``python -m engine.bench speculative --model PATH --documents FILE... --questions FILE``: what
-n-gram speculative decoding (engine/speculative.py) buys on questions answered from documents.
+"""``python -m engine.bench speculative --model PATH [--draft-model PATH] --documents FILE...
+--questions FILE``: what speculative decoding (engine/speculative.py) buys on questions answered
+from documents, with n-gram prompt lookup and, given ``--draft-model``, with a draft model
+(engine/draft_model.py).
 
 Each question is asked with the documents in front of it (the chat template's user message),
-greedy, by two engines on the same weights: one without speculation (the baseline) and one with
-``speculative="ngram"``. Questions run alone (batch 1) and in groups of each ``--batch`` size.
-Printed for each: decode tokens/s (output tokens after the first, over the time from the group's
-first token to its last) of both and their ratio, the drafts' acceptance rate and the tokens a
-verifying step appends, whether the outputs are token for token the same (they must be: greedy),
+greedy, by engines on the same target weights: one without speculation (the baseline), one with
+``speculative="ngram"`` and one with ``speculative="draft"``. Questions run alone (batch 1) and in
+groups of each ``--batch`` size. Printed for each: decode tokens/s (output tokens after the first,
+over the time from the group's first token to its last) of each and its ratio to the baseline, the
+drafts' acceptance rate and the tokens a verifying step appends, whether the outputs are token for
+token the same (they must be: greedy), the draft model's step time beside a plain decode step's,
 and batch-1 decode against the bandwidth ceiling of a one-token step (weights and KV bytes / copy
 bandwidth), which speculation can pass: it appends several tokens for one read of the weights.
 """
@@ -46,10 +49,11 @@ def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tu
 
 
 def main(argv: list[str]) -> int:
-    """Run every question on both engines at each batch size and print the table."""
+    """Run every question on each engine at each batch size and print the table."""
     p = argparse.ArgumentParser(prog="python -m engine.bench speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model path (a GGUF, e.g. the Qwen2.5-Coder-1.5B the assistant runs)")
+    p.add_argument("--draft-model", help="also a draft model of the same tokenizer (e.g. the Qwen2.5-Coder-0.5B GGUF)")
     p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"))
     p.add_argument("--documents", type=Path, nargs="+", required=True, help="text put in front of every question")
     p.add_argument("--questions", type=Path, required=True, help="a text file, one question a line")
@@ -59,57 +63,79 @@ def main(argv: list[str]) -> int:
     p.add_argument("--row-cost", type=float, default=EngineConfig.speculative_row_cost,
                    help="speculative_row_cost: a draft row's cost in steps (default %(default)s, the CPU's; "
                    "a launch-bound GPU step costs nearly the same for a few more rows)")
+    p.add_argument("--draft-cost", type=float, default=EngineConfig.speculative_draft_cost,
+                   help="speculative_draft_cost: a draft model's step as a share of the target's (default %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
     base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
                         max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch))
     loaded = LoadedModel.load(base)
-    if loaded.device.type == "cuda":  # two engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
+    if loaded.device.type == "cuda":  # engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
         base = replace(base, kv_cache_memory_bytes=4 << 30)
-    plain = build_engine(base, loaded)
-    spec = build_engine(replace(base, speculative="ngram", num_speculative_tokens=args.k, speculative_row_cost=args.row_cost), loaded)
+    engines = {"plain": build_engine(base, loaded)}
+    spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost)
+    engines["ngram"] = build_engine(replace(spec, speculative="ngram"), loaded)
+    if args.draft_model:
+        engines["draft"] = build_engine(replace(spec, speculative="draft", draft_model=str(args.draft_model),
+                                                speculative_draft_cost=args.draft_cost), loaded)
     documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
     questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}]) for q in questions]
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
-          f"model {Path(args.model).name} ({args.quantization}), k={args.k}, row cost {args.row_cost}, {len(questions)} questions, "
+          f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
+          f"k={args.k}, row cost {args.row_cost}, draft cost {args.draft_cost}, {len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
-    for core in (plain, spec):  # the documents' KV into each engine's prefix cache, and every code path once
+    for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
+    kinds = [k for k in engines if k != "plain"]
+    names = {"ngram": "n-gram speculation", "draft": f"draft model {Path(args.draft_model or '').name}"}
     rows, results, lines = [], {}, []
     all_identical = True
     for batch in args.batch:
-        spent = {"plain": [0, 0.0], "spec": [0, 0.0]}
-        same = 0
-        spec.spec_stats = SpecDecodeStats()
+        spent = {k: [0, 0.0] for k in engines}
+        same = dict.fromkeys(kinds, 0)
+        for kind in kinds:
+            engines[kind].spec_stats = SpecDecodeStats()
+        draft_times = engines["draft"].proposer.times if "draft" in engines else None
+        draft_before = (draft_times.steps, draft_times.seconds) if draft_times else (0, 0.0)
         for start in range(0, len(prompts), batch):
             group = prompts[start : start + batch]
             print(f"... batch {batch}: questions {start + 1}-{start + len(group)}", file=sys.stderr, flush=True)
-            want, n, s = run_group(plain, group, args.max_tokens)
+            want, n, s = run_group(engines["plain"], group, args.max_tokens)
             spent["plain"][0] += n
             spent["plain"][1] += s
-            got, n, s = run_group(spec, group, args.max_tokens)
-            spent["spec"][0] += n
-            spent["spec"][1] += s
-            same += sum(a == b for a, b in zip(got, want))
-        all_identical &= same == len(prompts)
-        plain_tps, spec_tps = (spent[k][0] / spent[k][1] for k in ("plain", "spec"))
-        st = spec.spec_stats
-        rows.append(Row(f"decode, batch {batch}: n-gram speculation (k={args.k})", spec_tps, "tok/s", "no speculation (baseline)", plain_tps))
-        lines.append(f"  batch {batch}: {st.num_drafts} verifying steps, acceptance {st.acceptance_rate or 0:.1%} of "
-                     f"{st.num_draft_tokens} drafts, {st.mean_accepted_length or 1:.2f} tokens a verifying step, "
-                     f"accepted by position {st.accepted_per_pos}; identical outputs {same}/{len(prompts)}")
-        results[f"spec_ngram_bs{batch}_speedup"] = spec_tps / plain_tps
-        results[f"spec_ngram_bs{batch}_tok_s"] = spec_tps
+            for kind in kinds:
+                got, n, s = run_group(engines[kind], group, args.max_tokens)
+                spent[kind][0] += n
+                spent[kind][1] += s
+                same[kind] += sum(a == b for a, b in zip(got, want))
+        plain_tps = spent["plain"][0] / spent["plain"][1]
         results[f"decode_bs{batch}_tok_s"] = plain_tps
-        results[f"spec_ngram_bs{batch}_acceptance"] = st.acceptance_rate
-        results[f"spec_ngram_bs{batch}_identical"] = f"{same}/{len(prompts)}"
+        for kind in kinds:
+            all_identical &= same[kind] == len(prompts)
+            tps = spent[kind][0] / spent[kind][1]
+            st = engines[kind].spec_stats
+            rows.append(Row(f"decode, batch {batch}: {names[kind]} (k={args.k})", tps, "tok/s", "no speculation (baseline)", plain_tps))
+            lines.append(f"  batch {batch}, {names[kind]}: {st.num_drafts} verifying steps, acceptance {st.acceptance_rate or 0:.1%} of "
+                         f"{st.num_draft_tokens} drafts, {st.mean_accepted_length or 1:.2f} tokens a verifying step, "
+                         f"accepted by position {st.accepted_per_pos}; identical outputs {same[kind]}/{len(prompts)}")
+            results[f"spec_{kind}_bs{batch}_speedup"] = tps / plain_tps
+            results[f"spec_{kind}_bs{batch}_tok_s"] = tps
+            results[f"spec_{kind}_bs{batch}_acceptance"] = st.acceptance_rate
+            results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
+        if draft_times is not None and draft_times.steps > draft_before[0]:
+            ms = 1e3 * (draft_times.seconds - draft_before[1]) / (draft_times.steps - draft_before[0])
+            lines.append(f"  batch {batch}, draft model: {draft_times.steps - draft_before[0]} draft steps, {ms:.1f} ms each with the "
+                         f"host's work (a plain decode token took {1e3 / plain_tps * batch:.1f} ms a step at this batch)")
+            results[f"spec_draft_bs{batch}_draft_step_ms"] = ms
         if batch == 1:
-            ceiling = bw / decode_step_bytes(plain, len(prompts[0]) + args.max_tokens // 2)
+            ceiling = bw / decode_step_bytes(engines["plain"], len(prompts[0]) + args.max_tokens // 2)
             rows.append(Row("decode, batch 1, no speculation", plain_tps, "tok/s", "bandwidth ceiling of a 1-token step", ceiling))
-            rows.append(Row("decode, batch 1, n-gram speculation", spec_tps, "tok/s", "bandwidth ceiling of a 1-token step", ceiling))
+            for kind in kinds:
+                rows.append(Row(f"decode, batch 1, {names[kind]}", spent[kind][0] / spent[kind][1], "tok/s",
+                                "bandwidth ceiling of a 1-token step", ceiling))
             results["decode_bs1_ceiling_tok_s"] = ceiling
     print(format_table(rows))
     print("\n".join(lines))

@@ -56,6 +56,22 @@ def test_a_folder_that_is_not_a_model_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "is not a model" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_draft_model_answers_as_the_model_alone(tmp_path, llm_gguf_path, qwen_0_5b_gguf):
+    """--speculative-decoding draft: the model drafting for itself gives the answer plain decoding
+    gives; a draft model of another tokenizer, or a draft model without draft decoding, is a
+    one-line error."""
+    docs = str(small_docs(tmp_path))
+    common = ("-q", "How many days of annual leave do I get?", "--docs", docs, "--max-tokens", "16", "--model", str(llm_gguf_path))
+    plain = cli(*common, "--speculative-decoding", "off")
+    drafted = cli(*common, "--speculative-decoding", "draft", "--draft-model", str(llm_gguf_path))
+    assert plain.returncode == drafted.returncode == 0, plain.stderr[-2000:] + drafted.stderr[-2000:]
+    assert drafted.stdout == plain.stdout and "20" in plain.stdout
+    wrong = cli(*common, "--speculative-decoding", "draft", "--draft-model", str(qwen_0_5b_gguf))
+    assert wrong.returncode == 2 and "another tokenizer" in wrong.stderr and "Traceback" not in wrong.stderr
+    unused = cli(*common, "--draft-model", str(llm_gguf_path))
+    assert unused.returncode == 2 and "--speculative-decoding draft" in unused.stderr and "Traceback" not in unused.stderr
+
+
 def words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 

@@ -204,7 +204,7 @@ def test_unsupported_combinations_are_refused_at_start(smollm, llm_gguf_path):
     with pytest.raises(ConfigError, match="leaves no room"):
         spec_llm(smollm, llm_gguf_path, num_speculative_tokens=64, max_model_len=64)
     with pytest.raises(ConfigError, match="speculative must be"):
-        LLM(str(llm_gguf_path), loaded=smollm, speculative="draft")
+        LLM(str(llm_gguf_path), loaded=smollm, speculative="medusa")
 
 
 def test_metrics_show_drafts_and_acceptance_under_vllms_names(smollm, llm_gguf_path, quoting_prompts):
