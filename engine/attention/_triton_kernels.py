@@ -7,8 +7,13 @@ Cache layout: K and V each ``[num_blocks, page, kv_heads, head_dim]``; a request
 lives in block ``block_table[t // page]`` at row ``t % page``. With ``FP8`` the cache holds e4m3
 values and K_SCALE / V_SCALE ``[num_blocks, page, kv_heads]`` one float32 scale per row
 (engine/kv_cache.py): the write quantizes each (token, head) row by its amax after RoPE; the reads
-widen the e4m3 tile to the query's dtype for the dot and apply the scales exactly and cheaply, K's
-to the score columns after the dot, V's to the probabilities' columns before ``p @ v``.
+widen the e4m3 tile to float16 for the dot (q goes to float16 too) and apply the scales exactly and
+cheaply, K's to the score columns after the dot, V's to the probabilities' columns before ``p @ v``
+(divided by the tile's largest V scale, which multiplies the product: p stays in [0, 1], where
+float16 keeps its precision). Float16, not the model's bf16: e4m3 widens to float16 two values an
+instruction (``cvt.rn.f16x2.e4m3x2``); to bf16 Triton adds a float16 -> bf16 conversion of each
+value and the unpacking (sm_90 PTX of the decode kernel: 192 ``cvt.bf16.f16`` and 96
+``cvt.u32.u16`` more; the prefill kernel 512 more).
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
@@ -123,10 +128,13 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if FP8:  # V's scales on p's columns: p @ (v * scale) without scaling the tile
-        p = p * tl.load(V_SCALE + sc, mask=valid, other=0.0)[None, :]
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if FP8:  # V's scales on p's columns, over the tile's largest (module docstring): p @ (v * scale)
+        v_scale = tl.load(V_SCALE + sc, mask=valid, other=0.0)
+        v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
+        p = p * (v_scale / v_max)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_max
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -181,6 +189,8 @@ def split_kv_decode_attention(
              + tl.load(q_row + partner[None, :], mask=qmask, other=0.0).to(tl.float32) * sin[None, :]).to(Q.dtype.element_ty)
     else:
         q = tl.load(q_row + d[None, :], mask=qmask, other=0.0)
+    if FP8:  # the dots in float16: e4m3 widens to it pairwise (module docstring)
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -288,7 +298,7 @@ def _prefill_block(
         k = tl.load(K_CACHE + kv[:, None] + d[None, :])
     else:
         k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if FP8:  # e4m3 widened for the dot; K's scales on the score columns
+    if FP8:  # e4m3 widened to float16 for the dot; K's scales on the score columns
         sc = page * stride_sb + (offs_n % PAGE) * stride_ss + scale_head
         if MASKED:
             k_scale = tl.load(K_SCALE + sc, mask=n_valid, other=0.0)
@@ -312,10 +322,12 @@ def _prefill_block(
         v = tl.load(V_CACHE + kv[:, None] + d[None, :])
     else:
         v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if FP8:  # V's scales on p's columns
-        p = p * v_scale[None, :]
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if FP8:  # V's scales on p's columns, over the tile's largest (module docstring)
+        v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
+        p = p * (v_scale / v_max)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_max
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
 
@@ -355,6 +367,8 @@ def prefill_kernel(
     qmask = m_valid[:, None] & (d < D)[None, :]
     tok = q_begin + qi
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if FP8:  # the dots in float16: e4m3 widens to it pairwise (module docstring)
+        q = q.to(tl.float16)
     q_pos = ctx + qi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -150,8 +150,10 @@ def test_an_engine_with_an_fp8_kv_cache_decodes_like_one_with_a_float_cache(fixt
 def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     """The interpreter runs the kernels as Python and never lowers them: here the RoPE + write,
     decode (RoPE and the write fused) and prefill kernels with FP8=True compile for sm_90 through
-    ptxas (Triton's own, no GPU needed), their e4m3 conversions included."""
+    ptxas (Triton's own, no GPU needed), their e4m3 conversions included; the reads widen e4m3 to
+    float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step)."""
     import inspect
+    import re
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -179,4 +181,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
         types = {**cache, **pointers}
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(fn.fn).parameters}
         compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert "e4m3" in compiled.asm["ptx"] and compiled.asm["cubin"], fn.fn.__name__
+        ptx = compiled.asm["ptx"]
+        assert "e4m3" in ptx and compiled.asm["cubin"], fn.fn.__name__
+        if fn is not kernels.rope_store_kernel:  # the reads: e4m3 pairwise to float16, the dots in float16, no bf16 widening
+            assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, fn.fn.__name__
+            assert re.search(r"mma[\w.]*\.f16\.f16", ptx) and not re.search(r"mma[\w.]*\.bf16\.bf16", ptx), fn.fn.__name__

@@ -31,6 +31,9 @@ from engine.kv_cache import FP8_DTYPE, KVCache, KVCacheSpec, LayerKV, quantize  
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+# Attention over an FP8 cache runs its dots in float16 (q and p rounded to it, whatever the model's
+# dtype: engine/attention/_triton_kernels.py), so against a float32 reference it is float16-close.
+FP8_TOL = max(TOL, 1e-3)
 # Programmatic dependent launch runs on Hopper+ only; elsewhere (and in the interpreter) the
 # kernels are checked without it.
 PDL = pdl_supported(DEVICE)
@@ -255,7 +258,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
     decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, tile_n=tile, small_tile=align)
     ref = paged_attention_reference(q, cache.dequantized(DTYPE), meta, dim**-0.5)
     assert not out.isnan().any()
-    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(out, ref) < FP8_TOL, f"seed {seed}"
 
 
 @pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 64, 4, False), (8, 8, 32, 8, True)])  # >= 640 stored values
@@ -286,7 +289,7 @@ def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq
         assert stored_fraction_equal(values.view(torch.uint8).view(-1, hkv, dim)[slots].view(FP8_DTYPE), want) >= 0.95, f"seed {seed}"
     ref = paged_attention_reference(rotate(q.float(), cos, sin).to(DTYPE), cache.dequantized(DTYPE), meta, dim**-0.5)
     assert not out.isnan().any()
-    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(out, ref) < FP8_TOL, f"seed {seed}"
 
 
 @pytest.mark.parametrize("tiles", [PREFILL, PrefillConfig(16, 16, 4, 1)])
@@ -303,7 +306,7 @@ def test_prefill_attention_over_an_fp8_cache_matches_the_reference_on_its_conten
     prefill_attention(q, cache, meta, dim**-0.5, out, tiles)
     ref = paged_attention_reference(q, cache.dequantized(DTYPE), meta, dim**-0.5)
     assert not out.isnan().any()
-    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(out, ref) < FP8_TOL, f"seed {seed}"
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
