@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
     p.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
                    help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
-                        "tensor cores); auto (default): int4 for a GGUF on the CPU")
+                        "tensor cores; the CPU emulates them, slowly); auto (default): int4 for a GGUF on the CPU")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
                         "capability 8.9+ GPU); auto (default): the model's dtype")

@@ -15,6 +15,10 @@ batches are bound by matmul rate, which Hopper doubles in FP8. Each projection o
 
 The embedding, the lm_head and the norms stay bf16: the head is one matrix read once a step,
 and its rounding moves every logit.
+
+Without FP8 hardware (the CPU) the same rounding is emulated in float32, W8A8 in every step (the
+stricter case): slower than no quantization, it exists to measure what FP8 costs in answers
+(``python -m assistant.eval --quantization fp8 none``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._widened: torch.Tensor | None = None  # the CPU's float32 copy of the rounded weight (emulation only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -63,8 +68,10 @@ class Fp8Linear(nn.Module):
         xq, x_scale = quantize_rows_triton(rows, FP8_MAX) if x.is_cuda and can_quantize_rows(rows) else quantize_rows(rows)
         if x.device.type == "cuda":
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale[:, None], scale_b=self.weight_scale[None, :], out_dtype=x.dtype)
-        else:  # the same arithmetic for the CPU's tests: both operands rounded to e4m3, products in float32
-            y = ((xq.float() * x_scale[:, None]) @ (self.weight.float() * self.weight_scale[:, None]).t()).to(x.dtype)
+        else:  # the CPU emulates it: both operands rounded to e4m3, products in float32 (the weight widened once)
+            if self._widened is None:
+                self._widened = self.dequantized()
+            y = ((xq.float() * x_scale[:, None]) @ self._widened.t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

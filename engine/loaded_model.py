@@ -38,6 +38,13 @@ def device_label(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
 
 
+def check_fp8_hardware(device: torch.device) -> None:
+    """Refuse FP8 weights on a CUDA GPU without FP8 tensor cores; the CPU emulates them (slowly)."""
+    if device.type == "cuda" and not fp8_supported(device):
+        raise ConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
+                          f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none' or 'int4'")
+
+
 def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """``auto``: bfloat16 on CUDA or with int4 weights, else float32."""
     if name == "auto":
@@ -65,19 +72,21 @@ class LoadedModel:
         if cpu_int4 and model_kind(config) != "gguf":
             raise ConfigError(f"quantization='int4' on the CPU runs a GGUF's own 4-bit blocks: got {model_kind(config)} weights "
                               "(on a CUDA GPU any weights are quantized at load)")
-        if config.quantization == "fp8" and not fp8_supported(device):
-            raise ConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
-                              f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none'"
-                              + (" or 'int4' (a GGUF model)" if device.type == "cpu" else ""))
+        if config.quantization == "fp8":
+            check_fp8_hardware(device)
+        if config.quantization == "fp8" and device.type == "cpu":
+            log.warning("quantization='fp8' on the CPU emulates the GPU's FP8 arithmetic (weights and each token's activations "
+                        "rounded to e4m3, products in float32): it shows what FP8 costs in answers, and is slower than 'none'")
         # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
         blocks = BlockCache(gguf_tensors(config.model)) if cpu_int4 else None
         model, model_config = load_model(config, device, dtype, blocks)
-        if config.quantization == "fp8":  # CUDA only (checked above)
+        if config.quantization == "fp8":
             try:
                 quantize_model_fp8(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='fp8': {e}") from e
-            torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights' blocks, freed layer by layer
         elif config.quantization == "int4" and device.type == "cuda":
             try:
                 if model_kind(config) == "gguf":  # the file's own 4-bit groups, no second rounding

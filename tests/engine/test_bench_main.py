@@ -165,11 +165,11 @@ def test_a_run_with_an_fp8_kv_cache_names_its_figures_by_both_formats():
 
 
 def test_a_setting_the_machine_cannot_run_is_one_line_not_a_traceback(tiny_llama_dir):
-    """``python -m engine.bench ... --quantization fp8`` on a CPU: the engine's reason, exit 1."""
+    """``python -m engine.bench ... --pdl on`` on a CPU: the engine's reason, exit 1."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "engine.bench", "latency", "--model", str(tiny_llama_dir), "--device", "cpu",
-                           "--quantization", "fp8", "--no-hf"], capture_output=True, text=True, timeout=300)
+                           "--pdl", "on", "--no-hf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
-    assert "error: quantization='fp8' needs a CUDA GPU with FP8 tensor cores" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: pdl='on' needs the Triton batch-1 GEMVs on a CUDA device" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,5 +1,5 @@
 """FP8 weights (engine/fp8.py): the per-row e4m3 rounding, the W8A8 projection's arithmetic, a
-model's projections replaced, and the start-up refusal where no FP8 tensor cores exist. The
+model's projections replaced, the CPU's emulation, and the refusal on a GPU without FP8 tensor cores. The
 CUDA matmul (``torch._scaled_mm``) and the FP8 GEMV run on the GPU (the GEMV also in Triton's
 interpreter: test_triton_kernels.py); here the CPU runs the same arithmetic in float32."""
 
@@ -62,11 +62,33 @@ def test_a_models_projections_become_fp8_and_its_answers_stay_close(tiny_qwen2_d
     assert F.cosine_similarity(before, after, dim=-1).min() > 0.99
 
 
-def test_fp8_is_refused_at_start_up_where_no_fp8_tensor_cores_exist(tiny_llama_dir):
-    with pytest.raises(ConfigError, match=r"quantization='fp8' needs a CUDA GPU with FP8 tensor cores .*the CPU.*'int4'"):
-        LoadedModel.load(EngineConfig(model=str(tiny_llama_dir), device="cpu", quantization="fp8"))
+def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(tiny_llama_dir, monkeypatch):
+    """A pre-Ada GPU cannot run here: its answer to the capability check is faked (mocked), the rule is real."""
+    from engine import loaded_model
+
+    monkeypatch.setattr(loaded_model, "fp8_supported", lambda device: False)
+    monkeypatch.setattr(loaded_model, "device_label", lambda device: "NVIDIA A100 (compute capability 8.0)")
+    with pytest.raises(ConfigError, match=r"quantization='fp8' needs a CUDA GPU with FP8 tensor cores .*A100.*'int4'"):
+        loaded_model.check_fp8_hardware(torch.device("cuda"))
+    loaded_model.check_fp8_hardware(torch.device("cpu"))  # the CPU emulates FP8
     with pytest.raises(ConfigError, match="bf16 activations"):
         EngineConfig(model=str(tiny_llama_dir), quantization="fp8", dtype="float32").validate()
+
+
+def test_on_the_cpu_fp8_is_emulated_with_the_gpus_rounding(tiny_qwen2_dir):
+    """``quantization="fp8"`` on the CPU: every projection an Fp8Linear, answers close to the dense
+    model's and not equal to them (the rounding is real), as the eval measures it."""
+    from engine import LLM, SamplingParams
+
+    loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", quantization="fp8"))
+    fp8 = [m for m in loaded.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 4 * loaded.model_config.num_hidden_layers and loaded.dtype == torch.bfloat16
+    dense = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", dtype="bfloat16"))
+    ids = list(range(5, 40))
+    rounded, plain = (prompt_logits(build_engine(EngineConfig(model=str(tiny_qwen2_dir), num_kv_blocks=16), m), ids) for m in (loaded, dense))
+    assert not torch.equal(rounded, plain) and F.cosine_similarity(rounded, plain, dim=-1).min() > 0.99
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert len(LLM(str(tiny_qwen2_dir), loaded=loaded, num_kv_blocks=16).generate([ids], params)[0].token_ids) == 6
 
 
 def test_the_hf_baseline_holds_the_weights_as_fp8_rounded_them(tiny_qwen2_dir):
