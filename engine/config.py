@@ -136,6 +136,14 @@ class ModelConfig:
         layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + (q + 2 * kv if self.attention_bias else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
 
+    @property
+    def num_projection_parameters(self) -> int:
+        """The layers' projections' weights (q|k|v, o, gate|up, down): what FP8 or int4 quantizes,
+        and what an FP8 run multiplies on FP8 tensor cores."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return self.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * f)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 

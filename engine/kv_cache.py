@@ -78,6 +78,11 @@ class KVCacheSpec:
         row = self.head_dim * elem + (4 if self.quantized else 0)
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
+    @property
+    def bytes_per_token(self) -> int:
+        """One token's K and V in every layer, as stored (scales included)."""
+        return self.bytes_per_block // self.block_size
+
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         return max(0, budget_bytes // self.bytes_per_block)
 

@@ -38,6 +38,31 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / timed(lambda: a @ b, device, 10)
 
 
+def fp8_matmul_flops(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of a large e4m3 matmul as Fp8Linear runs it (``torch._scaled_mm``, row-wise scales,
+    bf16 out): the compute ceiling of FP8 weights' projections on a GPU with FP8 tensor cores."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    return 2 * n**3 / timed(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device, 10)
+
+
+def projection_rate(core: EngineCore, dense_flops: float) -> float:
+    """The matmul rate a run's layer projections are priced at: FP8 weights on a GPU multiply on
+    FP8 tensor cores (measured now); everything else at the dense dtype's rate."""
+    fp8 = any(isinstance(m, Fp8Linear) for m in core.model.modules())
+    return fp8_matmul_flops(core.device) if fp8 and core.device.type == "cuda" else dense_flops
+
+
+def compute_seconds(mc: ModelConfig, flops: float, tokens: float, dense_flops: float, projection_flops: float) -> float:
+    """Seconds for ``flops`` FLOPs of which ``tokens`` tokens' layer projections (2 per projection
+    weight a token) run at ``projection_flops`` and the rest at ``dense_flops``."""
+    if projection_flops == dense_flops:
+        return flops / dense_flops
+    projections = 2.0 * mc.num_projection_parameters * tokens
+    return (flops - projections) / dense_flops + projections / projection_flops
+
+
 def decode_step_bytes(core: EngineCore, context: int) -> int:
     """Bytes one batch-1 decode step must read: the weights a one-row step multiplies by (the
     native step's GGUF blocks, or int4 blocks, FP8 or W4A16 weights where the model has them; the embedding table is only indexed unless
@@ -45,7 +70,7 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
     plus the request's KV."""
     mc = core.model_config
     elem = torch.empty((), dtype=core.dtype).element_size()
-    kv = mc.kv_bytes_per_token(elem) * context
+    kv = core.kv_cache.spec.bytes_per_token * context  # as stored: e4m3 and its scales with an FP8 cache
     if core.runner.native is not None:  # the native step reads its own block copy of the weights
         return core.runner.native.weight_bytes_per_step + kv
     model = core.model
@@ -89,19 +114,22 @@ class ThroughputBounds:
         return self.compute_s + self.memory_s
 
 
-def throughput_bounds(mc: ModelConfig, lengths: list[tuple[int, int]], steps: int, weight_bytes: int, elem: int, flops: float,
-                      bw: float) -> ThroughputBounds:
+def throughput_bounds(mc: ModelConfig, lengths: list[tuple[int, int]], steps: int, weight_bytes: int, kv_bytes_per_token: int,
+                      flops: float, bw: float, projection_flops: float | None = None) -> ThroughputBounds:
     """Bounds for requests of (prompt, output) ``lengths`` served in ``steps`` steps: FLOPs 2 per
     parameter per token plus causal attention (prefill) and attention over the context (each
-    output token but the last is decoded); bytes the weights once a step plus each decoded token's
-    read of its request's K/V (prefill's own K/V traffic left out: small beside the decode's)."""
+    output token but the last is decoded), the layer projections' at ``projection_flops`` (FP8
+    tensor cores for FP8 weights; default ``flops``); bytes the weights once a step plus each
+    decoded token's read of its request's K/V as stored (prefill's own K/V traffic left out: small
+    beside the decode's)."""
     attn = 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim  # FLOPs per (query, key) pair
-    kv = mc.kv_bytes_per_token(elem)
-    total_flops, kv_reads = 0.0, 0
+    total_flops, kv_reads, tokens = 0.0, 0, 0
     for prompt, out in lengths:
         decoded = max(0, out - 1)  # the first output token comes from the prefill
         reads = decoded * prompt + decoded * (decoded + 1) // 2  # contexts prompt+1 .. prompt+decoded
         total_flops += 2 * mc.num_parameters * (prompt + decoded) + attn * (prompt * (prompt + 1) // 2 + reads)
         kv_reads += reads
-    total_bytes = float(steps) * weight_bytes + float(kv_reads) * kv
-    return ThroughputBounds(total_flops, total_bytes, total_flops / flops, total_bytes / bw)
+        tokens += prompt + decoded
+    total_bytes = float(steps) * weight_bytes + float(kv_reads) * kv_bytes_per_token
+    compute_s = compute_seconds(mc, total_flops, tokens, flops, projection_flops or flops)
+    return ThroughputBounds(total_flops, total_bytes, compute_s, total_bytes / bw)

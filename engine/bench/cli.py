@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.ceilings import copy_bandwidth, matmul_flops
+from engine.bench.ceilings import copy_bandwidth, matmul_flops, projection_rate
 from engine.bench.chunked import bench_chunked
 from engine.bench.correctness import check_against_hf
 from engine.bench.decode_scaling import bench_decode_scaling
@@ -45,17 +45,20 @@ SUITES = ("latency", "prefill", "throughput", "prefix", "chunked", "decode-scali
 
 
 def run_suites(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float, flops: float,
-               suites: list[str] | tuple[str, ...], rows: list[Row], results: dict, breakdown: dict, device_time: dict) -> None:
-    """Run ``suites`` on ``core`` in order, appending their rows, each suite's host time per step and device time."""
+               suites: list[str] | tuple[str, ...], rows: list[Row], results: dict, breakdown: dict, device_time: dict,
+               projection_flops: float | None = None) -> None:
+    """Run ``suites`` on ``core`` in order, appending their rows, each suite's host time per step and
+    device time; ``projection_flops`` prices the layer projections' FLOPs (FP8 weights: their own
+    matmul rate) in the prefill and throughput ceilings."""
     for suite in suites:
         print(f"... {suite}", file=sys.stderr, flush=True)
         core.step_times = StepTimes()
         if suite == "latency":
             rows += bench_latency(core, hf, sizes, rng, bw, results)
         elif suite == "prefill":
-            rows += bench_prefill(core, hf, sizes, rng, flops, results)
+            rows += bench_prefill(core, hf, sizes, rng, flops, results, projection_flops)
         elif suite == "throughput":
-            rows += bench_throughput(core, sizes, rng, results, bw, flops)
+            rows += bench_throughput(core, sizes, rng, results, bw, flops, projection_flops)
         elif suite == "prefix":
             rows += bench_prefix(core, sizes, rng, results)
         elif suite == "chunked":
@@ -175,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_flops(device, core.dtype)
     rows = [Row("device copy bandwidth (read + write)", bw / 1e9, "GB/s"), Row(f"matmul {core.dtype}", flops / 1e12, "TFLOP/s")]
     results.update(copy_bandwidth_gbs=bw / 1e9, matmul_tflops=flops / 1e12)
+    projection_flops = projection_rate(core, flops)
+    if projection_flops != flops:  # FP8 weights: their projections' own ceiling
+        rows.append(Row("matmul float8_e4m3fn (torch._scaled_mm)", projection_flops / 1e12, "TFLOP/s"))
+        results.update(fp8_matmul_tflops=projection_flops / 1e12)
     suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
     hf = None
     if not args.no_hf:
@@ -191,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, list[tuple[str, int]]] = {}
     with report_host_syncs() if args.sync_debug else nullcontext() as syncs:
         run_suites(core, hf, sizes, rng, bw, flops, [s for s in suites if not (separate and s == "throughput")], rows, results,
-                   breakdown, device_time)
+                   breakdown, device_time, projection_flops)
         if separate:
             memory["engine of the other suites"] = core.memory_rows()  # its peak, before the next engine's
             hf = core = None  # release the HF copy, the first KV pool and its graphs before sizing the next pool
             core = throughput_engine(tput_config, loaded)
-            run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time)
+            run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time, projection_flops)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
     results.update(quantized_keys(results, args.quantization, args.kv_cache_dtype))

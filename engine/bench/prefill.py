@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from engine.bench.ceilings import compute_seconds
 from engine.bench.report import Row
 from engine.bench.timing import timed
 from engine.bench.workload import Sizes, random_prompt, run_to_completion
@@ -14,7 +15,7 @@ from engine.sampling import SamplingParams
 
 
 def bench_prefill(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, flops: float,
-                  results: dict) -> list[Row]:
+                  results: dict, projection_flops: float | None = None) -> list[Row]:
     """Prompts prefilled in one batch against the matmul ceiling and HF's forward."""
     vocab = core.model_config.vocab_size
     prompts = [random_prompt(rng, sizes.prefill_len, vocab) for _ in range(sizes.prefill_batch)]
@@ -31,7 +32,8 @@ def bench_prefill(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rn
     core.scheduler.config.max_num_batched_tokens = saved
     tokens = sizes.prefill_batch * sizes.prefill_len
     ours = tokens / seconds
-    ceiling = flops / (2 * core.model_config.num_parameters)
+    mc = core.model_config
+    ceiling = 1 / compute_seconds(mc, 2.0 * mc.num_parameters, 1, flops, projection_flops or flops)  # tokens a second
     rows = [Row(f"prefill {sizes.prefill_batch} x {sizes.prefill_len}", ours, "tok/s", "matmul ceiling (2 FLOP/param/token)", ceiling)]
     results.update(prefill_tok_s=ours)
     if hf is not None:

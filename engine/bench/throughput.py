@@ -21,7 +21,8 @@ from engine.metrics import StepTimes
 from engine.sampling import SamplingParams
 
 
-def bench_throughput(core: EngineCore, sizes: Sizes, rng: random.Random, results: dict, bw: float, flops: float) -> list[Row]:
+def bench_throughput(core: EngineCore, sizes: Sizes, rng: random.Random, results: dict, bw: float, flops: float,
+                     projection_flops: float | None = None) -> list[Row]:
     """Many requests at once (after a warm-up on a fifth of them) against the roofline, the no-overlap bound and HF."""
     vocab = core.model_config.vocab_size
 
@@ -47,7 +48,8 @@ def bench_throughput(core: EngineCore, sizes: Sizes, rng: random.Random, results
     tput = out_tokens / seconds
     decode_rate = core.step_times.decode_rate
     bounds = throughput_bounds(core.model_config, [(r.num_prompt_tokens, len(r.output_token_ids)) for r in reqs],
-                               core.step_times.steps, decode_step_bytes(core, 0), core.dtype.itemsize, flops, bw)
+                               core.step_times.steps, decode_step_bytes(core, 0), core.kv_cache.spec.bytes_per_token, flops, bw,
+                               projection_flops)
     results.update(throughput_output_tok_s=tput, throughput_requests=len(reqs), throughput_decode_phase_tok_s=decode_rate,
                    throughput_roofline_tok_s=out_tokens / bounds.roofline_s, throughput_serial_bound_tok_s=out_tokens / bounds.serial_s,
                    throughput_compute_s=bounds.compute_s, throughput_memory_s=bounds.memory_s)

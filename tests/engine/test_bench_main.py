@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.bench.cli import main
 
 
@@ -118,7 +120,7 @@ def test_throughput_bounds_count_flops_and_bytes_by_hand():
 
     mc = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=4)
-    b = throughput_bounds(mc, [(3, 1), (2, 3)], steps=4, weight_bytes=1000, elem=2, flops=1e3, bw=1e2)
+    b = throughput_bounds(mc, [(3, 1), (2, 3)], steps=4, weight_bytes=1000, kv_bytes_per_token=mc.kv_bytes_per_token(2), flops=1e3, bw=1e2)
     pair = 4 * 1 * 2 * 4  # FLOPs per (query, key): QK and PV, 2 heads of 4
     tokens = 3 + (2 + 2)  # prompts, plus the decoded tokens
     attention_pairs = 3 * 4 // 2 + 2 * 3 // 2 + (3 + 4)  # the two causal prefills, then the decodes' contexts
@@ -126,6 +128,28 @@ def test_throughput_bounds_count_flops_and_bytes_by_hand():
     assert b.bytes == 4 * 1000 + (3 + 4) * mc.kv_bytes_per_token(2)
     assert b.compute_s == b.flops / 1e3 and b.memory_s == b.bytes / 1e2
     assert b.roofline_s == max(b.compute_s, b.memory_s) and b.serial_s == b.compute_s + b.memory_s
+    # FP8 weights: the layer projections' FLOPs (2 a weight, each of the 7 tokens) at their own rate
+    fp8 = throughput_bounds(mc, [(3, 1), (2, 3)], steps=4, weight_bytes=500, kv_bytes_per_token=9, flops=1e3, bw=1e2,
+                            projection_flops=4e3)
+    projections = 2 * mc.num_projection_parameters * tokens
+    assert fp8.compute_s == pytest.approx((b.flops - projections) / 1e3 + projections / 4e3) and fp8.compute_s < b.compute_s
+    assert fp8.bytes == 4 * 500 + (3 + 4) * 9
+    assert mc.num_projection_parameters == 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # q|k|v, o, gate|up + down
+
+
+def test_fp8_weights_are_priced_at_the_fp8_matmuls_own_rate(tiny_qwen2_dir):
+    """The FP8 matmul rate is measured with the call Fp8Linear makes (``torch._scaled_mm`` runs on
+    the CPU too, small); a run prices its projections at it only where they are FP8 on a GPU."""
+    import torch
+
+    from engine import EngineConfig, LoadedModel, build_engine
+    from engine.bench.ceilings import fp8_matmul_flops, projection_rate
+
+    assert fp8_matmul_flops(torch.device("cpu"), n=128) > 0
+    for quantization in ("none", "fp8"):  # the CPU emulates FP8 in float32: the dense rate stands
+        core = build_engine(EngineConfig(model=str(tiny_qwen2_dir), quantization=quantization, num_kv_blocks=8),
+                            LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), quantization=quantization)))
+        assert projection_rate(core, 123.0) == 123.0
 
 
 def test_the_throughput_suite_prints_its_roofline_and_serial_bound(tiny_llama_dir, tmp_path, capsys):

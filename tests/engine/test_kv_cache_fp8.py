@@ -108,6 +108,7 @@ def test_an_fp8_cache_holds_about_twice_the_blocks_of_bf16_in_the_same_budget():
     fp8 = KVCacheSpec(32, 8, 128, 16, FP8_DTYPE)
     assert fp8.num_blocks_for_budget(budget) >= 1.9 * bf16.num_blocks_for_budget(budget)
     assert fp8.bytes_per_block == 2 * 32 * 16 * 8 * (128 + 4)
+    assert fp8.bytes_per_token == 2 * 32 * 8 * (128 + 4) and bf16.bytes_per_token == 2 * 32 * 8 * 128 * 2
     small = KVCacheSpec(2, HKV, D, PAGE, FP8_DTYPE)
     assert KVCache(small, 5, torch.device("cpu")).nbytes == 5 * small.bytes_per_block
 
@@ -139,6 +140,11 @@ def test_an_engine_with_an_fp8_kv_cache_decodes_like_one_with_a_float_cache(fixt
     assert fp8.core.kv_cache.spec.dtype == FP8_DTYPE and "kv_cache (fp8 e4m3 + f32 scales)" in fp8.core.memory.entries
     got = fp8.generate([prompt], params)[0]
     plain = LLM(model_dir, num_kv_blocks=32, block_size=4, attention_backend="torch")
+    # the bench's bandwidth ceiling counts the K/V a step reads as stored: e4m3 and its scales
+    from engine.bench.ceilings import decode_step_bytes
+
+    read = {name: decode_step_bytes(llm.core, 100) - decode_step_bytes(llm.core, 0) for name, llm in (("fp8", fp8), ("plain", plain))}
+    assert read["fp8"] == 100 * fp8.core.kv_cache.spec.bytes_per_token < read["plain"] == 100 * plain.core.kv_cache.spec.bytes_per_token
     dense = torch.log_softmax(prompt_logits(plain.core, prompt + got.token_ids[:-1]).float(), dim=-1)
     tol = 0.05
     for i, (token, logprobs) in enumerate(zip(got.token_ids, got.logprobs)):
