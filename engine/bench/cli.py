@@ -7,6 +7,12 @@ device copy bandwidth (bytes read + written) and a large matmul give the ceiling
 transformers on the same weights gives the baseline. Speed does not depend on weight values,
 so ``--load-format dummy`` with ``engine/configs/llama-3.1-8b.json`` benchmarks the 8B shape
 with random weights (the output says so).
+
+``--formats none fp8 int4 fp8+fp8-kv`` runs the suites once per weight and KV-cache format in one
+process (one machine start) and compares each with the first: every figure against the ceiling its
+own run measured (its bytes a step at the copy bandwidth; an FP8 run's projections at the FP8
+matmul rate), the headline figures merged into one ``results`` object under each format's names
+(``decode_bs1_fp8_tok_s``, ``throughput_fp8_kv_output_tok_s``) with their speed-ups.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import platform
 import random
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -145,17 +151,97 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-gpu-memory-utilization", type=float, default=None, help="likewise (default: 0.9)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--formats", nargs="+", metavar="FORMAT",
+                   help="run the suites once per weight/KV format, in one process, and compare them to the first: none (bf16), "
+                        "fp8, int4, each optionally +fp8-kv (e.g. --formats none fp8 int4 fp8+fp8-kv); replaces --quantization "
+                        "and --kv-cache-dtype")
     args = p.parse_args(argv)
     # checked here, not by argparse's choices: with nargs="*" an empty list fails them on some
     # Python versions (3.11) and a list default on others (3.12)
     unknown = [name for name in args.suite if name not in ("all", *SUITES)]
     if unknown:
         p.error(f"unknown suite(s) {', '.join(unknown)}: choose from all, {', '.join(SUITES)}")
+    if args.formats and (args.quantization != "none" or args.kv_cache_dtype != "auto"):
+        p.error("--formats names each run's weights and KV cache: leave out --quantization and --kv-cache-dtype")
+    try:
+        formats = [parse_format(f) for f in args.formats] if args.formats else [(args.quantization, args.kv_cache_dtype)]
+    except ValueError as e:
+        p.error(str(e))
+    suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
+    runs = []
+    for i, (quantization, kv_cache_dtype) in enumerate(formats):
+        if len(formats) > 1:
+            print(f"\n## format {format_name(quantization, kv_cache_dtype)}", flush=True)
+        runs.append(run_format(args, suites, quantization, kv_cache_dtype, hf_baseline=not args.no_hf and i == 0))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the run's weights, KV pool and graphs, before the next format's load
+    results = merged_results(runs)
+    comparison = compare_formats(runs) if len(runs) > 1 else []
+    if comparison:
+        print("\n## formats against the first (" + runs[0].name + "), each against its own ceiling\n" + format_table(comparison))
+    if args.json:
+        record = {
+            "gpu" if runs[0].device.type == "cuda" else "device": device_name(runs[0].device),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m engine.bench " + " ".join(argv),
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "model": Path(args.model).name, "random_weights": args.load_format == "dummy",
+            "sizes": asdict(runs[0].sizes), "results": results,
+        }
+        if len(runs) == 1:
+            record.update(runs[0].record())
+        else:
+            record.update(rows=[asdict(r) | {"ratio": r.ratio} for r in comparison],
+                          formats={run.name: run.record() | {"results": run.results} for run in runs})
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
 
-    model = args.model
-    config = EngineConfig(model=model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, native_decode_step=args.native_decode_step, async_scheduling=args.async_scheduling,
-                          pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
+
+def parse_format(text: str) -> tuple[str, str]:
+    """``fp8+fp8-kv`` -> (quantization, kv_cache_dtype) = ("fp8", "fp8"); ``none`` (or ``bf16``) is dense weights."""
+    weights, _, kv = text.partition("+")
+    weights = "none" if weights == "bf16" else weights
+    if weights not in ("none", "int4", "fp8") or kv not in ("", "fp8-kv"):
+        raise ValueError(f"unknown format {text!r}: weights none, fp8 or int4, optionally +fp8-kv")
+    return weights, "fp8" if kv else "auto"
+
+
+def format_name(quantization: str, kv_cache_dtype: str) -> str:
+    """A run's format as the report names it: ``bf16``, ``fp8``, ``int4``, ``fp8 + fp8 KV``..."""
+    weights = {"none": "bf16"}.get(quantization, quantization)
+    return weights + (" + fp8 KV" if kv_cache_dtype == "fp8" else "")
+
+
+@dataclass
+class FormatRun:
+    """One format's suites: its rows, results, where the host and device time went, its memory."""
+
+    name: str
+    quantization: str
+    kv_cache_dtype: str
+    device: torch.device
+    sizes: Sizes
+    rows: list[Row]
+    results: dict
+    breakdown: dict
+    device_time: dict
+    memory: dict
+    engines: dict
+
+    def record(self) -> dict:
+        """This run's part of the JSON record."""
+        return {"step_breakdown_ms": self.breakdown, "device_time_s": self.device_time,
+                "rows": [asdict(r) | {"ratio": r.ratio} for r in self.rows],
+                "memory": {name: dict(memory_rows) for name, memory_rows in self.memory.items()}, "engines": self.engines}
+
+
+def run_format(args: argparse.Namespace, suites: tuple[str, ...], quantization: str, kv_cache_dtype: str, hf_baseline: bool) -> FormatRun:
+    """Load the model in one format, run ``suites`` on it (the throughput suite on its own engine
+    where its settings differ) and print the report."""
+    config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
+                          quantization=quantization, kv_cache_dtype=kv_cache_dtype, native_decode_step=args.native_decode_step,
+                          async_scheduling=args.async_scheduling, pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
     sizes = Sizes.for_device(device)
@@ -170,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     core = build_engine(config, loaded)
     rng = random.Random(args.seed)
     results: dict[str, float] = {}
-    print(f"# engine.bench on {device_name(device)} — model {Path(model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
-          f"{core.dtype}, {'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
+    print(f"# engine.bench on {device_name(device)} — model {Path(args.model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
+          f"{format_name(quantization, kv_cache_dtype)}, "
+          f"{'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
     if core.runner.native is not None:
         print(f"# native CPU decode step ({core.runner.native.simd}) for every decode-only step", flush=True)
     bw = copy_bandwidth(device)
@@ -182,9 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if projection_flops != flops:  # FP8 weights: their projections' own ceiling
         rows.append(Row("matmul float8_e4m3fn (torch._scaled_mm)", projection_flops / 1e12, "TFLOP/s"))
         results.update(fp8_matmul_tflops=projection_flops / 1e12)
-    suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
     hf = None
-    if not args.no_hf:
+    if hf_baseline:
         from engine.bench.hf_reference import build_hf_model
 
         hf = build_hf_model(core.model)
@@ -206,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time, projection_flops)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
-    results.update(quantized_keys(results, args.quantization, args.kv_cache_dtype))
-    hf = None
+    results.update(quantized_keys(results, quantization, kv_cache_dtype))
     memory["throughput engine" if separate else "engine"] = core.memory_rows()
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
@@ -220,17 +305,46 @@ def main(argv: list[str] | None = None) -> int:
         print(format_device_time(device_time))
     for name, memory_rows in memory.items():
         print(f"\nmemory ({name}):\n" + core.memory.format(memory_rows))
-    if args.json:
-        record = {
-            "gpu" if device.type == "cuda" else "device": device_name(device),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m engine.bench " + " ".join(argv),
-            "versions": {"torch": torch.__version__, "python": platform.python_version()},
-            "model": Path(model).name, "random_weights": args.load_format == "dummy",
-            "sizes": asdict(sizes), "results": results, "step_breakdown_ms": breakdown, "device_time_s": device_time, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
-            "memory": {name: dict(memory_rows) for name, memory_rows in memory.items()},
-            "engines": {"main": engine_settings(config), **({"throughput": engine_settings(tput_config)} if separate else {})},
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    engines = {"main": engine_settings(config), **({"throughput": engine_settings(tput_config)} if separate else {})}
+    return FormatRun(format_name(quantization, kv_cache_dtype), quantization, kv_cache_dtype, device, sizes, rows, results,
+                     breakdown, device_time, memory, engines)
+
+
+# the headline figures a format comparison reads (each next to the ceiling its own run measured)
+COMPARED = (("decode_bs1_tok_s", "decode_bs1_ceiling_tok_s", "decode batch 1", "tok/s"),
+            ("prefill_tok_s", None, "prefill", "tok/s"),
+            ("throughput_output_tok_s", "throughput_roofline_tok_s", "throughput, whole run", "out tok/s"))
+
+
+def compare_formats(runs: list[FormatRun]) -> list[Row]:
+    """Each later format's headline figures against the first's (same run), and each against its own ceiling."""
+    base = runs[0]
+    rows = []
+    for key, ceiling, label, unit in COMPARED:
+        if key not in base.results:
+            continue
+        for run in runs:
+            if run is not base and key in run.results:
+                rows.append(Row(f"{label}, {run.name}", run.results[key], unit, f"{base.name}, same run", base.results[key]))
+            if ceiling and ceiling in run.results:
+                rows.append(Row(f"{label}, {run.name}", run.results[key], unit, f"its own ceiling ({run.name})", run.results[ceiling]))
+    return rows
+
+
+def merged_results(runs: list[FormatRun]) -> dict:
+    """The first run's results as they are, then every later run's under its format's names
+    (``decode_bs1_fp8_tok_s``) with their speed-ups over the first (``decode_bs1_fp8_speedup``)."""
+    merged = dict(runs[0].results)
+    for run in runs[1:]:
+        label = format_label(run.quantization, run.kv_cache_dtype)
+        if label is None:
+            continue
+        for key, name in QUANTIZED_KEYS.items():
+            if key in run.results:
+                merged[name.format(q=label)] = run.results[key]
+                if key in runs[0].results:
+                    merged[name.format(q=label).replace("_tok_s", "_speedup")] = run.results[key] / runs[0].results[key]
+        for key in ("decode_bs1_ceiling_tok_s", "throughput_roofline_tok_s"):
+            if key in run.results:
+                merged[key.replace("_tok_s", f"_{label}_tok_s")] = run.results[key]
+    return merged

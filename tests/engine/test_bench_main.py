@@ -197,3 +197,35 @@ def test_a_setting_the_machine_cannot_run_is_one_line_not_a_traceback(tiny_llama
                            "--pdl", "on", "--no-hf"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "error: pdl='on' needs the Triton batch-1 GEMVs on a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_run_compares_formats_each_against_its_own_ceiling(tiny_qwen2_dir, tmp_path, capsys):
+    """``--formats none fp8 none+fp8-kv`` (the CPU emulates FP8 weights; its torch backend reads an
+    FP8 cache): each format's suites run in one process, the comparison prints each figure against
+    the first format and against its own ceiling, and the results merge under each format's names."""
+    out = tmp_path / "formats.json"
+    assert main(["latency", "throughput", "--model", str(tiny_qwen2_dir), "--device", "cpu", "--no-hf",
+                 "--formats", "none", "fp8", "none+fp8-kv", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "## format fp8" in text and "## formats against the first (bf16), each against its own ceiling" in text
+    assert "decode batch 1, fp8" in text and "its own ceiling (bf16 + fp8 KV)" in text
+    record = json.loads(out.read_text())
+    results = record["results"]
+    for key in ("decode_bs1_tok_s", "decode_bs1_fp8_tok_s", "decode_bs1_dense_fp8_kv_tok_s", "throughput_fp8_output_tok_s",
+                "throughput_dense_fp8_kv_output_tok_s"):
+        assert results[key] > 0, key
+    assert results["decode_bs1_fp8_speedup"] == pytest.approx(results["decode_bs1_fp8_tok_s"] / results["decode_bs1_tok_s"])
+    # each ceiling counts its own format's bytes: e4m3 weights, or e4m3 K/V with their scales
+    formats = record["formats"]
+    assert sorted(formats) == ["bf16", "bf16 + fp8 KV", "fp8"]
+    ceilings = {name: f["results"]["decode_bs1_ceiling_tok_s"] / f["results"]["copy_bandwidth_gbs"] for name, f in formats.items()}
+    assert ceilings["fp8"] > ceilings["bf16"] and ceilings["bf16 + fp8 KV"] > ceilings["bf16"]
+    assert results["decode_bs1_ceiling_fp8_tok_s"] == formats["fp8"]["results"]["decode_bs1_ceiling_tok_s"]
+
+
+@pytest.mark.parametrize("argv, message", [(["--formats", "fp9"], "unknown format 'fp9'"),
+                                           (["--formats", "none", "--quantization", "fp8"], "leave out --quantization")])
+def test_a_bad_format_list_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["latency", "--model", "x.json", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
