@@ -194,8 +194,18 @@ def _kv_budget(config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, 
     if config.kv_cache_memory_bytes is not None:
         return KVBudget(config.kv_cache_memory_bytes, "kv_cache_memory_bytes as configured")
     if loaded.device.type != "cuda":
-        return KVBudget(CPU_DEFAULT_KV_BYTES, "the CPU default")
+        return cpu_default_kv_budget(spec, max_model_len)
     return kv_budget_after_profile(loaded.model, config, loaded.device, memory, spec, max_model_len)
+
+
+def cpu_default_kv_budget(spec: KVCacheSpec, max_model_len: int) -> KVBudget:
+    """The CPU's KV budget: 1 GiB, or more where one ``max_model_len`` sequence (plus the null
+    block) needs more, so that a wide model in float32 (the 1.5B with ``quantization='none'``:
+    0.88 MiB a 16-token block, 18,720 tokens in 1 GiB) still starts at its full context."""
+    one_sequence = (-(-max_model_len // spec.block_size) + 1) * spec.bytes_per_block
+    if one_sequence <= CPU_DEFAULT_KV_BYTES:
+        return KVBudget(CPU_DEFAULT_KV_BYTES, "the CPU default")
+    return KVBudget(one_sequence, f"the CPU default raised to one {max_model_len}-token sequence")
 
 
 def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache, memory: MemoryLedger) -> NativeDecodeStep | None:
