@@ -190,6 +190,12 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
     """Decode graph buckets; only those up to ``max_num_seqs`` are captured."""
+    row_cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Row graphs (engine/cuda_graph.py): steps whose requests bring at most
+    ``num_speculative_tokens + 1`` tokens each, up to ``speculative_max_batch`` of them, replay a
+    decode graph with a row per token (buckets of ``cuda_graph_batch_sizes``): a verifying step
+    of speculative decoding, or a draft model's catch-up step, as one replay instead of a mixed or
+    piecewise step. ``auto``: with speculative decoding (the draft engine turns them on too)."""
     # Steps with prefill chunks of at most this many tokens replay everything but attention as
     # CUDA graphs (engine/cuda_graph.py); sizes above max_num_batched_tokens are not captured.
     # Buckets are at most 25% apart: a step pads up to the next one.
@@ -277,8 +283,8 @@ class EngineConfig:
     """Speculate only while at most this many requests decode: a larger batch's step is no longer
     bound by reading the weights, and rows for drafts then cost about what they might save. The
     2-core CPU, Qwen2.5-Coder-1.5B int4 (docs/performance.md): 1.54x at batch 1, 1.16x at 4, 1.12x
-    at 8, 0.98x at 16. On the H200 it paid only at batch 1 (verifying steps of several requests do
-    not run as CUDA graphs yet), where speculation is off by default anyway."""
+    at 8, 0.98x at 16. On CUDA a verifying step of up to this many requests replays a row graph
+    (``row_cuda_graphs``)."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
@@ -314,6 +320,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be 'none', 'int4' or 'fp8', got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"quantization={self.quantization!r} runs bf16 activations; dtype {self.dtype!r} is not possible with it")
+        if self.row_cuda_graphs not in ("auto", "on", "off"):
+            raise ConfigError(f"row_cuda_graphs must be auto/on/off, got {self.row_cuda_graphs!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.speculative not in ("off", "ngram", "draft"):

@@ -10,6 +10,15 @@ at batch 1 the lm_head follows the last norm inside the graph instead of after a
 gather and a launch gap. The step's inputs arrive as one packed copy that the graph's first
 kernel scatters. Padding rows point at the null block with context length 0.
 
+A verifying step (speculative decoding: each request's last token and its drafts) replays
+the same kind of graph with a row per *token*: row ``j`` of a request is a decode at position
+``start + j`` with context ``start + j + 1`` and the request's block table, every row's K/V
+written before any row attends (``AttentionMetadata.rows_are_tokens``). A request's rows then read its
+context once each, which at the few rows of a verifying step (``k + 1``) is cheap next to a
+launch-bound step outside a graph; and at up to 16 rows the projections stay on the batch-1
+GEMVs, whose x is one 16-row tensor-core tile anyway: a row's projections are then the batch-1
+step's to the bit (its attention is split differently, so not all of its rounding is).
+
 :class:`PiecewiseGraphRunner`: steps with prefill chunks. Their attention launch shape depends on
 the batch (tiles per request, context splits), so it runs eagerly; everything else - the
 projections, norms and MLPs between two attentions - is one graph per (token bucket, piece):
@@ -63,6 +72,7 @@ class DecodeGraphStep:
     bucket: int
     packed: np.ndarray
     pending: torch.Tensor | None  # the step in flight's sampled tokens, when this step reads some
+    rows_are_tokens: bool = False  # a row graph's step (a row per token, several a request)
 
     @property
     def num_rows(self) -> int:
@@ -92,9 +102,13 @@ class CudaGraphRunner:
         token_rows: int,
         device: torch.device,
         gemv: GemvPolicy,
+        rows_are_tokens: bool = False,
     ) -> None:
+        """``rows_are_tokens``: the rows are tokens, several of one request may follow each other (a
+        verifying step: see ``AttentionMetadata.rows_are_tokens``); ``batch_sizes`` then count rows."""
         self.model = model
         self.gemv = gemv  # the batch-1 GEMV policy the graphs are captured with
+        self.rows_are_tokens = rows_are_tokens
         self.backend = backend
         self.kv_layers = kv_layers
         self.batch_sizes = sorted(set(batch_sizes))
@@ -139,6 +153,7 @@ class CudaGraphRunner:
             seq_lens_host=[0] * bs,  # not read on the Triton decode path
             num_decodes=bs,
             max_seq_len=0,
+            rows_are_tokens=self.rows_are_tokens,
         )
 
     def _step(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -159,7 +174,7 @@ class CudaGraphRunner:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n, :width], query_lens_host=[1] * n, seq_lens_host=seq_lens, num_decodes=n,
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(seq_lens), rows_are_tokens=self.rows_are_tokens,
         )
         hidden = self.model(self.input_ids[:n], self.positions[:n], self.backend, meta, self.kv_layers, self.gemv)
         logits = self.model.compute_logits(hidden, self.gemv)

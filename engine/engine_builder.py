@@ -124,7 +124,7 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
         kv_bytes = int(config.gpu_memory_utilization * torch.cuda.get_device_properties(loaded.device).total_memory / 10)
     draft_config = replace(
         config, model=config.draft_model, speculative="off", draft_model=None, async_scheduling="off", tokenizer=None,
-        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len, row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
     )
     draft_loaded = draft_loaded or LoadedModel.load(draft_config)
     check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
@@ -224,6 +224,17 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
     return step
 
 
+def row_graph_sizes(config: EngineConfig) -> list[int]:
+    """The row graphs' buckets (rows = tokens): ``cuda_graph_batch_sizes`` from 2 up to the
+    largest verifying step, ``speculative_max_batch`` requests of ``num_speculative_tokens + 1``
+    tokens; none unless ``row_cuda_graphs`` is on (``auto``: with speculative decoding)."""
+    if config.row_cuda_graphs == "off" or (config.row_cuda_graphs == "auto" and config.speculative == "off"):
+        return []
+    largest = min(config.speculative_max_batch, config.max_num_seqs) * (config.num_speculative_tokens + 1)
+    sizes = [b for b in config.cuda_graph_batch_sizes if 2 <= b < largest]
+    return sizes + [largest]
+
+
 def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, piecewise: list[int], memory: MemoryLedger,
                     capture_lock: AbstractContextManager) -> None:  # fmt: skip
     """Decode graphs, piecewise graphs for ``piecewise`` token counts, and the mixed-step
@@ -235,6 +246,9 @@ def _capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: in
     torch.cuda.empty_cache()  # capturing does this first: from here the difference is the graphs' pool
     before = torch.cuda.memory_reserved(device)
     runner.capture_cuda_graphs(sizes, max_model_len, config.max_num_seqs)
+    rows = row_graph_sizes(config)
+    if rows:
+        runner.capture_row_graphs(rows, config.num_speculative_tokens + 1, max_model_len, config.max_num_seqs)
     if piecewise:
         runner.capture_piecewise_graphs(piecewise)
     if config.mixed_cuda_graph_max_chunk > 0:

@@ -3,14 +3,16 @@
 The step's tokens are flattened: decodes (one query token each) first, then prefill chunks,
 so attention can batch all decodes in one call. Host-side lists are built once per step and
 copied to the device in one transfer; a decode-only step that fits a decode graph goes packed
-(engine/kernels/step_inputs.py) and is unpacked inside the graph.
+(engine/kernels/step_inputs.py) and is unpacked inside the graph, and so does a verifying step
+(decodes with drafts) that fits a *row graph*: the same graph with a row per token
+(engine/cuda_graph.py).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.cuda_graph import CudaGraphRunner, DecodeGraphStep, MixedGraphRunner, PiecewiseGraphRunner
 from engine.execution_path import ExecutionPath
 from engine.kernels.gemv_policy import GemvPolicy
+from engine.kernels.linear import TILE_ROWS
 from engine.kernels.step_inputs import pack_decode_step
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
@@ -81,6 +84,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.graphs: CudaGraphRunner | None = None
+        self.row_graphs: CudaGraphRunner | None = None
+        self.row_max_query = 0  # the most tokens of one request a row graph takes (1 + drafts)
         self.piecewise: PiecewiseGraphRunner | None = None
         self.mixed: MixedGraphRunner | None = None
         self.native = native
@@ -93,12 +98,33 @@ class ModelRunner:
             self.gemv,
         )
 
-    def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
-        """The decode graph bucket of a decode-only step (its path is then GRAPH); None when it
-        runs another way (``_choose_path``: the native CPU step first, where the runner has one)."""
-        if self.graphs is None or self.native is not None or any(c.num_tokens != 1 for c in chunks):
+    def capture_row_graphs(self, row_sizes: list[int], max_query: int, max_model_len: int, max_num_seqs: int) -> None:
+        """Capture row graphs (decode graphs with a row per token) for steps of at most
+        ``max(row_sizes)`` tokens whose requests bring at most ``max_query`` tokens each: the
+        verifying steps of speculative decoding (1 + drafts tokens a request), and a draft
+        model's steps that catch up on the tokens its target accepted. Up to 16 rows they keep
+        the batch-1 GEMVs (their x is one 16-row tile either way)."""
+        gemv = replace(self.gemv, max_rows=TILE_ROWS) if self.gemv.max_rows else self.gemv
+        self.row_graphs = CudaGraphRunner(
+            self.model, self.backend, self.kv_layers, row_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device,
+            gemv, rows_are_tokens=True,
+        )
+        self.row_max_query = max_query
+
+    def _graph_bucket(self, chunks: list[ScheduledChunk]) -> tuple[CudaGraphRunner, int] | None:
+        """The graph and bucket of a decode-only step, or of a step of few tokens a request that
+        fits a row graph (its path is then GRAPH); None when it runs another way
+        (``_choose_path``: the native CPU step first, where the runner has one)."""
+        if self.graphs is None or self.native is not None:
             return None
-        return self.graphs.bucket(len(chunks))
+        longest = max(c.num_tokens for c in chunks)
+        if longest == 1:
+            bucket = self.graphs.bucket(len(chunks))
+            return None if bucket is None else (self.graphs, bucket)
+        if self.row_graphs is None or longest > self.row_max_query:
+            return None
+        bucket = self.row_graphs.bucket(sum(c.num_tokens for c in chunks))
+        return None if bucket is None else (self.row_graphs, bucket)
 
     def capture_piecewise_graphs(self, token_sizes: list[int]) -> None:
         """Capture the pieces between attentions (CUDA; on the CPU only tests use it): afterwards
@@ -120,7 +146,7 @@ class ModelRunner:
         ``pending`` on the device (no wait for the step in flight): one gather, or inside the
         decode graph."""
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
-        bucket = self._graph_bucket(chunks)
+        graph = self._graph_bucket(chunks)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -167,12 +193,16 @@ class ModelRunner:
             table += c.request.block_ids
             table += [NULL_BLOCK] * (width - len(c.request.block_ids))
         common = {"chunks": chunks, "sampled_chunks": sampled, "num_tokens": len(ids), "sample_rows_host": sample_rows}
-        if bucket is not None:  # ExecutionPath.GRAPH
-            src = [-1] * n_req
+        if graph is not None:  # ExecutionPath.GRAPH
+            runner, bucket = graph
+            if runner.rows_are_tokens:  # a row per token: its own context length, its request's table
+                slens = [p + 1 for p in positions]
+                table = [b for i, c in enumerate(chunks) for _ in range(c.num_tokens) for b in table[i * width : (i + 1) * width]]
+            src = [-1] * len(ids)
             for dst, row in zip(fix_dst, fix_src):
                 src[dst] = row
             step = DecodeGraphStep(bucket, pack_decode_step(ids, positions, slots, slens, src, table, width),
-                                   pending.tokens if fix_dst else None)
+                                   pending.tokens if fix_dst else None, runner.rows_are_tokens)
             return StepInputs(**common, path=ExecutionPath.GRAPH, graph=step)
         qsl = [0]
         for q in qlens:
@@ -231,8 +261,9 @@ class ModelRunner:
         """Logits [num sampled chunks, vocab] (float32) for the chunks that complete a prompt, and
         their argmax when the step computed it."""
         if inputs.path is ExecutionPath.GRAPH:
-            logits, tokens = self.graphs.run(inputs.graph)  # the graph ends with the lm_head and the argmax
-            if len(inputs.sampled_chunks) != len(inputs.chunks):  # a one-token prefill chunk that samples nothing
+            runner = self.row_graphs if inputs.graph.rows_are_tokens else self.graphs
+            logits, tokens = runner.run(inputs.graph)  # the graph ends with the lm_head and the argmax
+            if len(inputs.sample_rows_host) != inputs.num_tokens:  # a prefill chunk (or part) that samples nothing
                 rows = to_device(inputs.sample_rows_host, torch.long, self.device)
                 logits, tokens = logits[rows], tokens[rows]
             return StepLogits(logits, tokens)

@@ -26,6 +26,10 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     num_decodes: int
     max_seq_len: int
+    rows_are_tokens: bool = False
+    """Decode rows may be successive tokens of one request (a verifying step laid out a row per
+    token, each with its own context length and its request's block table): every row's K/V is
+    written before any row attends, so no backend may fuse the write into the attention."""
     scratch: dict = field(default_factory=dict)  # per-step values a backend derives once, not per layer
 
     @property

@@ -217,7 +217,7 @@ class TritonPagedAttention(AttentionBackend):
         return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
 
     def rope_store_attend(self, q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
-        if meta.num_decodes < meta.num_requests:  # prefill chunks: their own RoPE + write pass
+        if meta.num_decodes < meta.num_requests or meta.rows_are_tokens:  # prefill chunks, rows of one request: RoPE + write first
             return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)
         out = torch.empty_like(q)  # a decode step: one kernel per layer does RoPE, the KV write and attention
         new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)

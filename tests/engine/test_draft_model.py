@@ -58,6 +58,30 @@ def test_greedy_answers_are_plain_decodings_in_fewer_steps(smollm, smollm_int4, 
     assert spec.core.proposer.times.steps > 0
 
 
+def test_target_and_draft_steps_replay_their_graphs_with_the_same_answers(smollm, llm_gguf_path, prompts):
+    """As on a GPU: the target's verifying steps replay its row graphs, the draft's one-token steps
+    its decode graphs and its catch-up steps (the accepted tokens, two when every draft was taken)
+    its row graphs; the draft engine's config turns row graphs on. Greedy answers unchanged."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    want = [o.token_ids for o in LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(prompts, params)]
+    spec = draft_llm(smollm, smollm, llm_gguf_path)
+    draft = spec.core.proposer.draft
+    assert draft.config.row_cuda_graphs == "on"
+    for core in (spec.core, draft):
+        core.runner.capture_cuda_graphs([1, 2, 4], core.max_model_len, core.config.max_num_seqs)
+        core.runner.capture_row_graphs([2, 4, 8, 16], 5, core.max_model_len, core.config.max_num_seqs)
+    row_steps = {"target": 0, "draft": 0}
+    for name, runner in (("target", spec.core.runner), ("draft", draft.runner)):
+        def spy(chunks, pending=None, prepare=runner.prepare, name=name):
+            inputs = prepare(chunks, pending)
+            row_steps[name] += inputs.graph is not None and inputs.graph.rows_are_tokens
+            return inputs
+        runner.prepare = spy
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert row_steps["target"] > 0 and row_steps["draft"] > 0 and draft.runner.graphs.padding_rows > 0
+    assert all_blocks_free(spec)
+
+
 def test_a_draft_that_is_always_wrong_changes_nothing_and_stops_drafting(smollm, llm_gguf_path, prompts, tmp_path):
     """A random draft model of the same vocabulary: every draft is rejected, the answers are still
     plain decoding's, and the requests soon stop asking it (their acceptance estimate fell)."""

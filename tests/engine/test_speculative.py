@@ -172,6 +172,46 @@ def test_greedy_output_is_the_same_with_fewer_steps(smollm, llm_gguf_path, quoti
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
+def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf_path, quoting_prompts):
+    """Row graphs (engine/cuda_graph.py): each verifying step, a row per token with its own context
+    length and its request's block table, packed and scattered like a decode graph's step and
+    padded to a row bucket, greedy tokens from the step's own argmax; the three prompts alone and
+    batched give the plain engine's tokens. On a GPU each bucket is one CUDA graph; here the same
+    scatter, rows and argmax run eagerly."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts]
+    spec = spec_llm(smollm, llm_gguf_path)
+    runner = spec.core.runner
+    runner.capture_cuda_graphs([1, 2, 4], spec.core.max_model_len, spec.core.config.max_num_seqs)
+    runner.capture_row_graphs([2, 4, 8, 16], 5, spec.core.max_model_len, spec.core.config.max_num_seqs)
+    verifying = []  # row-graph steps, by the tokens they verify
+    prepare = runner.prepare
+
+    def spy(chunks, pending=None):
+        inputs = prepare(chunks, pending)
+        if inputs.graph is not None and inputs.graph.rows_are_tokens:
+            verifying.append(inputs.num_tokens)
+        return inputs
+
+    runner.prepare = spy
+    assert [spec.generate([p], params)[0].token_ids for p in quoting_prompts] == want
+    assert [o.token_ids for o in spec.generate(quoting_prompts, params)] == want
+    assert verifying and max(verifying) > 5  # steps of several requests' rows too
+    assert runner.row_graphs.padding_rows > 0 and spec.core.spec_stats.num_accepted_tokens > 10
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_row_graph_buckets_cover_the_largest_verifying_step():
+    from engine.config import EngineConfig
+    from engine.engine_builder import row_graph_sizes
+
+    assert row_graph_sizes(EngineConfig(model="m")) == []  # no speculation, no row graphs
+    assert row_graph_sizes(EngineConfig(model="m", speculative="ngram")) == [2, 4, 8, 16, 24, 32, 40]
+    assert row_graph_sizes(EngineConfig(model="m", speculative="ngram", num_speculative_tokens=2, speculative_max_batch=1)) == [2, 3]
+    assert row_graph_sizes(EngineConfig(model="m", speculative="ngram", row_cuda_graphs="off")) == []
+
+
 def test_a_stop_among_accepted_drafts_ends_the_answer_there(smollm, llm_gguf_path, quoting_prompts):
     """max_tokens, a stop string and the context's end cut a verified run of tokens exactly where
     a plain engine stops."""

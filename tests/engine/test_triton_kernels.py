@@ -151,6 +151,43 @@ def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps
     assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
 
 
+def test_a_verifying_step_laid_out_a_row_per_token_attends_like_its_chunks():
+    """A row graph's step (engine/cuda_graph.py): a decode and a request verifying 4 drafts, as 6
+    decode rows of one token each (own context length, the request's block table repeated) with
+    ``rows_are_tokens``, against the torch backend on the same step as a decode plus a chunk: every
+    row's K/V written before any row attends (the fused decode kernel would race on them; here
+    the drafts' rows come last first, so that in the interpreter's program order too a fused
+    kernel would read keys not yet written)."""
+    from dataclasses import replace
+
+    from engine.attention.torch_ref import TorchReferenceAttention
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    hq, hkv, dim, page = 4, 2, 16, 4
+    query_lens, ctx_lens = [1, 5], [9, 20]
+    cache, meta = build_batch(query_lens, ctx_lens, hkv, dim, page, seed)
+    positions = torch.tensor([c + i for c, n in zip(ctx_lens, query_lens) for i in range(n)], device=DEVICE)
+    request = torch.tensor([r for r, n in enumerate(query_lens) for _ in range(n)], device=DEVICE)
+    order = torch.tensor([0, 5, 4, 3, 2, 1], device=DEVICE)
+    rows = replace(meta, slot_mapping=meta.slot_mapping[order], query_start_loc=torch.arange(7, dtype=torch.int32, device=DEVICE),
+                   seq_lens=(positions[order] + 1).to(torch.int32), block_tables=meta.block_tables[request[order]],
+                   query_lens_host=[1] * 6, seq_lens_host=(positions[order] + 1).tolist(), num_decodes=6, rows_are_tokens=True)
+    qkv = torch.randn(6, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.reshape(6, hq, dim), k.view(6, hkv, dim), v.view(6, hkv, dim)
+    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
+    ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
+    out = torch.empty_like(ref)
+    out[order] = TritonPagedAttention().rope_store_attend(q[order], k[order], v[order], positions[order], cos_sin, cache, rows,
+                                                          dim**-0.5)
+    assert rel(out, ref) < TOL, f"seed {seed}"
+    assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
+
+
 def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     """Enough (request, KV head) programs for one context slice each: no partials, no combine."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, decode_splits
