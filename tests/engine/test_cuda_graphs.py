@@ -102,3 +102,19 @@ def test_every_capture_holds_the_capture_lock(tiny_llama_dir):
     rng = random.Random(0)
     generate_staggered(core, [[rng.randrange(301) for _ in range(n)] for n in (40, 90, 130, 160)], PARAMS, steps_between=6)
     assert mixed.captures > mixed.start_captures and lock.entries == 1 + mixed.captures - mixed.start_captures
+
+
+def test_verifying_steps_replay_row_graphs_like_the_eager_engine(tiny_llama_dir):
+    """n-gram speculation on a GPU: verifying steps replay row graphs (a row per token, the
+    non-fused RoPE + write, then decode attention over each row's own context) and give the eager
+    engine's tokens; every KV block back."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(301) for _ in range(12)] * 4 for _ in range(3)]  # repeats: the n-gram lookup finds drafts
+    options = dict(device="cuda", dtype="float32", num_kv_blocks=256, speculative="ngram", speculative_row_cost=0.0)
+    reference = [o.token_ids for o in LLM(str(tiny_llama_dir), enable_cuda_graphs=False, **options).generate(prompts, PARAMS)]
+    llm = LLM(str(tiny_llama_dir), **options)
+    got = [o.token_ids for o in llm.generate(prompts, PARAMS)] + [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
+    assert got == reference * 2
+    assert llm.core.spec_stats.num_drafts > 0 and llm.core.runner.row_graphs.padding_rows > 0
+    stats = llm.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
