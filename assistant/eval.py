@@ -369,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     pictures = () if a.images == "off" else PICTURES
     if a.images == "only":
         facts = []
+    from engine.memory import release_device_memory
+
     for variant in a.quantization:
         graded += asyncio.run(grade_variant(variant, facts, a.lang, a.max_tokens, a.model, a.progress, pictures, a.warm_documents))
+        release_device_memory()  # the next variant's engine sizes its KV cache from what is free
     rows = summarize(graded)
     print(format_table(rows))
     if a.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,16 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         else:
             sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(sizes.values())
+
+
+def release_device_memory() -> None:
+    """Free what engines no longer referenced still hold (weights, KV caches and CUDA graphs kept
+    alive by reference cycles until the next collection) and hand the allocator's cached blocks
+    back to the device: a CUDA engine sizes its KV cache from the device's free memory, so a
+    second engine in one process (the eval's next variant) would otherwise find it taken."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

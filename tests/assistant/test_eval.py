@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 
 from assistant.eval import FACTS_FILE, alternatives, contains_fact, grade, load_facts, main, refuses, source_text, stated_numbers
 
@@ -91,11 +92,26 @@ def test_a_bad_facts_file_is_a_clear_error(tmp_path, capsys):
     assert "needs question_en, question_zh, file and either answer_contains or refusal" in capsys.readouterr().err
 
 
-def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys):
+def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys, monkeypatch):
+    """Two variants in one run, each engine let go before the next is built (on a GPU the next
+    sizes its KV cache from the memory the first one leaves free)."""
+    import engine.async_engine
+
+    cores, build = [], engine.async_engine.build_engine
+
+    def tracked(*args, **kwargs):
+        assert all(ref() is None for ref in cores), "the previous variant's engine is still alive"
+        core = build(*args, **kwargs)
+        cores.append(weakref.ref(core))
+        return core
+
+    monkeypatch.setattr(engine.async_engine, "build_engine", tracked)
     out = tmp_path / "eval.json"
-    assert main(["--quantization", "int4", "--lang", "en", "zh", "--limit", "2", "--max-tokens", "48", "--json", str(out), "--no-progress"]) == 0
+    assert main(["--quantization", "int4", "none", "--lang", "en", "zh", "--limit", "2", "--max-tokens", "48", "--json", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert len(cores) == 2
     report = json.loads(out.read_text(encoding="utf-8"))
-    answers = report["answers"]
+    answers = [a for a in report["answers"] if a["variant"] == "int4"]
     assert [(a["lang"], a["question"]) for a in answers] == [
         (lang, f[f"question_{lang}"]) for lang in ("en", "zh") for f in json.loads(FACTS_FILE.read_text("utf-8"))[:2]
     ]
@@ -103,7 +119,7 @@ def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys):
         assert a["answer"].strip() and a["generated_tokens"] > 0
         item = next(i for i in ITEMS if i[f"question_{a['lang']}"] == a["question"])
         assert a["kind"] == "fact" and a["correct"] == graded(a["answer"], item, a["lang"])
-    assert [(r["lang"], r["questions"], r["correct"]) for r in report["summary"]] == [
+    assert [(r["lang"], r["questions"], r["correct"]) for r in report["summary"] if r["variant"] == "int4"] == [
         (lang, 2, sum(a["correct"] for a in answers if a["lang"] == lang)) for lang in ("en", "zh")
     ]
     assert "| int4 | en | " in capsys.readouterr().out
