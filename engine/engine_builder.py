@@ -124,7 +124,8 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
         kv_bytes = int(config.gpu_memory_utilization * torch.cuda.get_device_properties(loaded.device).total_memory / 10)
     draft_config = replace(
         config, model=config.draft_model, speculative="off", draft_model=None, async_scheduling="off", tokenizer=None,
-        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len, row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
+        kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
+        row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
     )
     draft_loaded = draft_loaded or LoadedModel.load(draft_config)
     check_draft_vocabulary(loaded, draft_loaded, config.draft_model)

@@ -60,6 +60,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="group sizes (1: each question alone)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--max-batch", type=int, default=EngineConfig.speculative_max_batch,
+                   help="speculative_max_batch: groups larger than this decode without drafts (0: the largest --batch, to "
+                        "see where speculation stops paying)")
     p.add_argument("--row-cost", type=float, default=EngineConfig.speculative_row_cost,
                    help="speculative_row_cost: a draft row's cost in steps (default %(default)s, the CPU's; "
                    "a launch-bound GPU step costs nearly the same for a few more rows)")
@@ -68,8 +71,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
+    max_batch = args.max_batch or max(args.batch)
     base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
-                        max_num_seqs=max(args.batch), speculative_max_batch=max(args.batch))
+                        max_num_seqs=max(args.batch), speculative_max_batch=max_batch)
     loaded = LoadedModel.load(base)
     if loaded.device.type == "cuda":  # engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
         base = replace(base, kv_cache_memory_bytes=4 << 30)
@@ -85,7 +89,8 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
           f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
-          f"k={args.k}, row cost {args.row_cost}, draft cost {args.draft_cost}, {len(questions)} questions, "
+          f"k={args.k}, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
+          f"{len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
