@@ -257,9 +257,9 @@ class EngineConfig:
     ``num_speculative_tokens`` tokens proposed by n-gram prompt lookup (engine/speculative.py):
     the same tokens at temperature 0, the same distribution above it, fewer steps when answers
     quote their prompt. ``draft``: the drafts are what ``draft_model``, a smaller model of the same
-    tokenizer, says greedily (engine/draft_model.py). Drafts are verified on the host between
-    steps, so it runs without async scheduling (``auto`` then turns that off; ``on`` with it is
-    refused)."""
+    tokenizer, says greedily (engine/draft_model.py). Drafts continue the tokens the host
+    knows, so with async scheduling a step in flight is read back before any request drafts;
+    the steps of a batch too large to speculate (``speculative_max_batch``) stay async."""
     draft_model: str | None = None
     """With ``speculative="draft"``: the draft model's path (any form ``model`` takes). It runs
     as an engine of its own (same device, quantization, block size and context), with a KV cache
@@ -333,9 +333,6 @@ class EngineConfig:
             raise ConfigError(f"draft model path does not exist: {self.draft_model}")
         if self.speculative_draft_cost < 0:
             raise ConfigError(f"speculative_draft_cost must be >= 0, got {self.speculative_draft_cost}")
-        if self.speculative != "off" and self.async_scheduling == "on":
-            raise ConfigError("speculative decoding verifies drafts on the host between steps: it cannot run with "
-                              "async_scheduling='on' (use 'auto' or 'off')")
         if self.speculative_row_cost < 0:
             raise ConfigError(f"speculative_row_cost must be >= 0, got {self.speculative_row_cost}")
         if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:

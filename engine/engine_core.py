@@ -76,8 +76,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator] = {}
         # async scheduling: the step launched on the device whose samples the host has not read yet
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.device.type == "cuda" and config.speculative == "off")
+        self.async_scheduling = config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")
         # speculative decoding: drafts proposed before each step (EngineConfig.speculative)
         self.proposer = proposer
         self.draft_cost = config.speculative_draft_cost if config.speculative == "draft" else 0.0
@@ -201,10 +200,9 @@ class EngineCore:
         Without it (and always on the CPU by default) the step is launched and read back at once.
         """
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            self._propose_drafts()
+        outputs = self._propose_drafts() if self.proposer is not None else []
         sched = self.scheduler.schedule()
-        outputs = [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
+        outputs += [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
         if self._inflight is not None and any(c.completes_prompt and c.request.sampling_params.has_penalties for c in sched.chunks):
             # Penalties read the request's output tokens on the host: learn them first.
             outputs += self._finalize(self._take_inflight())
@@ -228,14 +226,32 @@ class EngineCore:
         )
         return outputs
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self) -> list[RequestOutput]:
         """Give each decoding request its draft tokens for the next step: as many as pay at its
         measured acceptance (``best_k``), none while more than ``speculative_max_batch`` decode,
         none for requests whose sampling reads their outputs (penalties), and never past their
-        ``max_tokens`` or the context."""
-        decoding = [r for r in self.scheduler.running if not r.is_prefilling]
+        ``max_tokens`` or the context. Drafts continue the request's tokens as the host knows
+        them, so with async scheduling a step still in flight is read back first (its outputs are
+        returned) when any request will draft; a batch too large to speculate stays async."""
+        outputs: list[RequestOutput] = []
+        wants, resting = self._draft_wants()
+        if wants and self._inflight is not None:
+            outputs = self._finalize(self._take_inflight())
+            wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
+        for req in resting:
+            req.acceptance.rest()
+        if wants:
+            for (req, want), drafts in zip(wants, self.proposer.propose_batch([w for _, w in wants])):
+                req.draft_token_ids = drafts
+        return outputs
+
+    def _draft_wants(self) -> tuple[list[tuple[Request, DraftWant]], list[Request]]:
+        """The decoding requests that draft this step and how many tokens each (their drafts
+        reset to none first), and those whose estimate keeps them from drafting (they rest)."""
+        decoding = [r for r in self.scheduler.running if not r.is_prefilling and not r.status.finished]
         speculate = len(decoding) <= self.config.speculative_max_batch
         wants: list[tuple[Request, DraftWant]] = []
+        resting: list[Request] = []
         for req in decoding:
             req.draft_token_ids = []
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
@@ -244,10 +260,8 @@ class EngineCore:
             if speculate and k > 0 and not req.sampling_params.has_penalties:
                 wants.append((req, DraftWant(req.request_id, req.all_token_ids, k)))
             if speculate and pays == 0:
-                req.acceptance.rest()
-        if wants:
-            for (req, _), drafts in zip(wants, self.proposer.propose_batch([w for _, w in wants])):
-                req.draft_token_ids = drafts
+                resting.append(req)
+        return wants, resting
 
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and

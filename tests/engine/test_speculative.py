@@ -202,6 +202,32 @@ def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
+def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, llm_gguf_path, quoting_prompts):
+    """Async scheduling with speculation: while more than ``speculative_max_batch`` requests
+    decode, steps overlap the host's work (each launched before the previous one is read back);
+    once few enough decode, the step in flight is read back before drafts are proposed. Greedy
+    output as without either."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = quoting_prompts * 2  # six requests: above a speculative_max_batch of 2 until four finish
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = [o.token_ids for o in plain.generate(prompts, [short] * 4 + [params] * 2)]
+    spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=2)
+    chained = []  # per launched step: whether the step before it was still in flight (its drafts, if any)
+    launch = spec.core._launch
+
+    def spy(inputs):
+        step = launch(inputs)
+        chained.append((step.chained, any(c.drafts for c in inputs.chunks)))
+        return step
+
+    spec.core._launch = spy
+    assert [o.token_ids for o in spec.generate(prompts, [short] * 4 + [params] * 2)] == want
+    assert (True, False) in chained and (False, True) in chained and (True, True) not in chained
+    assert spec.core.spec_stats.num_accepted_tokens > 0
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
 def test_row_graph_buckets_cover_the_largest_verifying_step():
     from engine.config import EngineConfig
     from engine.engine_builder import row_graph_sizes
@@ -239,8 +265,6 @@ def test_sampled_answers_and_big_batches_run_and_leave_no_blocks(smollm, llm_ggu
 
 
 def test_unsupported_combinations_are_refused_at_start(smollm, llm_gguf_path):
-    with pytest.raises(ConfigError, match="async_scheduling='on'"):
-        spec_llm(smollm, llm_gguf_path, async_scheduling="on")
     with pytest.raises(ConfigError, match="leaves no room"):
         spec_llm(smollm, llm_gguf_path, num_speculative_tokens=64, max_model_len=64)
     with pytest.raises(ConfigError, match="speculative must be"):
