@@ -219,7 +219,9 @@ class EngineCore:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             outputs += self._finalize(previous)
-        if not self.async_scheduling:
+        if not self.async_scheduling or any(c.drafts for c in inputs.chunks):
+            # a verifying step is read back at once: until its drafts are accepted or rejected, its
+            # requests' computed tokens count drafts, and no next step may be scheduled on them
             outputs += self._finalize(self._take_inflight())
         self.step_times.record(
             t0, t1, t2, t3, time.perf_counter(), inputs.path, len(inputs.chunks), inputs.num_tokens

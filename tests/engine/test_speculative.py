@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.sampling import SampleInput, Sampler
 from engine.speculative import Acceptance, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
-from tests.engine.helpers import SimulatedEngine, make_request
+from tests.engine.helpers import SimulatedEngine, generate_staggered, make_request
 
 # A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
 QUOTE = ("Annual leave: every employee gets 20 days of paid annual leave a year. Request it in PeopleHub with form "
@@ -224,6 +224,32 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
     spec.core._launch = spy
     assert [o.token_ids for o in spec.generate(prompts, [short] * 4 + [params] * 2)] == want
     assert (True, False) in chained and (False, True) in chained and (True, True) not in chained
+    assert all(not now[0] for before, now in zip(chained, chained[1:]) if before[1])  # a verifying step is read back at once
+    assert spec.core.spec_stats.num_accepted_tokens > 0
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_the_warm_up_runs_with_async_scheduling_and_speculation(speculative, smollm, llm_gguf_path):
+    """The builder's warm-up (short answers, a request decoding while another prefills) with async
+    scheduling and drafts, as on a GPU: a step after a verifying step must not be scheduled before
+    its drafts are accepted or rejected (it was, and failed: tokens not known to the host)."""
+    options = dict(draft_model=str(llm_gguf_path), draft_loaded=smollm) if speculative == "draft" else {}
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative=speculative, async_scheduling="on", warm_up="on",
+              speculative_row_cost=0.05, speculative_draft_cost=0.05, **options)
+    assert llm.core.warm_up_steps > 0 and llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts):
+    """Async scheduling, speculation for one decoding request at most: a prompt whose prefill ends
+    in the step that verifies the other request's drafts makes the next step too large to draft,
+    so nothing else reads the verifying step back first; it must have been read back already (the
+    next step was scheduled on its unverified drafts and failed: tokens not known to the host)."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
+    spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=1, long_prefill_token_threshold=8)
+    assert generate_staggered(spec.core, quoting_prompts[:2], params, steps_between=16) == want
     assert spec.core.spec_stats.num_accepted_tokens > 0
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
