@@ -284,7 +284,8 @@ class EngineConfig:
     bound by reading the weights, and rows for drafts then cost about what they might save. The
     2-core CPU, Qwen2.5-Coder-1.5B int4 (docs/performance.md): 1.54x at batch 1, 1.16x at 4, 1.12x
     at 8, 0.98x at 16. On CUDA a verifying step of up to this many requests replays a row graph
-    (``row_cuda_graphs``)."""
+    (``row_cuda_graphs``); on the H200 with the 1.5B, n-gram drafts paid at batch 2 at most
+    (1.03x; 0.96x at 4, 0.77x at 8), so there speculation is off by default."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
