@@ -229,17 +229,6 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft"])
-def test_the_warm_up_runs_with_async_scheduling_and_speculation(speculative, smollm, llm_gguf_path):
-    """The builder's warm-up (short answers, a request decoding while another prefills) with async
-    scheduling and drafts, as on a GPU: a step after a verifying step must not be scheduled before
-    its drafts are accepted or rejected (it was, and failed: tokens not known to the host)."""
-    options = dict(draft_model=str(llm_gguf_path), draft_loaded=smollm) if speculative == "draft" else {}
-    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative=speculative, async_scheduling="on", warm_up="on",
-              speculative_row_cost=0.05, speculative_draft_cost=0.05, **options)
-    assert llm.core.warm_up_steps > 0 and llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
-
-
 def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts):
     """Async scheduling, speculation for one decoding request at most: a prompt whose prefill ends
     in the step that verifies the other request's drafts makes the next step too large to draft,
