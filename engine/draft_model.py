@@ -19,8 +19,8 @@ tokens and the draft model's KV for them, so a proposal costs only the new token
    each round's input tokens are the previous round's greedy tokens still on the device (the
    runner's pending tokens, as with async scheduling), so the host prepares round ``r + 1``
    while the device runs round ``r`` and reads every round's tokens back with one wait at the
-   end. On the H200 a 0.5B draft step waited for one at a time took 1.1 ms with the host's
-   work, over twice its graph replay.
+   end. On the H200 a 0.5B draft step took 1.1 ms with the host's work when each round was
+   waited for, 1.0 ms launched back to back (docs/performance.md).
 
 Only verified tokens are ever registered in the draft engine's prefix cache (the mirror's full
 blocks are registered at sync time, before any drafts are appended): a block whose content a
