@@ -16,8 +16,9 @@ the same kind of graph with a row per *token*: row ``j`` of a request is a decod
 written before any row attends (``AttentionMetadata.rows_are_tokens``). A request's rows then read its
 context once each, which at the few rows of a verifying step (``k + 1``) is cheap next to a
 launch-bound step outside a graph; and at up to 16 rows the projections stay on the batch-1
-GEMVs, whose x is one 16-row tensor-core tile anyway: a row's projections are then the batch-1
-step's to the bit (its attention is split differently, so not all of its rounding is).
+GEMVs, whose x is one 16-row tensor-core tile anyway: a row's projections run the batch-1 step's
+kernels and tiles (its attention is split differently, so its rounding may differ there; on the
+H200 the 1.5B's batch-1 answers came out token for token the same, docs/performance.md).
 
 :class:`PiecewiseGraphRunner`: steps with prefill chunks. Their attention launch shape depends on
 the batch (tiles per request, context splits), so it runs eagerly; everything else - the
