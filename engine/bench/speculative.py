@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore
 from engine.loaded_model import LoadedModel
+from engine.metrics import StepTimes
 from engine.sampling import SamplingParams
 from engine.speculative import SpecDecodeStats
 
@@ -46,6 +47,18 @@ def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tu
     first = min(r.metrics.first_token_time for r in reqs)
     last = max(r.metrics.last_token_time for r in reqs)
     return [tokens[r.request_id] for r in reqs], sum(len(t) - 1 for t in tokens.values()), last - first
+
+
+def step_profile(times: StepTimes) -> str:
+    """Where an engine's steps went: per execution path the steps, their mean host time (schedule
+    to outputs) and, on CUDA, their mean device span; then the device's idle time between steps."""
+    parts = []
+    for mode, (seconds, steps, tokens) in sorted(times.by_mode.items()):
+        device = times.device_span.get(mode)
+        span = f", device {1e3 * device[0] / device[1]:.2f} ms" if device and device[1] else ""
+        parts.append(f"{mode} {int(steps)} steps of {tokens / steps:.1f} tokens, host {1e3 * seconds / steps:.2f} ms{span}")
+    idle = f"; device idle {1e3 * times.device_idle:.1f} ms" if times.device_span else ""
+    return "; ".join(parts) + idle
 
 
 def main(argv: list[str]) -> int:
@@ -103,6 +116,8 @@ def main(argv: list[str]) -> int:
         same = dict.fromkeys(kinds, 0)
         for kind in kinds:
             engines[kind].spec_stats = SpecDecodeStats()
+        for core in engines.values():
+            core.step_times = StepTimes()
         draft_times = engines["draft"].proposer.times if "draft" in engines else None
         draft_before = (draft_times.steps, draft_times.seconds) if draft_times else (0, 0.0)
         for start in range(0, len(prompts), batch):
@@ -130,6 +145,8 @@ def main(argv: list[str]) -> int:
             results[f"spec_{kind}_bs{batch}_tok_s"] = tps
             results[f"spec_{kind}_bs{batch}_acceptance"] = st.acceptance_rate
             results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
+        for kind, core in engines.items():
+            lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")
         if draft_times is not None and draft_times.steps > draft_before[0]:
             ms = 1e3 * (draft_times.seconds - draft_before[1]) / (draft_times.steps - draft_before[0])
             lines.append(f"  batch {batch}, draft model: {draft_times.steps - draft_before[0]} draft steps, {ms:.1f} ms each with the "
