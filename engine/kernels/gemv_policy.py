@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 FP8_MATHS = ("bf16", "fp16", "fp8")  # how the GEMV multiplies an FP8 weight (GemvPolicy.fp8_math; the kernel's FP8_MATH is the index)
-INT4_KERNELS = ("triton", "tinygemm")
-AHEAD_CARRIERS = {"o": "qkv", "down": "o", "qkv": "gate_up"}  # prefetch_ahead: a weight -> the GEMV that asks L2 for it  # which kernel multiplies an int4 weight at batch 1 (GemvPolicy.int4_kernel)
+INT4_KERNELS = ("triton", "tinygemm")  # which kernel multiplies an int4 weight at batch 1 (GemvPolicy.int4_kernel)
 
 
 @dataclass(frozen=True)
@@ -67,16 +66,6 @@ class GemvPolicy:
     with 1 MiB, 1.324 with 2, 1.342 without, 1.428 / 1.527 / 1.592 with 8 / 32 / 128 MiB (a larger
     prefetch competes with the kernel before it for DRAM)."""
 
-    prefetch_ahead: tuple[str, ...] = ()
-    """With ``pdl``, the projections (of ``AHEAD_CARRIERS``) whose weight an earlier GEMV asks L2
-    for after its own K loop, up to ``prefetch_ahead_bytes`` of it, so that the bytes come while
-    the kernels in between run: "o" by the layer's q|k|v GEMV (across attention), "down" by its
-    o_proj GEMV (across the norm and gate|up), "qkv" by the previous layer's gate|up GEMV (across
-    down_proj and the norm). For weights of a few MB, whose GEMVs wait on DRAM latency rather
-    than bandwidth (engine_builder.batch1_policy says where it is on)."""
-    prefetch_ahead_bytes: int = 16 << 20
-    """The most of one weight that ``prefetch_ahead`` asks L2 for (L2 is 50 MB on an H100/H200)."""
-
     int4_kernel: str = "tinygemm"
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
     where the weight has that layout too (W4A16Linear.add_tinygemm); "triton" runs this engine's
@@ -90,9 +79,6 @@ class GemvPolicy:
         unknown = set(self.late_release) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"GemvPolicy.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
-        if set(self.prefetch_ahead) - set(AHEAD_CARRIERS):
-            raise ValueError(f"GemvPolicy.prefetch_ahead: unknown {sorted(set(self.prefetch_ahead) - set(AHEAD_CARRIERS))} "
-                             f"(known: {sorted(AHEAD_CARRIERS)})")
         if self.fp8_math not in FP8_MATHS:
             raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
 

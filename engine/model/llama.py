@@ -25,7 +25,7 @@ from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
-from engine.kernels.linear import ahead_of, decode_linear, fp8_decode_tile, prefetch_columns, usable_split_k
+from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, usable_split_k
 from engine.kv_cache import LayerKV
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
         h, layer = self.embed_tokens(input_ids), self.layers[0]
         x, residual = layer.input_layernorm(h, None, _pdl(gemv, h))
-        return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x, ahead=_ahead(gemv, "o", layer.self_attn.o_proj)), residual
+        return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy,
                          next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,15 +147,11 @@ class LlamaForCausalLM(nn.Module):
         layer, pdl = self.layers[i], _pdl(gemv, attn)
         o_proj = layer.self_attn.o_proj
         # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
-        mlp = layer.mlp
-        if _use_gemv(gemv, attn):
-            h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k, ahead=_ahead(gemv, "down", mlp.down_proj))
-        else:
-            h = o_proj(attn)
+        h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
+        mlp = layer.mlp
         if _use_gemv(gemv, x) and gemv.fused_swiglu:
-            following = self.layers[i + 1].self_attn.qkv_proj if i + 1 < len(self.layers) else None
-            act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True, ahead=_ahead(gemv, "qkv", following))
+            act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True)
         else:
             act = silu_and_mul(_proj(gemv, "gate_up", mlp.gate_up_proj, x), pdl=pdl)
         if _use_gemv(gemv, act) and (gemv.gemv_down or isinstance(mlp.down_proj, W4A16Linear)):  # int4: only its kernel
@@ -166,8 +162,7 @@ class LlamaForCausalLM(nn.Module):
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
         x, residual = self._after_attention(i, attn, residual, gemv, self.layers[i + 1].input_layernorm)
-        attention = self.layers[i + 1].self_attn
-        return _proj(gemv, "qkv", attention.qkv_proj, x, ahead=_ahead(gemv, "o", attention.o_proj)), residual
+        return _proj(gemv, "qkv", self.layers[i + 1].self_attn.qkv_proj, x), residual
 
     def last_piece(self, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
@@ -192,30 +187,20 @@ def _pdl(gemv: GemvPolicy, x: torch.Tensor) -> bool:
     return gemv.pdl and _use_gemv(gemv, x)
 
 
-def _ahead(gemv: GemvPolicy, name: str, linear: nn.Module | None) -> torch.Tensor | None:
-    """What of projection ``name``'s weight (``linear``) its carrier GEMV asks L2 for
-    (GemvPolicy.prefetch_ahead); None when the policy does not say so, or the weight is not one
-    plain tensor (int4's packed layouts)."""
-    if not gemv.pdl or name not in gemv.prefetch_ahead or linear is None or isinstance(linear, W4A16Linear):
-        return None
-    return ahead_of(linear.weight, gemv.prefetch_ahead_bytes)
-
-
-def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor, ahead: torch.Tensor | None = None) -> torch.Tensor:
+def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module
     (cuBLAS, or FP8 tensor cores for an :class:`~engine.fp8.Fp8Linear`)."""
-    return _gemv(gemv, name, x, linear, bias=linear.bias, ahead=ahead) if _use_gemv(gemv, x) else linear(x)
+    return _gemv(gemv, name, x, linear, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
 
 
 def _gemv(
     gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, out_dtype: torch.dtype | None = None, gated: bool = False,
-    split_k: int = 1, bias: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+    split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it),
-    or PyTorch's tinygemm where the policy says so and the weight has that layout. ``ahead``: a
-    later GEMV's weight (:func:`_ahead`) this one asks L2 for after its K loop (not int4's kernels)."""
+    or PyTorch's tinygemm where the policy says so and the weight has that layout."""
     if isinstance(linear, W4A16Linear):
         # Triton: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
         triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
@@ -228,4 +213,4 @@ def _gemv(
     split_k = usable_split_k(weight, split_k, config)
     return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
                          late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,
-                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes), prefetch_next=ahead)
+                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes))

@@ -417,52 +417,6 @@ def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same
             assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
 
 
-@pytest.mark.parametrize("pdl", PDL_CASES)
-def test_a_gemv_that_asks_l2_for_a_later_weight_computes_the_same(pdl):
-    """GemvPolicy.prefetch_ahead: after its K loop the grid asks L2 for another weight's first
-    bytes (a share a program, clamped to the last line); the products are unchanged, plain, gated
-    and split-K, for a later weight of one line, of fewer lines than programs, of more, and FP8
-    bytes (a fault from a stray address would abort the process). Inline PTX, so only with PDL."""
-    from engine.kernels.linear import GemvConfig, ahead_of, decode_linear, decode_linear_ref
-
-    later = [torch.randn(64, device=DEVICE, dtype=DTYPE), torch.randn(7, 200, device=DEVICE, dtype=DTYPE),
-             torch.randn(2048, 1536, device=DEVICE, dtype=DTYPE)]
-    if DEVICE.type == "cuda":
-        later.append(torch.randn(1536, 1536, device=DEVICE).to(torch.float8_e4m3fn))
-    for k, n, config in ((200, 300, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2)), (1536, 2048, None)):
-        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
-        w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
-        for weight in later:
-            ahead = ahead_of(weight, 1 << 20)
-            assert rel(decode_linear(x, w, config=config, pdl=pdl, prefetch_next=ahead), decode_linear_ref(x, w)) < TOL
-            gated = decode_linear(x, w, config=config, gated=True, pdl=pdl, prefetch_next=ahead)
-            assert rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
-            if k % 1024 == 0:
-                parts = decode_linear(x, w, config=config, split_k=2, pdl=pdl, prefetch_next=ahead)
-                assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
-
-
-def test_a_later_weight_is_asked_ahead_up_to_its_budget():
-    """ahead_of: a flat view of the weight's first bytes (all of it when it fits the budget), None
-    under one 128-byte line; the model's _ahead only where the policy names the projection, with
-    PDL, and never for int4's packed layouts."""
-    from engine.kernels.gemv_policy import GemvPolicy
-    from engine.kernels.linear import ahead_of
-    from engine.model.llama import _ahead
-    from engine.w4a16 import W4A16Linear
-
-    w = torch.zeros(2048, 1536, dtype=torch.bfloat16)
-    assert ahead_of(w, 64 << 20).numel() == w.numel() and ahead_of(w, 1 << 20).numel() == 1 << 19
-    assert ahead_of(w, 1 << 20).data_ptr() == w.data_ptr() and ahead_of(w, 127) is None
-    linear = torch.nn.Linear(1536, 2048, bias=False).to(torch.bfloat16)
-    policy = GemvPolicy(max_rows=1, pdl=True, prefetch_ahead=("o",), prefetch_ahead_bytes=1 << 20)
-    assert _ahead(policy, "o", linear).data_ptr() == linear.weight.data_ptr()
-    assert _ahead(policy, "qkv", linear) is None and _ahead(GemvPolicy(max_rows=1, prefetch_ahead=("o",)), "o", linear) is None
-    assert _ahead(policy, "o", W4A16Linear.from_linear(linear.float(), 128)) is None
-    with pytest.raises(ValueError, match="prefetch_ahead"):
-        GemvPolicy(prefetch_ahead=("lm_head",))
-
-
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""

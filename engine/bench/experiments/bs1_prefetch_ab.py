@@ -3,12 +3,11 @@
 gate|up's late release, the batch-1 graph recaptured per variant in one process, three rounds
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
 projections release late; ``--splits``: decode attention's context splits (module constant
-TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; ``--ahead`` (2026-12-04): which later
-weights an earlier GEMV asks L2 for (GemvPolicy.prefetch_ahead) and how much of each. (A form
+TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS. (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too.) Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --ahead]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits]``.
 """
 import random
 import sys
@@ -51,11 +50,6 @@ if "--late" in sys.argv:  # second form: which projections release late, with an
 elif "--splits" in sys.argv:  # fourth form: decode attention's context splits at batch 1 (TARGET_PROGRAMS)
     for target in (264, 32, 16, 8, 2):
         variants[f"attention programs {target}"] = (target, path)
-elif "--ahead" in sys.argv:  # fifth form: later weights asked into L2 by an earlier GEMV
-    for ahead in ((), ("o",), ("qkv",), ("down",), ("o", "qkv"), ("o", "qkv", "down")):
-        variants[f"ahead {'+'.join(ahead) or 'none'}"] = replace(path, prefetch_ahead=ahead)
-    for mib in (2, 8):
-        variants[f"ahead o+qkv, {mib} MiB a weight"] = replace(path, prefetch_ahead=("o", "qkv"), prefetch_ahead_bytes=mib << 20)
 elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
     variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
                 "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
