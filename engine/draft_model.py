@@ -103,6 +103,10 @@ class DraftModelProposer:
         self.times.seconds += time.perf_counter() - start
         return [drafts[w.request_id] for w in wants]
 
+    def may_propose(self, want: DraftWant) -> bool:
+        """Always: the draft model proposes for every request."""
+        return True
+
     def release(self, request_id: str) -> None:
         """Free the mirror's KV blocks (their verified full blocks stay in the draft's prefix cache)."""
         mirror = self.mirrors.pop(request_id, None)

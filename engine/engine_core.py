@@ -234,12 +234,17 @@ class EngineCore:
         none for requests whose sampling reads their outputs (penalties), and never past their
         ``max_tokens`` or the context. Drafts continue the request's tokens as the host knows
         them, so with async scheduling a step still in flight is read back first (its outputs are
-        returned) when any request will draft; a batch too large to speculate stays async."""
+        returned) when any request will draft and the proposer finds drafts likely for one on the
+        tokens known (``Proposer.may_propose``); otherwise the step stays async, without drafts, as
+        does a batch too large to speculate."""
         outputs: list[RequestOutput] = []
         wants, resting = self._draft_wants()
         if wants and self._inflight is not None:
-            outputs = self._finalize(self._take_inflight())
-            wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
+            if any(self.proposer.may_propose(want) for _, want in wants):
+                outputs = self._finalize(self._take_inflight())
+                wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
+            else:
+                wants = []  # no drafts likely on the tokens known: this step stays async
         for req in resting:
             req.acceptance.rest()
         if wants:

@@ -61,6 +61,12 @@ class Proposer(Protocol):
         """Forget a finished request (its draft state, if the proposer keeps any)."""
         ...
 
+    def may_propose(self, want: DraftWant) -> bool:
+        """Whether drafts are likely for ``want``, whose tokens lack the step still in flight:
+        with async scheduling the engine reads that step back (its host work no longer hidden
+        behind the device) only for a want that may get drafts."""
+        ...
+
 
 @dataclass(frozen=True)
 class NgramProposer:
@@ -97,6 +103,14 @@ class NgramProposer:
 
     def release(self, request_id: str) -> None:
         """Nothing to forget: a proposal reads only the request's tokens."""
+
+    def may_propose(self, want: DraftWant) -> bool:
+        """Whether the tokens known so far end in an n-gram seen before: then the token in flight
+        is likely the one that followed it there, and the match goes on. When they do not, a match
+        can still start with the token in flight, but the next step sees it (drafting starts a
+        step late), and the steps in between stay async. On the H200 with the 1.5B at batch 1, a
+        step read back at once took 2.5 ms of host time against 1.4 ms async (2026-12-04)."""
+        return bool(self.propose(want.token_ids, 1))
 
 
 def best_k(acceptance: float, row_cost: float, k_max: int, draft_cost: float = 0.0) -> int:

@@ -51,14 +51,19 @@ def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tu
 
 def step_profile(times: StepTimes) -> str:
     """Where an engine's steps went: per execution path the steps, their mean host time (schedule
-    to outputs) and, on CUDA, their mean device span; then the device's idle time between steps."""
+    to outputs) and, on CUDA, their mean device span; the device's idle time between steps; the
+    host's phases a step (the first includes proposing drafts, and reading back the step in
+    flight when drafts need its tokens)."""
     parts = []
     for mode, (seconds, steps, tokens) in sorted(times.by_mode.items()):
         device = times.device_span.get(mode)
         span = f", device {1e3 * device[0] / device[1]:.2f} ms" if device and device[1] else ""
         parts.append(f"{mode} {int(steps)} steps of {tokens / steps:.1f} tokens, host {1e3 * seconds / steps:.2f} ms{span}")
     idle = f"; device idle {1e3 * times.device_idle:.1f} ms" if times.device_span else ""
-    return "; ".join(parts) + idle
+    steps = max(times.steps, 1)
+    phases = (f"; host a step: schedule (with drafting) {1e3 * times.schedule / steps:.2f} ms, prepare {1e3 * times.prepare / steps:.2f}, "
+              f"launch {1e3 * times.forward / steps:.2f}, read back {1e3 * times.postprocess / steps:.2f}")
+    return "; ".join(parts) + idle + phases
 
 
 def main(argv: list[str]) -> int:

@@ -229,15 +229,50 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
+def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(smollm, llm_gguf_path, quoting_prompts):
+    """Async scheduling, one request at a time: the step in flight is read back for drafts only
+    when the tokens known so far end in an n-gram seen before (NgramProposer.may_propose); the
+    other steps are launched before the one before them is read back. Counting to twenty quotes
+    nothing at first and then repeats itself, so both kinds of step occur. Greedy output as
+    without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts]
+    spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
+    chained = []  # per launched decode step: (launched while the one before was in flight, with drafts)
+    launch = spec.core._launch
+
+    def spy(inputs):
+        step = launch(inputs)
+        if all(not c.request.is_prefilling or c.drafts for c in inputs.chunks):
+            chained.append((step.chained, any(c.drafts for c in inputs.chunks)))
+        return step
+
+    spec.core._launch = spy
+    assert [spec.generate([p], params)[0].token_ids for p in quoting_prompts] == want
+    assert chained.count((True, False)) >= 5 and (False, True) in chained and (True, True) not in chained
+    assert spec.core.spec_stats.num_accepted_tokens > 10
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
 def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts):
     """Async scheduling, speculation for one decoding request at most: a prompt whose prefill ends
     in the step that verifies the other request's drafts makes the next step too large to draft,
     so nothing else reads the verifying step back first; it must have been read back already (the
-    next step was scheduled on its unverified drafts and failed: tokens not known to the host)."""
+    next step was scheduled on its unverified drafts and failed: tokens not known to the host).
+    Its proposer reads every step back for drafts, as a draft model's does, so that the drafts
+    come at the steps that met the failure."""
+    from engine.speculative import NgramProposer
+
+    class EveryStep(NgramProposer):
+        def may_propose(self, want):
+            return True
+
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
     want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=1, long_prefill_token_threshold=8)
+    spec.core.proposer = EveryStep(spec.core.proposer.k)
     assert generate_staggered(spec.core, quoting_prompts[:2], params, steps_between=16) == want
     assert spec.core.spec_stats.num_accepted_tokens > 0
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
