@@ -37,8 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class DraftWant:
@@ -68,41 +66,81 @@ class Proposer(Protocol):
         ...
 
 
+@dataclass
+class NgramIndex:
+    """Where each n-gram (``min_n`` <= n <= ``max_n``) of a growing token sequence last ended,
+    updated as tokens are appended: a lookup costs a few dict reads instead of a scan of the whole
+    context (with the scan, a 1,141-token question's steps spent 0.51 ms of host time scheduling
+    and drafting against 0.08 ms without speculation, on a 2-core CPU: host time that a step read
+    back at once exposes).
+    Only n-grams that end before the last token are indexed: the last n tokens are the key."""
+
+    min_n: int
+    max_n: int
+    ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending at or before this position are in ``ends``
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams of ``tokens`` (the sequence seen so far, grown since the last call)
+        that end before its last token."""
+        last = len(tokens) - 1  # n-grams ending here at the latest
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(self.indexed + 1, n)
+            if first <= last:  # zip builds the n-grams in C: 2,200 tokens in 2.7 ms on a 2-core CPU, once a request
+                grams = zip(*(tokens[first - n + j : last - n + j + 1] for j in range(n)))
+                self.ends.setdefault(n, {}).update(zip(grams, range(first, last + 1)))  # later ends overwrite
+        self.indexed = max(self.indexed, last)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
+        n-gram ending ``tokens``; [] without one."""
+        self.extend(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = self.ends.get(n, {}).get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+
 @dataclass(frozen=True)
 class NgramProposer:
     """Proposes up to ``k`` tokens by matching the request's last ``max_n`` .. ``min_n`` tokens
-    against its earlier tokens (prompt and output), the most recent match of the longest n-gram."""
+    against its earlier tokens (prompt and output), the most recent match of the longest n-gram.
+    Each request's n-grams are indexed as its tokens grow (:class:`NgramIndex`), until it is
+    released."""
 
     k: int
     min_n: int = 2
     max_n: int = 4
+    indexes: dict[str, NgramIndex] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.k < 1 or not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"NgramProposer needs k >= 1 and 1 <= min_n <= max_n, got k={self.k}, "
                              f"min_n={self.min_n}, max_n={self.max_n}")
 
-    def propose(self, tokens: list[int], limit: int | None = None) -> list[int]:
-        """Up to ``min(k, limit)`` draft tokens to follow ``tokens``, or [] without a match."""
+    def propose(self, tokens: list[int], limit: int | None = None, index: NgramIndex | None = None) -> list[int]:
+        """Up to ``min(k, limit)`` draft tokens to follow ``tokens``, or [] without a match;
+        ``index``: the sequence's index so far (default: one built for this call)."""
         k = self.k if limit is None else min(self.k, limit)
         if k < 1 or len(tokens) <= self.min_n:
             return []
-        ids = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            # every window of n tokens that ends before the last token, compared with the suffix
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the token after the most recent earlier occurrence
-                return ids[start : start + k].tolist()
-        return []
+        return (index or NgramIndex(self.min_n, self.max_n)).lookup(tokens, k)
+
+    def _index(self, want: DraftWant) -> NgramIndex:
+        """The request's index, anew if its tokens are not the ones indexed (fewer than them)."""
+        index = self.indexes.get(want.request_id)
+        if index is None or len(want.token_ids) < index.indexed:
+            index = self.indexes[want.request_id] = NgramIndex(self.min_n, self.max_n)
+        return index
 
     def propose_batch(self, wants: list[DraftWant]) -> list[list[int]]:
         """Each want's proposal on its own: a lookup in its own tokens."""
-        return [self.propose(w.token_ids, w.k) for w in wants]
+        return [self.propose(w.token_ids, w.k, self._index(w)) for w in wants]
 
     def release(self, request_id: str) -> None:
-        """Nothing to forget: a proposal reads only the request's tokens."""
+        """Forget the request's index."""
+        self.indexes.pop(request_id, None)
 
     def may_propose(self, want: DraftWant) -> bool:
         """Whether the tokens known so far end in an n-gram seen before: then the token in flight
@@ -110,7 +148,7 @@ class NgramProposer:
         can still start with the token in flight, but the next step sees it (drafting starts a
         step late), and the steps in between stay async. On the H200 with the 1.5B at batch 1, a
         step read back at once took 2.5 ms of host time against 1.4 ms async (2026-12-04)."""
-        return bool(self.propose(want.token_ids, 1))
+        return bool(self.propose(want.token_ids, 1, self._index(want)))
 
 
 def best_k(acceptance: float, row_cost: float, k_max: int, draft_cost: float = 0.0) -> int:

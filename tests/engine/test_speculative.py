@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.sampling import SampleInput, Sampler
-from engine.speculative import Acceptance, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
+from engine.speculative import Acceptance, DraftWant, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 from tests.engine.helpers import SimulatedEngine, generate_staggered, make_request
 
 # A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
@@ -44,6 +44,31 @@ def test_a_proposal_is_always_a_continuation_seen_before(tokens, k):
         tail = tokens[-2:]
         assert any(tokens[i : i + 2] == tail and tokens[i + 2 : i + 2 + len(drafts)] == drafts
                    for i in range(len(tokens) - 2))  # fmt: skip
+
+
+def scan_proposal(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """The proposal by a scan of every earlier window (what NgramIndex answers from its index)."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        ends = [i + n for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+        if ends:
+            return tokens[ends[-1] : ends[-1] + k]
+    return []
+
+
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=60), st.lists(st.integers(1, 7), min_size=1, max_size=8), st.integers(1, 5))
+def test_a_request_s_index_grown_step_by_step_proposes_what_a_scan_would(tokens, cuts, k):
+    """NgramProposer keeps each request's n-grams indexed as its tokens grow (several tokens a step
+    when drafts are accepted): every proposal along the way is the scan's, until released."""
+    proposer = NgramProposer(k=k)
+    end = 0
+    for cut in cuts * 10:
+        end = min(end + cut, len(tokens))
+        want = DraftWant("r", tokens[:end], k)
+        drafts = proposer.propose_batch([want])[0]
+        assert drafts == (scan_proposal(tokens[:end], k) if end > 2 else [])
+        assert proposer.may_propose(want) == bool(drafts)
+    proposer.release("r")
+    assert "r" not in proposer.indexes
 
 
 def test_verification_keeps_samples_up_to_the_first_rejected_draft():
@@ -97,7 +122,7 @@ def test_drafts_are_proposed_only_as_many_as_pay_at_the_measured_acceptance():
 class WrongGuesses(NgramProposer):
     """Always proposes token 0, which the model never says here: every draft is rejected."""
 
-    def propose(self, tokens, limit=None):
+    def propose(self, tokens, limit=None, index=None):
         return [0] * min(self.k, limit or self.k)
 
 
