@@ -256,7 +256,10 @@ class EngineCore:
         """The decoding requests that draft this step and how many tokens each (their drafts
         reset to none first), and those whose estimate keeps them from drafting (they rest)."""
         decoding = [r for r in self.scheduler.running if not r.is_prefilling and not r.status.finished]
-        speculate = len(decoding) <= self.config.speculative_max_batch
+        if len(decoding) > self.config.speculative_max_batch:  # too many to speculate: no per-request work
+            for req in decoding:
+                req.draft_token_ids = []
+            return [], []
         wants: list[tuple[Request, DraftWant]] = []
         resting: list[Request] = []
         for req in decoding:
@@ -264,9 +267,9 @@ class EngineCore:
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens, self.draft_cost)
             k = min(room, pays)
-            if speculate and k > 0 and not req.sampling_params.has_penalties:
+            if k > 0 and not req.sampling_params.has_penalties:
                 wants.append((req, DraftWant(req.request_id, req.all_token_ids, k)))
-            if speculate and pays == 0:
+            if pays == 0:
                 resting.append(req)
         return wants, resting
 
