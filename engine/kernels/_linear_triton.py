@@ -151,21 +151,37 @@ def decode_linear_kernel(
 
 @triton.jit
 def gemv_sum_kernel(
-    X, W, Y, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, W, Y, B, N, K, stride_wn, stride_ys,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     """One row of x (batch 1): multiply-and-reduce on the CUDA cores, no tensor-core padding
-    (a variant ``kernel_bench --gemv`` compares; K % BLOCK_K == 0)."""
+    (K % (SPLIT_K * BLOCK_K) == 0). Narrow weights of a few MB (the 1.5B's q|k|v and o_proj) ran
+    faster so in isolation than the "dot" tiles (4.2 / 3.9 us against 4.9 / 5.0, H200 sweep,
+    2026-12-03). SPLIT_K, HAS_BIAS (SPLIT_K 1 only), USE_PDL and PREFETCH_K as in
+    decode_linear_kernel (partials [SPLIT_K, 1, N] in float32)."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = K // SPLIT_K
+    k_first = pid_k * k_len
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    n_mask = offs_n[:, None] < N
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_first + offs_k[None, :]
+    if USE_PDL and PREFETCH_K > 0:  # the weight's first columns into L2 while the kernel before runs
+        own_rows = tl.where(n_ok, offs_n, pid * BLOCK_N)
+        row_ptrs = W + own_rows.to(tl.int64)[:, None] * stride_wn + k_first
+        lines = tl.arange(0, 8) * LINE
+        for k0 in range(0, PREFETCH_K, 8 * LINE):
+            prefetch_l2(row_ptrs + tl.minimum(k0 + lines, k_len - 1)[None, :])
+    pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(X + k + offs_k).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask, other=0.0, eviction_policy="evict_first")
+    for k in range(0, k_len, BLOCK_K):
+        x = tl.load(X + k_first + k + offs_k).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
-    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=offs_n < N)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + pid_k * stride_ys + offs_n, y.to(Y.dtype.element_ty), mask=n_ok)

@@ -66,6 +66,12 @@ class GemvPolicy:
     with 1 MiB, 1.324 with 2, 1.342 without, 1.428 / 1.527 / 1.592 with 8 / 32 / 128 MiB (a larger
     prefetch competes with the kernel before it for DRAM)."""
 
+    sum_tiles: tuple[str, ...] = ()
+    """The projections (of ``PROJECTIONS``) whose one-row GEMV runs the CUDA-core "sum" tile
+    (engine/kernels/linear.py ``sum_tile``: multiply-and-reduce, no tensor-core padding) instead
+    of the "dot" tile, where the weight is bf16 and its K splits into the tile; unsplit then
+    unless K splits into whole tiles (engine_builder.batch1_policy says where it is on)."""
+
     int4_kernel: str = "tinygemm"
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
     where the weight has that layout too (W4A16Linear.add_tinygemm); "triton" runs this engine's
@@ -76,9 +82,9 @@ class GemvPolicy:
     def __post_init__(self) -> None:
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"GemvPolicy.int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
-        unknown = set(self.late_release) - set(PROJECTIONS)
+        unknown = (set(self.late_release) | set(self.sum_tiles)) - set(PROJECTIONS)
         if unknown:
-            raise ValueError(f"GemvPolicy.late_release: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
+            raise ValueError(f"GemvPolicy.late_release / sum_tiles: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
         if self.fp8_math not in FP8_MATHS:
             raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
 

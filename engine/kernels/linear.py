@@ -91,6 +91,14 @@ def fp8_decode_tile(n: int, k: int, block_k: int) -> GemvConfig:
     return replace(decode_tile(n, k), block_k=block_k)
 
 
+def sum_tile(n: int, k: int) -> GemvConfig | None:
+    """The CUDA-core "sum" tile for an [n, k] weight at batch 1 (GemvPolicy.sum_tiles): 4 rows of
+    W a program, K 512 at a time, the fastest for the 1.5B's q|k|v and o_proj in the H200 sweep
+    (docs/results/2026-12-03-h200-gemv-sweep-qwen1.5b.txt); None where K does not split into it."""
+    config = GemvConfig("sum", 4, 512, 4, 3)
+    return config if k % config.block_k == 0 else None
+
+
 def usable_split_k(w: torch.Tensor, split_k: int, config: GemvConfig | None = None) -> int:
     """``split_k`` where it divides the weight's K into whole tiles (of ``config``, default
     :func:`decode_tile`'s), else 1 (no split)."""
@@ -118,7 +126,8 @@ def decode_linear(
     w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
-    -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows.
+    -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows. A "sum" ``config``
+    (:func:`sum_tile`) runs the CUDA-core kernel instead: one row, no ``gated``, no FP8 weight.
 
     ``split_k`` > 1: float32 partial products [split_k, M, N] over K slices, to be summed by the
     consumer (:func:`~engine.kernels.norm.add_rms_norm` takes them as its ``x``); K must be a
@@ -137,6 +146,9 @@ def decode_linear(
     from engine.kernels.triton_utils import launch_options
 
     config = config or decode_tile(*w.shape)
+    if config.kind == "sum":
+        return _sum_linear(x, w, out_dtype, config, gated=gated, pdl=pdl, split_k=split_k, bias=bias, w_scale=w_scale,
+                           prefetch_k=prefetch_k)
     m, (rows, k) = x.shape[0], w.shape
     n = rows // 2 if gated else rows
     block_n = config.block_n // 2 if gated else config.block_n  # same weight rows per program
@@ -166,16 +178,33 @@ def decode_linear(
     return y
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-    """Plain x @ w^T with the kernel and tile named by ``config`` (the sweep's candidates)."""
-    if config.kind == "dot":
-        return decode_linear(x, w, config=config)
+def _sum_linear(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None, config: GemvConfig, *, gated: bool, pdl: bool, split_k: int,
+    bias: torch.Tensor | None, w_scale: torch.Tensor | None, prefetch_k: int,
+) -> torch.Tensor:
+    """:func:`decode_linear` with a "sum" tile: one row of x, a plain (not gated, not FP8) weight."""
     from engine.kernels._linear_triton import gemv_sum_kernel
+    from engine.kernels.triton_utils import launch_options
 
     n, k = w.shape
-    if not config.fits(x.shape[0], k):
-        raise ValueError(f"gemv {config} cannot take x {tuple(x.shape)} and w {tuple(w.shape)}")
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    gemv_sum_kernel[(-(-n // config.block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                               num_warps=config.num_warps, num_stages=config.num_stages)
+    if (gated or w_scale is not None or split_k < 1 or not config.fits(x.shape[0], k // split_k) or k % split_k
+            or x.stride(1) != 1 or w.stride(1) != 1 or (split_k > 1 and (out_dtype is not None or bias is not None))
+            or (bias is not None and (bias.shape != (n,) or bias.stride(0) != 1))):
+        raise ValueError(f"decode_linear: x {tuple(x.shape)} w {tuple(w.shape)} {w.dtype} gated={gated} split_k={split_k} "
+                         f"bias {None if bias is None else tuple(bias.shape)} fp8={w_scale is not None} do not fit {config}")
+    if split_k > 1:
+        y = torch.empty((split_k, 1, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    gemv_sum_kernel[(-(-n // config.block_n), split_k)](
+        x, w, y, w if bias is None else bias, n, k, w.stride(0), y.stride(0) if split_k > 1 else 0,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None, USE_PDL=pdl,
+        PREFETCH_K=prefetch_k if pdl else 0, LINE=128 // w.element_size(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+    )
     return y
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    """Plain x @ w^T with the kernel and tile named by ``config`` (the sweep's candidates)."""
+    return decode_linear(x, w, config=config)

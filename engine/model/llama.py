@@ -25,7 +25,7 @@ from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
-from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, usable_split_k
+from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, sum_tile, usable_split_k
 from engine.kv_cache import LayerKV
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
@@ -210,6 +210,8 @@ def _gemv(
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
+    if name in gemv.sum_tiles and scale is None and not gated and x.shape[0] == 1:
+        config = sum_tile(*weight.shape) or config
     split_k = usable_split_k(weight, split_k, config)
     return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
                          late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,

@@ -140,6 +140,7 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     releases = {v.late_release for v in variants.values() if v.max_rows}
     assert {(), path.late_release, ("qkv",)} <= releases  # none, the default, each projection alone
     assert {v.prefetch_bytes >> 20 for v in variants.values() if v.max_rows} == {0, 1, 4, 16, 64}
+    assert {("qkv",), ("o",), ("qkv", "o")} <= {v.sum_tiles for v in variants.values()}
     for fp8, int4 in ((True, False), (False, True)):  # FP8 weights: also their math, tiles and down split; int4: its kernel
         quantized = decode_path_variants(path, fp8, int4)
         for name, variant in quantized.items():

@@ -417,6 +417,54 @@ def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same
             assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_the_cuda_core_gemv_matches_the_reference(pdl):
+    """GemvPolicy.sum_tiles (the "sum" tile, one row): plain, with a bias, float32 out, split-K
+    partials that sum to the product, its weight prefetched (PDL only), odd N (masked rows); a
+    second row, a gated or an FP8 weight, or a K that does not split into its tiles is refused."""
+    from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref, sum_tile
+
+    for k, n in ((1024, 300), (1536, 2048), (512, 7)):
+        config = sum_tile(n, k)
+        assert config.kind == "sum"
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        b = torch.randn(n, device=DEVICE, dtype=DTYPE)
+        assert rel(decode_linear(x, w, config=config, pdl=pdl, prefetch_k=k // 2), decode_linear_ref(x, w)) < TOL
+        got = decode_linear(x, w, torch.float32, config, pdl=pdl, bias=b)
+        assert got.dtype == torch.float32 and rel(got, decode_linear_ref(x, w, torch.float32, b)) < TOL
+        if k % 1024 == 0:
+            parts = decode_linear(x, w, config=config, pdl=pdl, split_k=2)
+            assert parts.shape == (2, 1, n) and rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
+        for bad in ({"gated": True}, {"split_k": 4 if k == 1024 else 2}):  # K slices of 256 or 768: not whole tiles
+            with pytest.raises(ValueError, match="do not fit"):
+                decode_linear(x, w, config=config, **bad)
+        with pytest.raises(ValueError, match="do not fit"):
+            decode_linear(torch.cat([x, x]), w, config=config)
+    assert sum_tile(64, 200) is None and GemvConfig("sum", 4, 512).fits(1, 1536) and not GemvConfig("sum", 4, 512).fits(2, 1536)
+
+
+def test_the_policy_puts_named_one_row_projections_on_the_cuda_core_gemv(monkeypatch):
+    """The model's _gemv takes the "sum" tile for a projection GemvPolicy.sum_tiles names, at one
+    row of a bf16 weight whose K splits into it (unsplit where its split does not), and the "dot"
+    tile otherwise."""
+    import engine.model.llama as llama
+    from engine.kernels.gemv_policy import GemvPolicy
+
+    seen = []
+    monkeypatch.setattr(llama, "decode_linear", lambda x, w, out_dtype, config, **kw: seen.append((config and config.kind, kw["split_k"])))
+    linear = torch.nn.Linear(1536, 2048, bias=False)
+    policy = GemvPolicy(max_rows=16, sum_tiles=("qkv", "o"))
+    llama._gemv(policy, "qkv", torch.zeros(1, 1536), linear)
+    llama._gemv(policy, "o", torch.zeros(1, 1536), linear, split_k=2)  # 1,536 is not two 512-wide slices
+    llama._gemv(policy, "qkv", torch.zeros(2, 1536), linear)
+    llama._gemv(policy, "gate_up", torch.zeros(1, 1536), linear, gated=True)
+    llama._gemv(GemvPolicy(max_rows=1), "qkv", torch.zeros(1, 1536), linear)
+    assert seen == [("sum", 1), ("sum", 1), (None, 1), (None, 1), (None, 1)]
+    with pytest.raises(ValueError, match="sum_tiles"):
+        GemvPolicy(sum_tiles=("q_proj",))
+
+
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""
