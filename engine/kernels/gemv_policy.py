@@ -70,7 +70,10 @@ class GemvPolicy:
     """The projections (of ``PROJECTIONS``) whose one-row GEMV runs the CUDA-core "sum" tile
     (engine/kernels/linear.py ``sum_tile``: multiply-and-reduce, no tensor-core padding) instead
     of the "dot" tile, where the weight is bf16 and its K splits into the tile; unsplit then
-    unless K splits into whole tiles (engine_builder.batch1_policy says where it is on)."""
+    unless K splits into whole tiles. Off: on the 1.5B shape, q|k|v and o_proj on it replayed the
+    batch-1 graph in 1.290 ms against 1.303-1.316 in one run (three rounds,
+    engine/bench/experiments/bs1_prefetch_ab.py --sum) and 1.31 against 1.30 in the bench's A/B
+    rows of the next (H200, 2026-12-04): within noise."""
 
     int4_kernel: str = "tinygemm"
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
