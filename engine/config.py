@@ -258,8 +258,10 @@ class EngineConfig:
     the same tokens at temperature 0, the same distribution above it, fewer steps when answers
     quote their prompt. ``draft``: the drafts are what ``draft_model``, a smaller model of the same
     tokenizer, says greedily (engine/draft_model.py). Drafts continue the tokens the host
-    knows, so with async scheduling a step in flight is read back before any request drafts;
-    the steps of a batch too large to speculate (``speculative_max_batch``) stay async."""
+    knows, so with async scheduling a step in flight is read back when a request will draft and
+    the proposer finds a draft likely (n-gram: the known tokens end in an n-gram seen before; a
+    draft model: always); the other steps, and those of a batch too large to speculate
+    (``speculative_max_batch``), stay async."""
     draft_model: str | None = None
     """With ``speculative="draft"``: the draft model's path (any form ``model`` takes). It runs
     as an engine of its own (same device, quantization, block size and context), with a KV cache
@@ -284,8 +286,10 @@ class EngineConfig:
     bound by reading the weights, and rows for drafts then cost about what they might save. The
     2-core CPU, Qwen2.5-Coder-1.5B int4 (docs/performance.md): 1.54x at batch 1, 1.16x at 4, 1.12x
     at 8, 0.98x at 16. On CUDA a verifying step of up to this many requests replays a row graph
-    (``row_cuda_graphs``); on the H200 with the 1.5B, n-gram drafts paid at batch 2 at most
-    (1.03x; 0.96x at 4, 0.77x at 8), so there speculation is off by default."""
+    (``row_cuda_graphs``). On the H200 with the 1.5B and handbook questions (2026-12-04), n-gram
+    drafts gave 1.37x at batch 1, 1.36x at 2 and 1.21x at 8, but a group of 32 finished 0.89x
+    as fast (its tail drafts, and each step that may draft is read back at once), and the 0.5B
+    draft model 0.90-0.99x: there speculation is off by default (the assistant's ``auto``)."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
