@@ -71,22 +71,6 @@ def test_a_request_s_index_grown_step_by_step_proposes_what_a_scan_would(tokens,
     assert "r" not in proposer.indexes
 
 
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=5))
-def test_requests_that_share_a_prompt_prefix_share_its_index_and_propose_what_a_scan_would(shared, tails):
-    """NgramProposer.prefixes: each request's prompt is a shared prefix plus its own tail; the
-    requests after the first copy the prefix's index (4 tokens at a time here), grow their own
-    copies without touching it, and every proposal is the scan's; at most ``max_prefixes`` are kept."""
-    proposer = NgramProposer(k=3, prefix_stride=4, max_prefixes=2)
-    for i, tail in enumerate(tails):
-        tokens = shared + tail
-        for end in (len(tokens), len(tokens) + 3):  # the prompt, then three more tokens
-            grown = tokens + tokens[:end - len(tokens)]
-            assert proposer.propose_batch([DraftWant(f"r{i}", grown, 3)])[0] == (scan_proposal(grown, 3) if len(grown) > 2 else [])
-    assert len(proposer.prefixes) <= 2
-    for prefix, index in proposer.prefixes.items():  # each kept prefix's index holds its own n-grams only
-        assert len(prefix) % 4 == 0 and index.indexed == len(prefix)
-
-
 def test_verification_keeps_samples_up_to_the_first_rejected_draft():
     assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus the sample after them
     assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the second draft rejected: its sample replaces it
