@@ -10,7 +10,7 @@ groups of each ``--batch`` size. Printed for each: decode tokens/s (output token
 over the time from the group's first token to its last) of each and its ratio to the baseline, the
 drafts' acceptance rate and the tokens a verifying step appends, whether the outputs are token for
 token the same (they must be: greedy), the draft model's step time beside a plain decode step's,
-and batch-1 decode against the bandwidth ceiling of a one-token step (weights and KV bytes / copy
+where each engine's steps went, the batch sizes at which each kind pays, and batch-1 decode against the bandwidth ceiling of a one-token step (weights and KV bytes / copy
 bandwidth), which speculation can pass: it appends several tokens for one read of the weights.
 """
 
@@ -164,6 +164,10 @@ def main(argv: list[str]) -> int:
                 rows.append(Row(f"decode, batch 1, {names[kind]}", spent[kind][0] / spent[kind][1], "tok/s",
                                 "bandwidth ceiling of a 1-token step", ceiling))
             results["decode_bs1_ceiling_tok_s"] = ceiling
+    for kind in kinds:
+        paying = [b for b in args.batch if results[f"spec_{kind}_bs{b}_speedup"] > 1.0]
+        results[f"spec_{kind}_pays_at_batches"] = paying
+        lines.append(f"  {names[kind]} pays (speed-up > 1) at batch {', '.join(map(str, paying)) or 'none of ' + str(args.batch)}")
     print(format_table(rows))
     print("\n".join(lines))
     if args.json:
