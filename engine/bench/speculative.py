@@ -10,8 +10,9 @@ groups of each ``--batch`` size. Printed for each: decode tokens/s (output token
 over the time from the group's first token to its last) of each and its ratio to the baseline, the
 drafts' acceptance rate and the tokens a verifying step appends, whether the outputs are token for
 token the same (they must be: greedy), the draft model's step time beside a plain decode step's,
-where each engine's steps went, the batch sizes at which each kind pays, and batch-1 decode against the bandwidth ceiling of a one-token step (weights and KV bytes / copy
-bandwidth), which speculation can pass: it appends several tokens for one read of the weights.
+where each engine's steps went, the batch sizes at which each kind pays, and batch-1 decode
+against the bandwidth ceiling of a one-token step (weights and KV bytes / copy bandwidth), which
+speculation can pass: it appends several tokens for one read of the weights.
 """
 
 from __future__ import annotations
