@@ -40,6 +40,29 @@ PDL = pdl_supported(DEVICE)
 PDL_CASES = [False, True] if PDL else [False]
 
 
+@pytest.fixture(autouse=True)
+def interpreter_grids_of_tens_of_programs(monkeypatch):
+    """Decode attention splits the context until (request, KV head, split) programs fill the H200
+    (TARGET_PROGRAMS, 264); the interpreter runs programs one after another, 4-20 ms each. There a
+    target of 40 leaves every case below split (or unsplit) as 264 does, with slices of one narrow
+    tile or of wide ones (the bench sweeps the target too), at a sixth of the programs."""
+    if DEVICE.type == "cpu":
+        import engine.attention.triton_paged as triton_paged
+
+        monkeypatch.setattr(triton_paged, "TARGET_PROGRAMS", 40)
+
+
+# A fresh request, short contexts (one narrow tile a slice) and a long one (slices of one or more
+# wide tiles, the last one partial: 400 in the H200's many splits, 260 in the interpreter's 2-10)
+DECODE_CONTEXTS = [0, 5, 37, 400, 1] if DEVICE.type == "cuda" else [0, 5, 37, 260]
+
+
+def decoded_tokens(on_cuda: int) -> int:
+    """Tokens a model test decodes: the prompt's step gives the first, batch-1 (GEMV) steps the
+    rest. In the interpreter one such step (~1 s; a second runs the same kernels and wiring)."""
+    return on_cuda if DEVICE.type == "cuda" else 2
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
@@ -85,7 +108,7 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl
     """The default context tiles (0) and others the sweep times: short slices as one small tile,
     longer ones in wide tiles ending inside a tile."""
     seed = random.randrange(1 << 30)
-    ctx = [0, 5, 37, 400, 1][: 4 if DEVICE.type == "cpu" else 5]  # 400: slices of several tiles
+    ctx = DECODE_CONTEXTS
     cache, meta = build_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
@@ -196,7 +219,7 @@ def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     hq, hkv, dim, page = 8, 8, 16, 4
     n = -(-TARGET_PROGRAMS // hkv)
     assert decode_splits(n, hkv) == 1
-    cache, meta = build_batch([1] * n, [(7 * i) % 45 for i in range(n)], hkv, dim, page, seed)
+    cache, meta = build_batch([1] * n, [(23 * i) % 90 for i in range(n)], hkv, dim, page, seed)  # one tile or several
     q = torch.randn(n, hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
     decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out)
@@ -204,22 +227,34 @@ def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     assert rel(out, paged_attention_reference(q, cache, meta, dim**-0.5)) < TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("tiles", [PREFILL, PrefillConfig(16, 16, 4, 1)])
+PREFILL_TILES = [PREFILL, PrefillConfig(16, 16, 4, 1)]  # the default, and small tiles
+
+
+def prefill_in_each_tile_shape(q, cache, meta, decoded: torch.Tensor, scale: float):
+    """(tiles, output) for each of PREFILL_TILES: the prefill rows written over ``decoded`` (the
+    decode rows' output, NaN elsewhere) by prefill_attention with those tiles."""
+    for tiles in PREFILL_TILES:
+        out = decoded.clone()
+        meta.scratch.pop("prefill_tiles", None)  # the request tiles of the shape before
+        yield tiles, prefill_attention(q, cache, meta, scale, out, tiles)
+
+
 @pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (6, 3, 64, 16), (4, 2, 24, 4)])  # 24: a padded head dim
-def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page, tiles):
-    """Small tiles put most keys in the kernel's unmasked loop (cached context and the chunk's
-    earlier keys) and leave the causal diagonal to the masked one; the default tiles mask all."""
+def test_mixed_decode_and_chunked_prefill_match_reference(hq, hkv, dim, page):
+    """The decode rows once, the prefill chunks in both tile shapes: small tiles put most keys in
+    the kernel's unmasked loop (cached context and the chunk's earlier keys) and leave the causal
+    diagonal to the masked one; the default tiles mask all."""
     seed = random.randrange(1 << 30)
     query_lens = [1, 1, 19, 70, 3]  # two decodes, then prefills: fresh, after cached context, tiny
     ctx_lens = [12, 40, 0, 33, 90]
     cache, meta = build_batch(query_lens, ctx_lens, hkv, dim, page, seed)
     q = torch.randn(sum(query_lens), hq, dim, device=DEVICE, dtype=DTYPE)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], dim**-0.5, out[:2])
-    prefill_attention(q, cache, meta, dim**-0.5, out, tiles)
+    decoded = torch.full_like(q, float("nan"))
+    decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], dim**-0.5, decoded[:2])
     ref = paged_attention_reference(q, cache, meta, dim**-0.5)
-    assert not out.isnan().any()
-    assert rel(out, ref) < TOL, f"seed {seed}"
+    for tiles, out in prefill_in_each_tile_shape(q, cache, meta, decoded, dim**-0.5):
+        assert not out.isnan().any(), tiles
+        assert rel(out, ref) < TOL, f"{tiles} seed {seed}"
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
@@ -288,7 +323,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
     """Scales applied to the score columns (K) and the probabilities' columns (V): the same as
     attention over the dequantized cache, to float rounding."""
     seed = random.randrange(1 << 30)
-    ctx = [0, 5, 37, 400, 1][: 4 if DEVICE.type == "cpu" else 5]
+    ctx = DECODE_CONTEXTS
     cache, meta = fp8_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
@@ -329,21 +364,20 @@ def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq
     assert rel(out, ref) < FP8_TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("tiles", [PREFILL, PrefillConfig(16, 16, 4, 1)])
 @pytest.mark.parametrize("hq,hkv,dim,page", [(4, 2, 16, 4), (4, 2, 24, 4)])
-def test_prefill_attention_over_an_fp8_cache_matches_the_reference_on_its_contents(hq, hkv, dim, page, tiles):
-    """Decodes and prefill chunks (fresh, after cached context) over an FP8 cache, both the
-    unmasked and the masked loop: as attention over the dequantized cache."""
+def test_prefill_attention_over_an_fp8_cache_matches_the_reference_on_its_contents(hq, hkv, dim, page):
+    """Decodes and prefill chunks (fresh, after cached context) over an FP8 cache, in both tile
+    shapes (the unmasked and the masked loop): as attention over the dequantized cache."""
     seed = random.randrange(1 << 30)
     query_lens, ctx_lens = [1, 1, 19, 70, 3], [12, 40, 0, 33, 90]
     cache, meta = fp8_batch(query_lens, ctx_lens, hkv, dim, page, seed)
     q = torch.randn(sum(query_lens), hq, dim, device=DEVICE, dtype=DTYPE)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], dim**-0.5, out[:2])
-    prefill_attention(q, cache, meta, dim**-0.5, out, tiles)
+    decoded = torch.full_like(q, float("nan"))
+    decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], dim**-0.5, decoded[:2])
     ref = paged_attention_reference(q, cache.dequantized(DTYPE), meta, dim**-0.5)
-    assert not out.isnan().any()
-    assert rel(out, ref) < FP8_TOL, f"seed {seed}"
+    for tiles, out in prefill_in_each_tile_shape(q, cache, meta, decoded, dim**-0.5):
+        assert not out.isnan().any(), tiles
+        assert rel(out, ref) < FP8_TOL, f"{tiles} seed {seed}"
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
@@ -384,7 +418,7 @@ def test_decode_gemv_matches_reference(rows, pdl):
     the gated form (SwiGLU in the epilogue) against silu(gate) * up of the plain product."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
 
-    for k, n, config in ((200, 300, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2)), (4096, 64, GemvConfig("dot", 32, 512, 4, 2))):
+    for k, n, config in ((200, 140, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2)), (4096, 64, GemvConfig("dot", 32, 512, 4, 2))):
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
         assert rel(decode_linear(x, w, config=config, pdl=pdl), decode_linear_ref(x, w)) < TOL
@@ -402,13 +436,14 @@ def test_a_gemv_that_prefetches_its_weight_before_the_pdl_wait_computes_the_same
     requested into L2 first; the products are unchanged (the prefetch touches no register result)
     and its clamped addresses stay inside the weight (a fault would abort the process). The
     prefetch runs before a PDL wait, so only with PDL (Hopper+; the interpreter has no inline PTX
-    and checks that without PDL the argument changes nothing)."""
+    and checks that without PDL the argument changes nothing: one value of it, small weights)."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
 
-    for k, n, config in ((200, 300, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2)), (1536, 2048, None)):
+    whole_k = (1536, 2048, None) if pdl else (256, 72, None)  # the default tile, whole K tiles
+    for k, n, config in ((200, 140, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2)), whole_k):
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
-        for prefetch_k in (64, k // 2, k):
+        for prefetch_k in (64, k // 2, k) if pdl else (k // 2,):
             assert rel(decode_linear(x, w, config=config, pdl=pdl, prefetch_k=prefetch_k), decode_linear_ref(x, w)) < TOL
             gated = decode_linear(x, w, config=config, gated=True, pdl=pdl, prefetch_k=prefetch_k)
             assert rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
@@ -546,7 +581,7 @@ def test_an_fp8_weight_gemv_scales_each_row(rows, math):
     from engine.fp8 import quantize_rows
     from engine.kernels.linear import decode_linear, fp8_decode_tile
 
-    k, n = 512, 96
+    k, n = 512, 64
     x = torch.randn(rows, k, device=DEVICE) * torch.logspace(0, 2, rows, device=DEVICE)[:, None]
     x = x.to(DTYPE)
     w = torch.randn(2 * n, k, device=DEVICE) * torch.logspace(-2, 0, 2 * n, device=DEVICE)[:, None]
@@ -581,7 +616,7 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     from engine.w4a16 import int4_linear_ref, quantize_groups
 
     tol = max(TOL, 2e-3)
-    for k, n, group in ((384, 100, 128), (512, 72, 32), (256, 300, 128)):
+    for k, n, group in ((384, 100, 128), (256, 72, 32), (256, 120, 128)):
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         w = torch.randn(n, k, device=DEVICE) * torch.logspace(-2, 0, k, device=DEVICE)[None, :] + torch.randn(n, 1, device=DEVICE)
         q, scales, mins = quantize_groups(w.to(DTYPE), group)
@@ -633,11 +668,13 @@ def test_a_gated_gemv_needs_gate_and_up_halves():
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_decode_gemv_adds_a_bias_in_its_epilogue(rows, pdl):
     """Qwen2's q|k|v bias: x @ w^T + b in x's dtype and in float32; odd widths (masked K and N),
-    a program owning fewer columns than its tile, the 0.5B's and 1.5B's q|k|v shapes. The bias is
-    as large as the product, so leaving it out or adding it to the wrong columns fails."""
+    a program owning fewer columns than its tile, whole K tiles of the default tile (on CUDA the
+    0.5B's and 1.5B's q|k|v shapes; in the interpreter a small one). The bias is as large as the
+    product, so leaving it out or adding it to the wrong columns fails."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref
 
-    for k, n, config in ((200, 300, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2, columns=23)), (896, 1152, None), (1536, 2048, None)):
+    whole_k = ((896, 1152, None), (1536, 2048, None)) if DEVICE.type == "cuda" else ((256, 72, None),)
+    for k, n, config in ((200, 140, None), (256, 100, GemvConfig("dot", 32, 64, 4, 2, columns=23))) + whole_k:
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
         b = torch.randn(n, device=DEVICE, dtype=DTYPE)
@@ -660,19 +697,20 @@ def test_a_gemv_bias_must_fit_its_output():
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, request):
     """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs (Qwen2's q|k|v bias in the
-    GEMV's epilogue; o_proj split-K, its partials summed by the norm after it) give the same
-    tokens and log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU)."""
+    GEMV's epilogue; gated or the SwiGLU kernel after it; down_proj as a GEMV or on torch) give the
+    same tokens and log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU).
+    These models' K of 72 and 100 split into no whole tiles: split-K is
+    test_split_k_projections_decode_like_torch_linear's."""
     from engine import LLM, SamplingParams, build_engine
     from engine.llm import make_config
 
     model_dir = request.getfixturevalue(fixture)
 
     prompt = [5, 17, 33, 2, 90, 41, 7]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=decoded_tokens(4), ignore_eos=True, logprobs=0)
     outputs = {}
-    paths = {"plain": GemvPolicy(), "gemv": GemvPolicy(max_rows=1), "gemv+swiglu kernel": GemvPolicy(max_rows=1, fused_swiglu=False),
-             "gemv+down": GemvPolicy(max_rows=1, gemv_down=True), "gemv, o split": GemvPolicy(max_rows=1, o_split_k=2),
-             "gemv, down on torch": GemvPolicy(max_rows=1, gemv_down=False, o_split_k=2)}
+    paths = {"plain": GemvPolicy(), "gemv": GemvPolicy(max_rows=1),
+             "gemv+swiglu kernel, down on torch": GemvPolicy(max_rows=1, fused_swiglu=False, gemv_down=False)}
     if PDL:
         paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
     for name, path in paths.items():
@@ -693,11 +731,12 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
 @pytest.fixture(scope="module")
 def tiny_qwen2_16_dir(tmp_path_factory):
     """A Qwen2 (q|k|v bias) whose every projection has dims of 128 or 256: FP8 matmuls need
-    multiples of 16, int4 groups of 128."""
+    multiples of 16, int4 groups of 128. Two layers: one into the next layer's norm, one into the
+    final norm."""
     from tests.engine.conftest import save_tiny_llama
 
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-qwen2-16"), seed=3, architecture="qwen2", hidden_size=128,
-                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-qwen2-16"), seed=3, architecture="qwen2", num_hidden_layers=2,
+                           hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
 @pytest.mark.parametrize("math", ["bf16", "fp16"])
@@ -719,7 +758,7 @@ def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tin
             for path in PROJECTIONS:
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     prompt = [(7 * i + 3) % 300 for i in range(20)]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=decoded_tokens(5), ignore_eos=True, logprobs=0)
     policy = GemvPolicy(max_rows=1, fp8_math=math, fp8_block_k=256)
     got = LLM(core=build_engine(config, fp8, gemv=policy)).generate([prompt], params)[0]
     # the prompt's activations are rounded to e4m3 (W8A8): the first token's log-prob moves more there
@@ -730,7 +769,7 @@ def test_an_fp8_model_decodes_through_the_gemvs_like_its_dequantized_weights(tin
 def test_rows_rounded_to_e4m3_by_one_kernel_match_the_torch_rule():
     """engine/kernels/row_quant.py against engine/fp8.py quantize_rows, rows whose magnitudes span
     10,000x, K not a multiple of the kernel's block, one all-zero row: the same scales, and the
-    same e4m3 values (the interpreter mis-rounds ~1.5% of float32 -> e4m3 conversions near binade
+    same e4m3 values (the interpreter mis-rounds ~2% of float32 -> e4m3 conversions near binade
     edges, so there at least 95%), each within e4m3's rounding of x."""
     from engine.fp8 import FP8_MAX, quantize_rows
     from engine.kernels.row_quant import quantize_rows_triton
@@ -744,8 +783,9 @@ def test_rows_rounded_to_e4m3_by_one_kernel_match_the_torch_rule():
     assert torch.allclose(scale, ref_scale, rtol=1e-6)
     same = (q.float() == ref_q.float()).float().mean().item()
     assert same == 1.0 if DEVICE.type == "cuda" else same >= 0.95, same
-    back = q.float() * scale[:, None]
-    assert ((back - x.float()).abs() <= x.float().abs() / 8 + scale[:, None] * 2 ** -9).float().mean().item() >= 0.98
+    back = q.float() * scale[:, None]  # the interpreter's mis-roundings (~2%) are outside e4m3's rounding of x
+    within = ((back - x.float()).abs() <= x.float().abs() / 8 + scale[:, None] * 2 ** -9).float().mean().item()
+    assert within >= 0.98 if DEVICE.type == "cuda" else within >= 0.95, within
     assert torch.all(back[3] == 0)
     with pytest.raises(ValueError, match="contiguous rows"):
         quantize_rows_triton(x.t(), FP8_MAX)
@@ -770,14 +810,14 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
 
     config = make_config(str(tiny_qwen2_16_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
     int4, dense = LoadedModel.load(config), LoadedModel.load(config)
-    assert quantize_model_int4(int4.model) == 4 * 3
+    assert quantize_model_int4(int4.model) == 4 * 2
     with torch.no_grad():
         for quantized, plain in zip(int4.model.layers, dense.model.layers):
             for path in PROJECTIONS:
                 assert isinstance(quantized.get_submodule(path), W4A16Linear)
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     prompt = [(7 * i + 3) % 300 for i in range(20)]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=decoded_tokens(5), ignore_eos=True, logprobs=0)
     if kernel == "tinygemm":
         assert all(m.add_tinygemm() for m in int4.model.modules() if isinstance(m, W4A16Linear))
         proj = int4.model.layers[0].mlp.gate_up_proj  # steps of a few rows take tinygemm too, more take the Triton kernel
@@ -897,8 +937,9 @@ def test_split_k_projections_decode_like_torch_linear(tmp_path):
     from engine.kernels.linear import usable_split_k
     from tests.engine.conftest import save_tiny_llama
 
-    model_dir = save_tiny_llama(tmp_path, seed=2, intermediate_size=512, num_attention_heads=8, head_dim=64)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    # two layers: down_proj's partials summed by the next layer's norm and by the final one
+    model_dir = save_tiny_llama(tmp_path, seed=2, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4, head_dim=64)
+    params = SamplingParams(temperature=0, max_tokens=decoded_tokens(4), ignore_eos=True, logprobs=0)
     outputs = {}
     for name, path in {"plain": GemvPolicy(), "split": GemvPolicy(max_rows=1, gemv_down=True, o_split_k=2, down_split_k=2)}.items():
         config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
