@@ -459,7 +459,8 @@ def test_the_cuda_core_gemv_matches_the_reference(pdl):
     second row, a gated or an FP8 weight, or a K that does not split into its tiles is refused."""
     from engine.kernels.linear import GemvConfig, decode_linear, decode_linear_ref, sum_tile
 
-    for k, n in ((1024, 300), (1536, 2048), (512, 7)):
+    shapes = ((1024, 300), (512, 7)) + (((1536, 2048),) if DEVICE.type == "cuda" else ())  # the 1.5B's q|k|v: GPU only (interpreter time)
+    for k, n in shapes:
         config = sum_tile(n, k)
         assert config.kind == "sum"
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
