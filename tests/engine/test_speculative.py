@@ -257,12 +257,12 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
 def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(smollm, llm_gguf_path, quoting_prompts):
     """Async scheduling, one request at a time: the step in flight is read back for drafts only
     when the tokens known so far end in an n-gram seen before (NgramProposer.may_propose); the
-    other steps are launched before the one before them is read back. Counting to twenty quotes
-    nothing at first and then repeats itself, so both kinds of step occur. Greedy output as
-    without speculation."""
+    other steps are launched before the one before them is read back. The answer about annual
+    leave quotes the handbook in places and not in others, so both kinds of step occur. Greedy
+    output as without speculation."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts]
+    want = plain.generate(quoting_prompts[1:2], params)[0].token_ids
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
     chained = []  # per launched decode step: (launched while the one before was in flight, with drafts)
     launch = spec.core._launch
@@ -274,9 +274,9 @@ def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(s
         return step
 
     spec.core._launch = spy
-    assert [spec.generate([p], params)[0].token_ids for p in quoting_prompts] == want
+    assert spec.generate(quoting_prompts[1:2], params)[0].token_ids == want
     assert chained.count((True, False)) >= 5 and (False, True) in chained and (True, True) not in chained
-    assert spec.core.spec_stats.num_accepted_tokens > 10
+    assert spec.core.spec_stats.num_accepted_tokens > 5
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
