@@ -25,12 +25,14 @@ from engine.kernels.linear import DECODE_MAX_ROWS
 from engine.kernels.triton_utils import pdl_supported, triton_available
 from engine.kv_cache import FP8_DTYPE, KVCache, KVCacheSpec
 from engine.loaded_model import LoadedModel
+from engine.loader import has_tokenizer
 from engine.memory import MemoryLedger, tensor_bytes
 from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
 from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
 from engine.speculative import NgramProposer, Proposer
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,10 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
         kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
         row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
     )
+    if draft_loaded is None and loaded.tokenizer is not None and has_tokenizer(draft_config):
+        # its tokenizer alone first: a draft of another vocabulary is refused before its weights load
+        if loaded.tokenizer.hf.get_vocab() != Tokenizer.load(config.draft_model, config.cache_dir).hf.get_vocab():
+            raise other_tokenizer_error(config.draft_model)
     draft_loaded = draft_loaded or LoadedModel.load(draft_config)
     check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
     if draft_loaded.model_config.max_position_embeddings < max_model_len:
@@ -147,9 +153,14 @@ def check_draft_vocabulary(target: LoadedModel, draft: LoadedModel, draft_path: 
     else:  # random weights without a tokenizer: only the sizes can be compared
         same = target.model_config.vocab_size == draft.model_config.vocab_size
     if not same:
-        raise ConfigError(f"the draft model {draft_path} has another tokenizer than the target model (its token ids mean other "
-                          f"text): speculative='draft' needs a draft of the same tokenizer, e.g. a smaller model of the same "
-                          f"family, or use speculative='ngram'")
+        raise other_tokenizer_error(draft_path)
+
+
+def other_tokenizer_error(draft_path: str | None) -> ConfigError:
+    """The one-line refusal of a draft model of another tokenizer."""
+    return ConfigError(f"the draft model {draft_path} has another tokenizer than the target model (its token ids mean other "
+                       f"text): speculative='draft' needs a draft of the same tokenizer, e.g. a smaller model of the same "
+                       f"family, or use speculative='ngram'")
 
 
 def check_kv_cache_dtype(config: EngineConfig, device: torch.device, backend: str) -> None:
