@@ -129,12 +129,13 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
         kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
         row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
     )
-    if draft_loaded is None and loaded.tokenizer is not None and has_tokenizer(draft_config):
-        # its tokenizer alone first: a draft of another vocabulary is refused before its weights load
-        if loaded.tokenizer.hf.get_vocab() != Tokenizer.load(config.draft_model, config.cache_dir).hf.get_vocab():
+    checked = draft_loaded is None and loaded.tokenizer is not None and has_tokenizer(draft_config)
+    if checked:  # its tokenizer alone first: a draft of another vocabulary is refused before its weights load
+        if not same_vocabulary(loaded.tokenizer, Tokenizer.load(config.draft_model, config.cache_dir)):
             raise other_tokenizer_error(config.draft_model)
     draft_loaded = draft_loaded or LoadedModel.load(draft_config)
-    check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
+    if not checked:
+        check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
     if draft_loaded.model_config.max_position_embeddings < max_model_len:
         raise ConfigError(f"the draft model {config.draft_model} has {draft_loaded.model_config.max_position_embeddings} "
                           f"positions, the target's context is {max_model_len}: lower max_model_len")
@@ -149,11 +150,16 @@ def check_draft_vocabulary(target: LoadedModel, draft: LoadedModel, draft_path: 
     """Refuse a draft model whose token ids mean other text than the target's: its drafts would be
     noise (every one rejected) and its ids may lie outside the target's vocabulary."""
     if target.tokenizer is not None and draft.tokenizer is not None:
-        same = target.tokenizer.hf.get_vocab() == draft.tokenizer.hf.get_vocab()
+        same = same_vocabulary(target.tokenizer, draft.tokenizer)
     else:  # random weights without a tokenizer: only the sizes can be compared
         same = target.model_config.vocab_size == draft.model_config.vocab_size
     if not same:
         raise other_tokenizer_error(draft_path)
+
+
+def same_vocabulary(target: Tokenizer, draft: Tokenizer) -> bool:
+    """Whether both tokenizers map the same text to the same ids."""
+    return target.hf.get_vocab() == draft.hf.get_vocab()
 
 
 def other_tokenizer_error(draft_path: str | None) -> ConfigError:
