@@ -34,6 +34,10 @@ rounds): the small GEMVs' ~5 us is not their weight's DRAM latency.
 
 ``LATE_RELEASE`` (with PDL): the next kernel may launch only after the K loop, not right after
 the wait (GemvPolicy.late_release says for which projections it pays).
+
+``NEXT_LINES`` (with PDL): after its K loop, the grid asks L2 for the first NEXT_LINES 128-byte
+lines of another weight, one a later GEMV reads (GemvPolicy.prefetch_gate_up_bytes: q|k|v asks
+for gate|up's first bytes, fetched while the latency-bound kernels between them leave DRAM idle).
 """
 
 import triton
@@ -48,7 +52,8 @@ def decode_linear_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
     COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
-    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
+    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, NEXT_W=None, NEXT_LINES=0, NEXT_LINE: tl.constexpr = 64,
+    PREFETCH_NEXT: tl.constexpr = False,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -63,7 +68,8 @@ def decode_linear_kernel(
     first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion).
     PREFETCH_K (> 0 with USE_PDL): columns of this program's K slice requested into L2 before the
     wait, 8 lines of LINE elements (128 bytes) a row per round, clamped into the program's rows and
-    slice."""
+    slice. PREFETCH_NEXT (with USE_PDL): the programs share the first NEXT_LINES lines of NEXT_W
+    (NEXT_LINE elements a line) among them and ask L2 for them after the K loop."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -132,6 +138,14 @@ def decode_linear_kernel(
         w_ptrs += BLOCK_K
     if LATE_RELEASE:
         pdl_release(USE_PDL)
+    if USE_PDL and PREFETCH_NEXT:  # a later GEMV's weight into L2, shared evenly by the grid
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        per_program = tl.cdiv(NEXT_LINES, programs)
+        first_line = (pid_k * tl.num_programs(0) + pid) * per_program
+        lines = tl.arange(0, 128)
+        for l0 in range(0, per_program, 128):
+            line = tl.minimum(first_line + l0 + lines, NEXT_LINES - 1)
+            prefetch_l2(NEXT_W + line.to(tl.int64) * NEXT_LINE)
     if HAS_SCALE:
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
         if GATED:

@@ -501,6 +501,76 @@ def test_the_policy_puts_named_one_row_projections_on_the_cuda_core_gemv(monkeyp
         GemvPolicy(sum_tiles=("q_proj",))
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_a_gemv_that_asks_l2_for_a_later_weight_computes_the_same(pdl):
+    """prefetch_next (GemvPolicy.prefetch_gate_up_bytes): after its K loop the grid asks L2 for
+    another weight's first bytes (a share a program, clamped to the last line); the products are
+    unchanged, plain, gated and split-K, for a later weight of one line, of fewer lines than
+    programs, of more, and FP8 bytes (a fault from a stray address would abort the process).
+    Inline PTX, so only with PDL; the "sum" tile refuses it."""
+    from engine.kernels.linear import GemvConfig, ahead_of, decode_linear, decode_linear_ref
+
+    later = [torch.randn(64, device=DEVICE, dtype=DTYPE), torch.randn(7, 200, device=DEVICE, dtype=DTYPE),
+             torch.randn(2048, 1536, device=DEVICE, dtype=DTYPE)]
+    if DEVICE.type == "cuda":
+        later.append(torch.randn(1536, 1536, device=DEVICE).to(torch.float8_e4m3fn))
+    for k, n, config in ((200, 300, None), (4096, 64, GemvConfig("dot", 32, 512, 4, 2))):
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        w = 0.05 * torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        for weight in later:
+            ahead = ahead_of(weight, 1 << 20)
+            assert rel(decode_linear(x, w, config=config, pdl=pdl, prefetch_next=ahead), decode_linear_ref(x, w)) < TOL
+            gated = decode_linear(x, w, config=config, gated=True, pdl=pdl, prefetch_next=ahead)
+            assert rel(gated, silu_and_mul_ref(decode_linear_ref(x, w))) < TOL
+            if k % 1024 == 0:
+                parts = decode_linear(x, w, config=config, split_k=2, pdl=pdl, prefetch_next=ahead)
+                assert rel(parts.sum(0), decode_linear_ref(x, w, torch.float32)) < TOL
+    with pytest.raises(ValueError, match="prefetch_next"):
+        decode_linear(x, w, config=GemvConfig("sum", 4, 512), prefetch_next=later[0])
+
+
+def test_the_qkv_gemv_asks_l2_for_its_layers_gate_up_up_to_the_budget(monkeypatch):
+    """ahead_of: a flat view of the weight's first bytes (all of it when it fits the budget), None
+    under one 128-byte line. The model hands q|k|v's GEMV the first prefetch_gate_up_bytes of the
+    same layer's gate|up weight - only with PDL and a budget, never int4's packed layouts - and
+    no other projection gets a later weight."""
+    from dataclasses import replace
+
+    import engine.model.llama as llama
+    from engine.kernels.gemv_policy import GemvPolicy
+    from engine.kernels.linear import ahead_of
+    from engine.config import ModelConfig
+    from engine.w4a16 import W4A16Linear
+
+    w = torch.zeros(2048, 1536, dtype=torch.bfloat16)
+    assert ahead_of(w, 64 << 20).numel() == w.numel() and ahead_of(w, 1 << 20).numel() == 1 << 19
+    assert ahead_of(w, 1 << 20).data_ptr() == w.data_ptr() and ahead_of(w, 127) is None
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    model = llama.LlamaForCausalLM(cfg, max_positions=64)
+    seen = []
+
+    def spy(x, weight, out_dtype, config, **kw):
+        seen.append((weight.data_ptr(), None if kw["prefetch_next"] is None else (kw["prefetch_next"].data_ptr(), kw["prefetch_next"].numel())))
+        return torch.zeros(x.shape[0], weight.shape[0] // (2 if kw["gated"] else 1))
+
+    monkeypatch.setattr(llama, "decode_linear", spy)
+    policy = GemvPolicy(max_rows=1, pdl=True, prefetch_gate_up_bytes=1 << 10)
+    model.first_piece(torch.zeros(1, dtype=torch.long), policy)
+    budget = 1024 // model.layers[0].mlp.gate_up_proj.weight.element_size()
+    assert seen == [(model.layers[0].self_attn.qkv_proj.weight.data_ptr(), (model.layers[0].mlp.gate_up_proj.weight.data_ptr(), budget))]
+    seen.clear()
+    model.middle_piece(0, torch.zeros(1, 64), torch.zeros(1, 64), policy)  # o, gate|up, then layer 1's q|k|v
+    assert [ahead for _, ahead in seen[:-1]] == [None] * (len(seen) - 1) and len(seen) >= 3
+    assert seen[-1] == (model.layers[1].self_attn.qkv_proj.weight.data_ptr(), (model.layers[1].mlp.gate_up_proj.weight.data_ptr(), budget))
+    assert llama._gate_up_ahead(replace(policy, pdl=False), model.layers[0]) is None
+    assert llama._gate_up_ahead(replace(policy, prefetch_gate_up_bytes=0), model.layers[0]) is None
+    model.layers[1].mlp.gate_up_proj = W4A16Linear.from_linear(model.layers[1].mlp.gate_up_proj.float(), 32)
+    assert llama._gate_up_ahead(policy, model.layers[1]) is None
+    with pytest.raises(ValueError, match="prefetch_gate_up_bytes"):
+        GemvPolicy(prefetch_gate_up_bytes=-1)
+
+
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""

@@ -4,11 +4,12 @@ gate|up's late release, the batch-1 graph recaptured per variant in one process,
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
 projections release late; ``--splits``: decode attention's context splits (module constant
 TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; ``--sum`` (2026-12-04): q|k|v and o_proj on
-the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles). (A form
+the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--gate-up`` (2026-12-04): how much of gate|up's
+weight the q|k|v GEMV asks L2 for (GemvPolicy.prefetch_gate_up_bytes). (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too.) Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum | --gate-up]``.
 """
 import random
 import sys
@@ -54,6 +55,9 @@ elif "--splits" in sys.argv:  # fourth form: decode attention's context splits a
 elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projections
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
+elif "--gate-up" in sys.argv:  # sixth form: gate|up's first bytes asked into L2 by q|k|v, across attention
+    for mib in (0, 4, 8, 16, 24, 32, 48):
+        variants[f"gate|up ahead {mib} MiB"] = replace(path, prefetch_gate_up_bytes=mib << 20)
 elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
     variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
                 "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
