@@ -43,7 +43,7 @@ for gate|up's first bytes, fetched while the latency-bound kernels between them 
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2
+from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2, prefetch_l2_bulk
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def decode_linear_kernel(
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
     COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
     PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, NEXT_W=None, NEXT_LINES=0, NEXT_LINE: tl.constexpr = 64,
-    PREFETCH_NEXT: tl.constexpr = False,
+    PREFETCH_NEXT: tl.constexpr = False, NEXT_BULK: tl.constexpr = False,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -69,7 +69,8 @@ def decode_linear_kernel(
     PREFETCH_K (> 0 with USE_PDL): columns of this program's K slice requested into L2 before the
     wait, 8 lines of LINE elements (128 bytes) a row per round, clamped into the program's rows and
     slice. PREFETCH_NEXT (with USE_PDL): the programs share the first NEXT_LINES lines of NEXT_W
-    (NEXT_LINE elements a line) among them and ask L2 for them after the K loop."""
+    (NEXT_LINE elements a line) among them and ask L2 for them after the K loop, NEXT_BULK: in
+    bulk (TMA) requests rather than one prefetch a line."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -142,10 +143,15 @@ def decode_linear_kernel(
         programs = tl.num_programs(0) * tl.num_programs(1)
         per_program = tl.cdiv(NEXT_LINES, programs)
         first_line = (pid_k * tl.num_programs(0) + pid) * per_program
-        lines = tl.arange(0, 128)
-        for l0 in range(0, per_program, 128):
-            line = tl.minimum(first_line + l0 + lines, NEXT_LINES - 1)
-            prefetch_l2(NEXT_W + line.to(tl.int64) * NEXT_LINE)
+        if NEXT_BULK:  # one TMA request per 32 KiB of the program's share
+            share = tl.minimum(per_program, NEXT_LINES - first_line)
+            for l0 in range(0, share, 256):
+                prefetch_l2_bulk(NEXT_W + (first_line + l0).to(tl.int64) * NEXT_LINE, tl.minimum(share - l0, 256) * 128)
+        else:  # one prefetch instruction a line
+            lines = tl.arange(0, 128)
+            for l0 in range(0, per_program, 128):
+                line = tl.minimum(first_line + l0 + lines, NEXT_LINES - 1)
+                prefetch_l2(NEXT_W + line.to(tl.int64) * NEXT_LINE)
     if HAS_SCALE:
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
         if GATED:

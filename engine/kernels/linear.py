@@ -114,6 +114,12 @@ def prefetch_columns(w: torch.Tensor, split_k: int, budget_bytes: int) -> int:
     return columns if columns * w.element_size() >= 128 else 0
 
 
+AHEAD_IN_BULK = True
+"""How a GEMV asks L2 for a later weight (``prefetch_next``): one bulk (TMA) request per 32 KiB,
+or (False) one prefetch instruction per 128-byte line (engine/bench/experiments/bs1_prefetch_ab.py
+--gate-up patches it to compare)."""
+
+
 def ahead_of(w: torch.Tensor, budget_bytes: int) -> torch.Tensor | None:
     """The first ``budget_bytes`` of a contiguous weight (all of it when it fits), as a flat view for
     another GEMV's ``prefetch_next``; None for a budget under one 128-byte line."""
@@ -186,6 +192,7 @@ def decode_linear(
         PREFETCH_K=prefetch_k if pdl else 0, LINE=128 // w.element_size(),
         NEXT_W=prefetch_next, NEXT_LINES=0 if prefetch_next is None else prefetch_next.numel() * prefetch_next.element_size() // 128,
         NEXT_LINE=128 // (w if prefetch_next is None else prefetch_next).element_size(), PREFETCH_NEXT=pdl and prefetch_next is not None,
+        NEXT_BULK=AHEAD_IN_BULK,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

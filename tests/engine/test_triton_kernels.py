@@ -501,15 +501,18 @@ def test_the_policy_puts_named_one_row_projections_on_the_cuda_core_gemv(monkeyp
         GemvPolicy(sum_tiles=("q_proj",))
 
 
+@pytest.mark.parametrize("bulk", (True, False))
 @pytest.mark.parametrize("pdl", PDL_CASES)
-def test_a_gemv_that_asks_l2_for_a_later_weight_computes_the_same(pdl):
+def test_a_gemv_that_asks_l2_for_a_later_weight_computes_the_same(pdl, bulk, monkeypatch):
     """prefetch_next (GemvPolicy.prefetch_gate_up_bytes): after its K loop the grid asks L2 for
     another weight's first bytes (a share a program, clamped to the last line); the products are
     unchanged, plain, gated and split-K, for a later weight of one line, of fewer lines than
     programs, of more, and FP8 bytes (a fault from a stray address would abort the process).
-    Inline PTX, so only with PDL; the "sum" tile refuses it."""
+    Inline PTX, so only with PDL; in bulk (TMA) requests or one a line; the "sum" tile refuses it."""
+    import engine.kernels.linear as linear
     from engine.kernels.linear import GemvConfig, ahead_of, decode_linear, decode_linear_ref
 
+    monkeypatch.setattr(linear, "AHEAD_IN_BULK", bulk)
     later = [torch.randn(64, device=DEVICE, dtype=DTYPE), torch.randn(7, 200, device=DEVICE, dtype=DTYPE),
              torch.randn(2048, 1536, device=DEVICE, dtype=DTYPE)]
     if DEVICE.type == "cuda":

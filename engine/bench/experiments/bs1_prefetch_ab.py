@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 import engine.attention.triton_paged as tp
+import engine.kernels.linear as linear
 from engine import EngineConfig, build_engine
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.timing import replay_ms
@@ -56,8 +57,9 @@ elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projec
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
 elif "--gate-up" in sys.argv:  # sixth form: gate|up's first bytes asked into L2 by q|k|v, across attention
-    for mib in (0, 4, 8, 16, 24, 32, 48):
-        variants[f"gate|up ahead {mib} MiB"] = replace(path, prefetch_gate_up_bytes=mib << 20)
+    for mib in (0, 8, 16, 24, 32, 40):
+        for bulk in (True, False):
+            variants[f"gate|up ahead {mib} MiB{', bulk' if bulk else ', a line each'}"] = (bulk, replace(path, prefetch_gate_up_bytes=mib << 20))
 elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
     variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
                 "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
@@ -68,7 +70,9 @@ else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab
 first = None
 for rnd in range(3):
     for name, variant in variants.items():
-        if isinstance(variant, tuple):
+        if isinstance(variant, tuple) and isinstance(variant[0], bool):
+            linear.AHEAD_IN_BULK, variant = variant
+        elif isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                 core.device, variant)
