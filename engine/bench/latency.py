@@ -97,8 +97,6 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False
             variants[f"same, late PDL release: {'+'.join(late) or 'none'}"] = replace(path, late_release=late)
         for mib in sorted({0, 1, 4, 16, 64} - {path.prefetch_bytes >> 20}):
             variants[f"same, L2 prefetch {mib} MiB a weight"] = replace(path, prefetch_bytes=mib << 20)
-        for mib in sorted({0, 16, 32} - {path.prefetch_gate_up_bytes >> 20}):
-            variants[f"same, gate|up asked into L2 by q|k|v: {mib} MiB"] = replace(path, prefetch_gate_up_bytes=mib << 20)
     for tiles in sorted({(), ("qkv",), ("o",), ("qkv", "o")} - {path.sum_tiles}):
         variants[f"same, CUDA-core GEMV for: {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
     if path.fused_swiglu:

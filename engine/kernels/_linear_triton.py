@@ -31,19 +31,20 @@ took 1.545 ms against 1.320 with the norm kernels (H200, 2026-12-03, three inter
 attention, gate|up for the next layer's q|k|v, o_proj for down_proj): on the 1.5B shape the
 batch-1 replay took 1.347 / 1.320 / 1.372 ms against 1.301-1.321 without (H200, 2026-12-04, three
 rounds): the small GEMVs' ~5 us is not their weight's DRAM latency.
+(5) q|k|v's GEMV asking L2, after its K loop, for 8-40 MiB of its layer's gate|up weight (55 MB
+on the 1.5B), so that it came during attention, when DRAM is idle: one prefetch a line or one bulk
+(TMA) request per 32 KiB, the batch-1 replay was slower at every size (1.5B: 1.317 ms without,
+1.334 with 8 MiB in bulk, 1.381 with 32; the 8B shape 4.07 -> 4.08-4.15; H200, 2026-12-04, three
+rounds): what gate|up gains from L2 is less than what the requests cost the chain.
 
 ``LATE_RELEASE`` (with PDL): the next kernel may launch only after the K loop, not right after
 the wait (GemvPolicy.late_release says for which projections it pays).
-
-``NEXT_LINES`` (with PDL): after its K loop, the grid asks L2 for the first NEXT_LINES 128-byte
-lines of another weight, one a later GEMV reads (GemvPolicy.prefetch_gate_up_bytes: q|k|v asks
-for gate|up's first bytes, fetched while the latency-bound kernels between them leave DRAM idle).
 """
 
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2, prefetch_l2_bulk
+from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2
 
 
 @triton.jit
@@ -52,8 +53,7 @@ def decode_linear_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
     COLUMNS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, HAS_SCALE: tl.constexpr = False, FP8_MATH: tl.constexpr = 0,
-    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, NEXT_W=None, NEXT_LINES=0, NEXT_LINE: tl.constexpr = 64,
-    PREFETCH_NEXT: tl.constexpr = False, NEXT_BULK: tl.constexpr = False,
+    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     """GATED: W is [gate; up] (2N rows) and the program writes silu(x @ gate^T) * (x @ up^T) for
     its N-columns - SwiGLU in the epilogue, so no activation kernel and no [M, 2N] round trip.
@@ -68,9 +68,7 @@ def decode_linear_kernel(
     first pass over x) and multiplies on FP8 tensor cores (W8A8, no weight conversion).
     PREFETCH_K (> 0 with USE_PDL): columns of this program's K slice requested into L2 before the
     wait, 8 lines of LINE elements (128 bytes) a row per round, clamped into the program's rows and
-    slice. PREFETCH_NEXT (with USE_PDL): the programs share the first NEXT_LINES lines of NEXT_W
-    (NEXT_LINE elements a line) among them and ask L2 for them after the K loop, NEXT_BULK: in
-    bulk (TMA) requests rather than one prefetch a line."""
+    slice."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_len = K // SPLIT_K  # the caller checks K % (SPLIT_K * BLOCK_K) == 0 when split
@@ -139,19 +137,6 @@ def decode_linear_kernel(
         w_ptrs += BLOCK_K
     if LATE_RELEASE:
         pdl_release(USE_PDL)
-    if USE_PDL and PREFETCH_NEXT:  # a later GEMV's weight into L2, shared evenly by the grid
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        per_program = tl.cdiv(NEXT_LINES, programs)
-        first_line = (pid_k * tl.num_programs(0) + pid) * per_program
-        if NEXT_BULK:  # one TMA request per 32 KiB of the program's share
-            share = tl.minimum(per_program, NEXT_LINES - first_line)
-            for l0 in range(0, share, 256):
-                prefetch_l2_bulk(NEXT_W + (first_line + l0).to(tl.int64) * NEXT_LINE, tl.minimum(share - l0, 256) * 128)
-        else:  # one prefetch instruction a line
-            lines = tl.arange(0, 128)
-            for l0 in range(0, per_program, 128):
-                line = tl.minimum(first_line + l0 + lines, NEXT_LINES - 1)
-                prefetch_l2(NEXT_W + line.to(tl.int64) * NEXT_LINE)
     if HAS_SCALE:
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
         if GATED:

@@ -34,14 +34,3 @@ def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ``ptrs`` (one request per element, no register result):
     a weight read that may run before :func:`pdl_wait`, while the previous kernel finishes."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_bulk(ptr, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned) with one bulk
-    request to the copy engine (TMA, sm_90+), issued by the program's first thread only: no
-    instruction a line, and nothing the program waits for."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)

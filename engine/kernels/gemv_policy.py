@@ -66,14 +66,6 @@ class GemvPolicy:
     with 1 MiB, 1.324 with 2, 1.342 without, 1.428 / 1.527 / 1.592 with 8 / 32 / 128 MiB (a larger
     prefetch competes with the kernel before it for DRAM)."""
 
-    prefetch_gate_up_bytes: int = 0
-    """With ``pdl``, the layer's q|k|v GEMV asks L2 for up to this many bytes of its gate|up weight
-    after its own K loop, so that they come from DRAM while attention, o_proj and the norm - a
-    stretch of small, latency-bound kernels that leaves DRAM idle - run; gate|up, the largest
-    weight of a layer, then reads that part from L2. 0: off. (Earlier look-ahead prefetches of
-    small weights - o_proj, down_proj, the next q|k|v - made the 1.5B's step 0-5% slower: their
-    GEMVs' ~5 us is not DRAM latency, and down_proj's bytes did not survive gate|up's stream.)"""
-
     sum_tiles: tuple[str, ...] = ()
     """The projections (of ``PROJECTIONS``) whose one-row GEMV runs the CUDA-core "sum" tile
     (engine/kernels/linear.py ``sum_tile``: multiply-and-reduce, no tensor-core padding) instead
@@ -96,8 +88,6 @@ class GemvPolicy:
         unknown = (set(self.late_release) | set(self.sum_tiles)) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"GemvPolicy.late_release / sum_tiles: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
-        if self.prefetch_gate_up_bytes < 0:
-            raise ValueError(f"GemvPolicy.prefetch_gate_up_bytes must be >= 0, got {self.prefetch_gate_up_bytes}")
         if self.fp8_math not in FP8_MATHS:
             raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
 

@@ -114,19 +114,6 @@ def prefetch_columns(w: torch.Tensor, split_k: int, budget_bytes: int) -> int:
     return columns if columns * w.element_size() >= 128 else 0
 
 
-AHEAD_IN_BULK = True
-"""How a GEMV asks L2 for a later weight (``prefetch_next``): one bulk (TMA) request per 32 KiB,
-or (False) one prefetch instruction per 128-byte line (engine/bench/experiments/bs1_prefetch_ab.py
---gate-up patches it to compare)."""
-
-
-def ahead_of(w: torch.Tensor, budget_bytes: int) -> torch.Tensor | None:
-    """The first ``budget_bytes`` of a contiguous weight (all of it when it fits), as a flat view for
-    another GEMV's ``prefetch_next``; None for a budget under one 128-byte line."""
-    elements = min(w.numel(), budget_bytes // w.element_size())
-    return w.reshape(-1)[:elements] if elements * w.element_size() >= 128 else None
-
-
 # ---- references ----------------------------------------------------------------------------
 def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, bias).to(out_dtype or x.dtype)
@@ -136,7 +123,7 @@ def decode_linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
 def decode_linear(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
     *, gated: bool = False, pdl: bool = False, split_k: int = 1, late_release: bool = False, bias: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0, prefetch_next: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None, fp8_math: str = "bf16", prefetch_k: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ ``bias`` [N], added in float32 in the epilogue: Qwen2's q|k|v)
     -> [M, N] in ``out_dtype`` (default x's), M <= the tile's rows. A "sum" ``config``
@@ -154,16 +141,12 @@ def decode_linear(
     float32 scales, one per row of w (engine/fp8.py); ``fp8_math`` (GemvPolicy.fp8_math): "bf16" widens its tiles to
     x's dtype, "fp16" widens tiles and x to fp16, "fp8" rounds x to e4m3 per row (W8A8) for FP8 tensor cores.
     ``prefetch_k`` (with ``pdl``; :func:`prefetch_columns`): columns of each program's weight rows
-    requested into L2 before the PDL wait, while the kernel before still runs. ``prefetch_next``
-    (with ``pdl``; :func:`ahead_of`): a contiguous tensor - a later GEMV's weight, or its first
-    part - requested into L2 after the K loop, shared by the grid's programs."""
+    requested into L2 before the PDL wait, while the kernel before still runs."""
     from engine.kernels._linear_triton import decode_linear_kernel
     from engine.kernels.triton_utils import launch_options
 
     config = config or decode_tile(*w.shape)
     if config.kind == "sum":
-        if prefetch_next is not None:
-            raise ValueError("decode_linear: the \"sum\" tile asks L2 for no later weight (prefetch_next)")
         return _sum_linear(x, w, out_dtype, config, gated=gated, pdl=pdl, split_k=split_k, bias=bias, w_scale=w_scale,
                            prefetch_k=prefetch_k)
     m, (rows, k) = x.shape[0], w.shape
@@ -175,7 +158,7 @@ def decode_linear(
     scale_ok = (w_scale is None) == (w.dtype == x.dtype) and (
         w_scale is None or (w_scale.shape == (rows,) and w_scale.dtype == torch.float32 and w_scale.stride(0) == 1))
     if (m > config.block_m or x.stride(1) != 1 or w.stride(1) != 1 or (gated and rows % 2) or split_k < 1 or not split_ok
-            or columns > block_n or not bias_ok or not scale_ok or (prefetch_next is not None and not prefetch_next.is_contiguous())):
+            or columns > block_n or not bias_ok or not scale_ok):
         raise ValueError(f"decode_linear: x {tuple(x.shape)} {x.dtype} w {tuple(w.shape)} {w.dtype} gated={gated} split_k={split_k} "
                          f"bias {None if bias is None else tuple(bias.shape)} "
                          f"w_scale {None if w_scale is None else (tuple(w_scale.shape), w_scale.dtype)} do not fit {config}")
@@ -190,9 +173,6 @@ def decode_linear(
         GATED=gated, USE_PDL=pdl, SPLIT_K=split_k, LATE_RELEASE=late_release, COLUMNS=columns, HAS_BIAS=bias is not None,
         HAS_SCALE=w_scale is not None, FP8_MATH=FP8_MATHS.index(fp8_math),
         PREFETCH_K=prefetch_k if pdl else 0, LINE=128 // w.element_size(),
-        NEXT_W=prefetch_next, NEXT_LINES=0 if prefetch_next is None else prefetch_next.numel() * prefetch_next.element_size() // 128,
-        NEXT_LINE=128 // (w if prefetch_next is None else prefetch_next).element_size(), PREFETCH_NEXT=pdl and prefetch_next is not None,
-        NEXT_BULK=AHEAD_IN_BULK,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return y

@@ -25,7 +25,7 @@ from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
-from engine.kernels.linear import ahead_of, decode_linear, fp8_decode_tile, prefetch_columns, sum_tile, usable_split_k
+from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, sum_tile, usable_split_k
 from engine.kv_cache import LayerKV
 from engine.model.rope import RotaryEmbedding
 from engine.w4a16 import W4A16Linear
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         """Embedding, layer 0's input norm and q|k|v projection -> (qkv, residual)."""
         h, layer = self.embed_tokens(input_ids), self.layers[0]
         x, residual = layer.input_layernorm(h, None, _pdl(gemv, h))
-        return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x, ahead=_gate_up_ahead(gemv, layer)), residual
+        return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x), residual
 
     def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy,
                          next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,9 +161,8 @@ class LlamaForCausalLM(nn.Module):
 
     def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
-        following = self.layers[i + 1]
-        x, residual = self._after_attention(i, attn, residual, gemv, following.input_layernorm)
-        return _proj(gemv, "qkv", following.self_attn.qkv_proj, x, ahead=_gate_up_ahead(gemv, following)), residual
+        x, residual = self._after_attention(i, attn, residual, gemv, self.layers[i + 1].input_layernorm)
+        return _proj(gemv, "qkv", self.layers[i + 1].self_attn.qkv_proj, x), residual
 
     def last_piece(self, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
@@ -188,31 +187,20 @@ def _pdl(gemv: GemvPolicy, x: torch.Tensor) -> bool:
     return gemv.pdl and _use_gemv(gemv, x)
 
 
-def _gate_up_ahead(gemv: GemvPolicy, layer: nn.Module) -> torch.Tensor | None:
-    """What of ``layer``'s gate|up weight its q|k|v GEMV asks L2 for (GemvPolicy.prefetch_gate_up_bytes);
-    None without PDL, without a budget, or for a weight that is not one plain tensor (int4's layouts)."""
-    gate_up = layer.mlp.gate_up_proj
-    if not gemv.pdl or not gemv.prefetch_gate_up_bytes or isinstance(gate_up, W4A16Linear):
-        return None
-    return ahead_of(gate_up.weight, gemv.prefetch_gate_up_bytes)
-
-
-def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor, ahead: torch.Tensor | None = None) -> torch.Tensor:
+def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A projection (with its bias, if any): the GEMV for steps of few tokens, else the module
-    (cuBLAS, or FP8 tensor cores for an :class:`~engine.fp8.Fp8Linear`). ``ahead``: a later
-    weight the GEMV asks L2 for after its K loop (:func:`_gate_up_ahead`)."""
-    return _gemv(gemv, name, x, linear, bias=linear.bias, ahead=ahead) if _use_gemv(gemv, x) else linear(x)
+    (cuBLAS, or FP8 tensor cores for an :class:`~engine.fp8.Fp8Linear`)."""
+    return _gemv(gemv, name, x, linear, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
 
 
 def _gemv(
     gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, out_dtype: torch.dtype | None = None, gated: bool = False,
-    split_k: int = 1, bias: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+    split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it),
-    or PyTorch's tinygemm where the policy says so and the weight has that layout. ``ahead``: a
-    later GEMV's weight this one asks L2 for after its K loop (not with int4's or the "sum" kernels)."""
+    or PyTorch's tinygemm where the policy says so and the weight has that layout."""
     if isinstance(linear, W4A16Linear):
         # Triton: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
         triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
@@ -222,9 +210,9 @@ def _gemv(
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
-    if name in gemv.sum_tiles and scale is None and not gated and x.shape[0] == 1 and ahead is None:
+    if name in gemv.sum_tiles and scale is None and not gated and x.shape[0] == 1:
         config = sum_tile(*weight.shape) or config
     split_k = usable_split_k(weight, split_k, config)
     return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
                          late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,
-                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes), prefetch_next=ahead)
+                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes))

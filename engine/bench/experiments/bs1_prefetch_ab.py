@@ -4,12 +4,13 @@ gate|up's late release, the batch-1 graph recaptured per variant in one process,
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
 projections release late; ``--splits``: decode attention's context splits (module constant
 TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; ``--sum`` (2026-12-04): q|k|v and o_proj on
-the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--gate-up`` (2026-12-04): how much of gate|up's
-weight the q|k|v GEMV asks L2 for (GemvPolicy.prefetch_gate_up_bytes). (A form
+the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles). (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
-output has those variants too.) Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum | --gate-up]``.
+output has those variants too. Forms ``--ahead`` and ``--gate-up`` (2026-12-04) A/B'd GEMVs asking L2
+for a later weight after their K loop - GemvPolicy.prefetch_ahead, then .prefetch_gate_up_bytes -
+since dropped: docs/results/2026-12-04-h200-*-bs1-prefetch-ahead-ab.txt and *-gate-up-ahead-*.txt.) Run from the repository
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum]``.
 """
 import random
 import sys
@@ -18,7 +19,6 @@ from dataclasses import replace
 import torch
 
 import engine.attention.triton_paged as tp
-import engine.kernels.linear as linear
 from engine import EngineConfig, build_engine
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.timing import replay_ms
@@ -56,10 +56,6 @@ elif "--splits" in sys.argv:  # fourth form: decode attention's context splits a
 elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projections
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
-elif "--gate-up" in sys.argv:  # sixth form: gate|up's first bytes asked into L2 by q|k|v, across attention
-    for mib in (0, 8, 16, 24, 32, 40):
-        for bulk in (True, False):
-            variants[f"gate|up ahead {mib} MiB{', bulk' if bulk else ', a line each'}"] = (bulk, replace(path, prefetch_gate_up_bytes=mib << 20))
 elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
     variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
                 "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
@@ -70,9 +66,7 @@ else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab
 first = None
 for rnd in range(3):
     for name, variant in variants.items():
-        if isinstance(variant, tuple) and isinstance(variant[0], bool):
-            linear.AHEAD_IN_BULK, variant = variant
-        elif isinstance(variant, tuple):
+        if isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                 core.device, variant)
