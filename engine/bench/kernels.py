@@ -95,7 +95,8 @@ def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill:
     return core
 
 
-def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0) -> None:
+def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0,
+                        quantization: str = "none") -> None:
     """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
     model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
     batch-1 decode path): the kernels' summed time against the wall time of as many steps run
@@ -103,11 +104,12 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     With PDL a kernel's span includes its wait for the previous one: profile ``pdl="off"`` for
     kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
     ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
-    attention)."""
+    attention). Plain decode steps are also broken down by projection. ``quantization``: the
+    engine's (fp8, int4)."""
     from engine.sampling import SamplingParams
 
     steps = 10
-    core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl)
+    core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl, quantization=quantization)
     rng = random.Random(1)
 
     def run_steps() -> None:
@@ -120,12 +122,13 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     contexts = [r.num_tokens for r in core.scheduler.running]
     kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
     print_step_profile(core, run_steps, steps, f"{kind}, batch {len(contexts)}, context {min(contexts)}-{max(contexts)} "
-                       f"(mean {sum(contexts) / len(contexts):.0f})")
+                       f"(mean {sum(contexts) / len(contexts):.0f}), weights {quantization}", by_projection=not prefill)
 
 
-def print_step_profile(core, run_steps, steps: int, label: str) -> None:
+def print_step_profile(core, run_steps, steps: int, label: str, by_projection: bool = False) -> None:
     """Wall time of ``run_steps`` unprofiled (the profiler's own overhead would swamp it), then
-    its kernels under torch.profiler: per-step kernel time, top kernels."""
+    its kernels under torch.profiler: per-step kernel time, top kernels; ``by_projection``: also
+    the time of each projection (decode steps only, :func:`print_projection_sites`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.metrics import StepTimes
@@ -145,6 +148,8 @@ def print_step_profile(core, run_steps, steps: int, label: str) -> None:
         per_step = e.device_time_total / steps / 1e3
         print(f"  {per_step:8.3f} ms {100 * per_step / total:5.1f}%  x{e.count // steps:<4} {e.device_time_total / e.count:7.2f} us each  {e.key[:80]}")
     print_exposed_time(prof, steps)
+    if by_projection:
+        print_projection_sites(prof, steps, core)
 
 
 def exposed_time(spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
@@ -176,6 +181,77 @@ def print_exposed_time(prof, steps: int) -> None:
           f"stream idle {idle / steps / 1e3:.3f} ms per step (gaps between steps included)")
     for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {us / steps / 1e3:8.3f} ms {100 * us / steps / 1e3 / total:5.1f}%  {name[:80]}")
+
+
+LAYER_ANCHOR = "decode_attention"  # a decode step runs one kernel with this in its name a layer
+MATMUL_MARKS = ("linear", "gemv", "gemm", "int4", "_mm", "xmma", "cutlass", "nvjet")  # a projection's kernel: ours, cuBLAS's, tinygemm's
+
+
+def projection_sites(names: list[str], layers: int) -> list[str]:
+    """What each kernel of consecutive decode steps (names in launch order) ran: a projection's
+    name for a matrix kernel, else the kernel's own name. Decode attention runs once a layer;
+    after it the projections come in the model's order - o_proj, gate|up, down_proj, then the
+    next layer's q|k|v - and after a step's last layer the lm_head comes before the next step's
+    first q|k|v. A matrix kernel beyond that order is "other matmul"."""
+    after_anchor = ["o_proj", "gate|up", "down_proj", "q|k|v"]
+    after_last = ["o_proj", "gate|up", "down_proj", "lm_head", "q|k|v"]
+    order, anchors, sites = ["q|k|v"], 0, []
+    for name in names:
+        if LAYER_ANCHOR in name:
+            order = list(after_last if anchors % layers == layers - 1 else after_anchor)
+            anchors += 1
+            sites.append(name)
+        elif any(mark in name for mark in MATMUL_MARKS):
+            sites.append(order.pop(0) if order else "other matmul")
+        else:
+            sites.append(name)
+    return sites
+
+
+def projection_read_bytes(module: torch.nn.Module) -> int:
+    """Bytes a one-row step reads of a projection: its weight with scales, zeros and bias; an int4
+    weight laid out twice (engine/w4a16.py's groups and tinygemm's) counts once."""
+    from engine.memory import storage_bytes
+    from engine.w4a16 import W4A16Linear
+
+    skip = set()
+    if isinstance(module, W4A16Linear) and module.has_tinygemm:
+        skip = {t.untyped_storage().data_ptr() for t in (module.tinygemm_weight, module.tinygemm_scales_zeros)}
+    return storage_bytes(t for t in [*module.parameters(), *module.buffers()] if t.untyped_storage().data_ptr() not in skip)
+
+
+def print_projection_sites(prof, steps: int, core) -> None:
+    """The profiled decode steps' exposed device time (:func:`exposed_time`) by projection
+    (:func:`projection_sites`), with the bytes each reads and the rate that makes, against the
+    copy bandwidth: where a launch-bound step's time goes beyond its bytes."""
+    from torch.autograd import DeviceType
+
+    from engine.bench.ceilings import copy_bandwidth
+
+    spans = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA),
+                   key=lambda span: span[1])
+    model = core.model
+    sites = projection_sites([name for name, _, _ in spans], len(model.layers))
+    exposed, _ = exposed_time([(site, start, end) for site, (_, start, end) in zip(sites, spans)])
+    layer = model.layers[0]
+    modules = {"q|k|v": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj, "gate|up": layer.mlp.gate_up_proj,
+               "down_proj": layer.mlp.down_proj, "lm_head": model.embed_tokens if model.lm_head is None else model.lm_head}
+    bandwidth = copy_bandwidth(core.device)
+    total = sum(exposed.values()) / steps
+    print(f"by projection (exposed time a step; copy bandwidth {bandwidth / 1e9:.0f} GB/s):")
+    for site in (*modules, "other matmul"):
+        if site not in exposed:
+            continue
+        count = sites.count(site) / steps
+        us = exposed[site] / steps
+        line = f"  {site:12s} x{count:<4.0f} {us / 1e3:7.3f} ms {100 * us / total:5.1f}%  {us / count:6.2f} us each"
+        if site in modules:
+            nbytes = projection_read_bytes(modules[site])
+            line += (f"  {nbytes / 1e6:8.1f} MB each, {nbytes / (us / count * 1e-6) / 1e9:6.0f} GB/s"
+                     f" (at the copy bandwidth: {nbytes / bandwidth * 1e6:6.2f} us)")
+        print(line)
+    rest = total - sum(exposed.get(site, 0.0) for site in (*modules, "other matmul")) / steps
+    print(f"  {'the rest':12s}       {rest / 1e3:7.3f} ms {100 * rest / total:5.1f}%  (attention, norms, activations, sampling, copies)")
 
 
 def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) -> None:
@@ -409,10 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prefill", type=int, default=0, help="with --profile-decode: each profiled step also prefills a prompt this long")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "int4"), help="with --profile-decode: the weights' format")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     if args.profile_decode:
-        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill)
+        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill, args.quantization)
         return 0
     if args.profile_chunked:
         profile_chunked_step(args.profile_chunked, args.batch, args.long, args.budget)

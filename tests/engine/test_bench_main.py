@@ -112,6 +112,49 @@ def test_exposed_time_counts_overlapped_kernels_once():
     assert sum(exposed.values()) + idle == 27.0  # the stream's whole span
 
 
+def test_each_kernel_of_a_decode_step_is_named_by_the_projection_it_ran():
+    """projection_sites: matrix kernels between two decode attentions are o_proj, gate|up,
+    down_proj, then the next layer's q|k|v; after a step's last layer the lm_head comes before the
+    next step's first q|k|v; other kernels keep their names, and a matrix kernel beyond the order
+    is "other matmul". Two steps of a 2-layer model, kernels named as on the H200."""
+    from engine.bench.kernels import projection_sites
+
+    def step(down: str) -> list[str]:
+        head = ["Memcpy HtoD (Pinned -> Device)", "scatter_decode_inputs_kernel", "indexSelectSmallIndex", "add_rms_norm_kernel",
+                "decode_linear_kernel"]
+        layer = ["split_kv_decode_attention", "combine_kernel", "decode_linear_kernel", "add_rms_norm_kernel",
+                 "decode_linear_kernel", down, "add_rms_norm_kernel"]
+        return head + layer + ["decode_linear_kernel"] + layer + ["decode_linear_kernel", "chunk_argmax_kernel"]
+
+    names = step("void gemvx::kernel<int, int, __nv_bfloat16>") + step("tinygemm_m16n8k16_chunk_kernel")
+    sites = projection_sites(names, layers=2)
+    matmuls = [site for name, site in zip(names, sites) if name != site]
+    layer = ["o_proj", "gate|up", "down_proj"]
+    assert matmuls == ["q|k|v", *layer, "q|k|v", *layer, "lm_head"] * 2
+    assert sites[5:7] == ["split_kv_decode_attention", "combine_kernel"] and sites[-1] == "chunk_argmax_kernel"
+    extra = projection_sites(["split_kv_decode_attention", *["int4_linear_kernel"] * 6], layers=4)
+    assert extra[1:] == ["o_proj", "gate|up", "down_proj", "q|k|v", "other matmul", "other matmul"]
+
+
+def test_a_projection_counts_the_bytes_a_one_row_step_reads():
+    """projection_read_bytes: weight and bias of a bf16 projection; an int4 one's groups, scales
+    and mins once, also when tinygemm's layout of the same groups sits beside them."""
+    import torch
+
+    from engine.bench.kernels import projection_read_bytes
+    from engine.w4a16 import W4A16Linear
+
+    linear = torch.nn.Linear(256, 64).to(torch.bfloat16)
+    assert projection_read_bytes(linear) == (256 * 64 + 64) * 2
+    int4 = W4A16Linear.from_linear(torch.nn.Linear(256, 64, bias=False), 128)
+    groups = 64 * 256 // 2 + 2 * 64 * 2 * 2  # nibbles, then fp16 scales and mins for 2 groups a row
+    assert projection_read_bytes(int4) == groups
+    # tinygemm's layout is made by a CUDA-only op: tensors of its sizes stand in for it here
+    int4.tinygemm_weight = torch.nn.Parameter(torch.zeros(64 * 256 // 8, dtype=torch.int32), requires_grad=False)
+    int4.tinygemm_scales_zeros = torch.nn.Parameter(torch.zeros(2, 64, 2, dtype=torch.bfloat16), requires_grad=False)
+    assert projection_read_bytes(int4) == groups
+
+
 def test_throughput_bounds_count_flops_and_bytes_by_hand():
     """Two requests on a 1-layer shape, summed by hand: (prompt, output) (3, 1) decodes nothing;
     (2, 3) decodes 2 tokens over contexts of 3 and 4."""
