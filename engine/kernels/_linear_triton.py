@@ -44,7 +44,7 @@ the wait (GemvPolicy.late_release says for which projections it pays).
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_l2
+from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_rows_l2
 
 
 @triton.jit
@@ -87,12 +87,9 @@ def decode_linear_kernel(
     if USE_PDL and PREFETCH_K > 0:  # the weight's first columns into L2 while the kernel before runs
         own_rows = tl.where(n_ok, offs_n, pid * (BLOCK_N if COLUMNS == 0 else COLUMNS))
         row_ptrs = W + own_rows.to(tl.int64)[:, None] * stride_wn + k_first
-        lines = tl.arange(0, 8) * LINE
-        for k0 in range(0, PREFETCH_K, 8 * LINE):
-            ptrs = row_ptrs + tl.minimum(k0 + lines, k_len - 1)[None, :]
-            prefetch_l2(ptrs)
-            if GATED:
-                prefetch_l2(ptrs + up_offset)
+        prefetch_rows_l2(row_ptrs, k_len, PREFETCH_K, LINE)
+        if GATED:
+            prefetch_rows_l2(row_ptrs + up_offset, k_len, PREFETCH_K, LINE)
     pdl_wait(USE_PDL, not LATE_RELEASE)
     if HAS_SCALE and FP8_MATH == 2:  # x's per-row scale over the whole K: a few KB, read again from L2
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -175,10 +172,7 @@ def gemv_sum_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_first + offs_k[None, :]
     if USE_PDL and PREFETCH_K > 0:  # the weight's first columns into L2 while the kernel before runs
         own_rows = tl.where(n_ok, offs_n, pid * BLOCK_N)
-        row_ptrs = W + own_rows.to(tl.int64)[:, None] * stride_wn + k_first
-        lines = tl.arange(0, 8) * LINE
-        for k0 in range(0, PREFETCH_K, 8 * LINE):
-            prefetch_l2(row_ptrs + tl.minimum(k0 + lines, k_len - 1)[None, :])
+        prefetch_rows_l2(W + own_rows.to(tl.int64)[:, None] * stride_wn + k_first, k_len, PREFETCH_K, LINE)
     pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):

@@ -34,3 +34,13 @@ def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ``ptrs`` (one request per element, no register result):
     a weight read that may run before :func:`pdl_wait`, while the previous kernel finishes."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, length, COLUMNS: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first COLUMNS elements of each row that ``row_ptrs`` [R, 1] starts, LINE
+    elements a 128-byte line, 8 lines a row a round, clamped to the row's ``length`` elements:
+    how each decode GEMV warms its weight slice before :func:`pdl_wait`."""
+    lines = tl.arange(0, 8) * LINE
+    for k0 in range(0, COLUMNS, 8 * LINE):
+        prefetch_l2(row_ptrs + tl.minimum(k0 + lines, length - 1)[None, :])
