@@ -107,3 +107,54 @@ def int4_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def int4_words_gemv_kernel(
+    X, QWORDS, S, MN, Y, B, N, K, stride_ys,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One row of x (batch 1) on the CUDA cores from the "words" layout (engine/w4a16.py
+    ``words_layout``): QWORDS [N, K/8] int32, a group's GROUP / 8 words per row, word j's nibble
+    b holding the group's input b * GROUP / 8 + j, so that the inputs of nibble b over a row's
+    words are one contiguous run of x. Each nibble becomes a float with two integer
+    instructions and no conversion: moved to bits 16-19 and OR-ed with 0x43000000, it reads as
+    float32 128 + q (bf16's exponent of 128, exact). The 128 is taken out per group with the
+    minimum: sum(w x) = scale * sum((128 + q) x) + (min - 128 scale) * sum(x). The group's
+    products stay per thread until one reduction per group. Split-K partials, bias and PDL as
+    :func:`int4_gemv_kernel`."""
+    WORDS: tl.constexpr = GROUP // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = K // SPLIT_K
+    k_first = pid_k * k_len
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, WORDS)
+    n_ok = offs_n < N
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    w_ptrs = QWORDS + rows[:, None] * (K // 8) + k_first // 8 + offs_j[None, :]
+    g_offs = rows * (K // GROUP) + k_first // GROUP
+    x_ptrs = X + k_first + offs_j
+    pdl_wait(USE_PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(0, k_len // GROUP, GROUPS_PER_STEP):
+        for gi in tl.static_range(GROUPS_PER_STEP):
+            g = g0 + gi
+            words = tl.load(w_ptrs + g * WORDS, eviction_policy="evict_first")
+            part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+            for b in tl.static_range(8):
+                xb = tl.load(x_ptrs + g * GROUP + b * WORDS).to(tl.float32)
+                if b < 4:
+                    q = (words << (16 - 4 * b)) & 0xF0000
+                else:
+                    q = (words >> (4 * b - 16)) & 0xF0000
+                part += (q | 0x43000000).to(tl.float32, bitcast=True) * xb[None, :]
+                x_sum += xb
+            scale = tl.load(S + g_offs + g).to(tl.float32)
+            low = tl.load(MN + g_offs + g).to(tl.float32)
+            acc += scale * tl.sum(part, axis=1) + (low - 128.0 * scale) * tl.sum(x_sum, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)

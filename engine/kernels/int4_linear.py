@@ -99,3 +99,45 @@ def int4_linear(
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return y
+
+
+@dataclass(frozen=True)
+class WordsTile:
+    """A program of the one-row "words" GEMV: ``block_n`` weight rows, ``groups_per_step`` groups a
+    loop step (unrolled, more loads in flight)."""
+
+    block_n: int = 32
+    groups_per_step: int = 2
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def int4_words_gemv(
+    x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, split_k: int = 1, pdl: bool = False,
+    tile: WordsTile = WordsTile(),
+) -> torch.Tensor:
+    """x [1, K] @ W^T (+ bias) -> [1, N] from W's words layout (engine/w4a16.py ``words_layout``:
+    ``qwords`` [N, K/8] int32, ``scales`` and ``mins`` [N, K/group] fp16) on the CUDA cores.
+    ``split_k`` > 1: float32 partials [split_k, 1, N] for the next norm to sum, as :func:`int4_linear`."""
+    from engine.kernels._int4_triton import int4_words_gemv_kernel
+    from engine.kernels.triton_utils import launch_options
+
+    m, k = x.shape
+    n = qwords.shape[0]
+    if (m != 1 or qwords.shape != (n, k // 8) or qwords.dtype != torch.int32 or group % 8 or split_k < 1
+            or k % (split_k * group * tile.groups_per_step) or scales.shape != (n, k // group) or mins.shape != scales.shape
+            or x.stride(1) != 1 or not qwords.is_contiguous() or (bias is not None and (bias.shape != (n,) or split_k > 1))
+            or (split_k > 1 and out_dtype is not None)):
+        raise ValueError(f"int4_words_gemv: x {tuple(x.shape)} qwords {tuple(qwords.shape)} {qwords.dtype} scales {tuple(scales.shape)} "
+                         f"group {group} split_k {split_k} out_dtype {out_dtype} do not fit {tile}")
+    if split_k > 1:
+        y = torch.empty((split_k, 1, n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    int4_words_gemv_kernel[(-(-n // tile.block_n), split_k)](
+        x, qwords, scales, mins, y, qwords if bias is None else bias, n, k, y.stride(0) if split_k > 1 else 0,
+        GROUP=group, BLOCK_N=tile.block_n, GROUPS_PER_STEP=tile.groups_per_step, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+        USE_PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
+    )
+    return y

@@ -4,13 +4,14 @@ gate|up's late release, the batch-1 graph recaptured per variant in one process,
 interleaved; every variant's greedy tokens checked equal to the first's. ``--late``: which
 projections release late; ``--splits``: decode attention's context splits (module constant
 TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; ``--sum`` (2026-12-04): q|k|v and o_proj on
-the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles). (A form
+the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--down`` (2026-12-05): down_proj as a GEMV split K
+2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS. (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too. Forms ``--ahead`` and ``--gate-up`` (2026-12-04) A/B'd GEMVs asking L2
 for a later weight after their K loop - GemvPolicy.prefetch_ahead, then .prefetch_gate_up_bytes -
 since dropped: docs/results/2026-12-04-h200-*-bs1-prefetch-ahead-ab.txt and *-gate-up-ahead-*.txt.) Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum | --down]``.
 """
 import random
 import sys
@@ -24,6 +25,8 @@ from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.timing import replay_ms
 from engine.bench.workload import random_prompt, run_to_completion
 from engine.cuda_graph import CudaGraphRunner
+from engine.kernels import linear
+from engine.kernels.linear import GemvConfig
 from engine.sampling import SamplingParams
 
 model = next((a for a in sys.argv[1:] if not a.startswith("--")), "engine/configs/qwen2.5-coder-1.5b.json")
@@ -43,6 +46,7 @@ def decode(n):
 
 
 decode(8)
+default_tile = linear.decode_tile
 runner, graphs = core.runner, core.runner.graphs
 variants = {}
 if "--late" in sys.argv:  # second form: which projections release late, with and without a 2 MiB prefetch
@@ -56,6 +60,12 @@ elif "--splits" in sys.argv:  # fourth form: decode attention's context splits a
 elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projections
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
+elif "--down" in sys.argv:  # sixth form (2026-12-05): down_proj as a GEMV split K 5-14 ways (more programs than 96)
+    variants["down on cuBLAS"] = (None, replace(path, gemv_down=False))
+    for block_n, stages in ((32, 5), (16, 5), (64, 4)):
+        for split in (2, 5, 7, 10, 14):
+            variants[f"down GEMV {block_n}x128 s{stages} split-K {split}"] = (
+                GemvConfig("dot", block_n, 128, 4, stages), replace(path, gemv_down=True, down_split_k=split))
 elif "--policy" in sys.argv:  # third form, after the fused norms were dropped: o_proj split-K and down_proj on cuBLAS
     variants = {"as configured": path, "down on cuBLAS": replace(path, gemv_down=False),
                 "o split-K 2": replace(path, o_split_k=2), "down on cuBLAS, o split-K 2": replace(path, gemv_down=False, o_split_k=2)}
@@ -66,7 +76,10 @@ else:  # first form (docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-prefetch-ab
 first = None
 for rnd in range(3):
     for name, variant in variants.items():
-        if isinstance(variant, tuple):
+        if isinstance(variant, tuple) and "--down" in sys.argv:
+            down_tile, variant = variant
+            linear.decode_tile = (lambda n, k, tile=down_tile: tile if tile and k > 4 * n else default_tile(n, k))
+        elif isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
                                 core.device, variant)
