@@ -9,6 +9,7 @@ from engine import LLM, EngineConfig, SamplingParams, build_engine
 from engine.bench.correctness import prompt_logits
 from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
+from tests.engine.helpers import hf_model_from_gguf
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,9 +51,7 @@ def test_llama3_rope_scaling_matches_transformers():
 
 def test_gguf_loader_matches_transformers_gguf_loading(llm_gguf_path, smollm):
     """Same file, two loaders: ours (dequantize + un-permute Q/K) and transformers' gguf_file path."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(llm_gguf_path.parent), gguf_file=llm_gguf_path.name, dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(llm_gguf_path)
     core = build_engine(EngineConfig(model=str(llm_gguf_path), num_kv_blocks=32), loaded=smollm)
     ids = smollm.tokenizer.encode("Employees receive 20 days of paid annual leave per year.")
     ours = prompt_logits(core, ids)
