@@ -7,7 +7,6 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, build_engine
 from engine.bench.correctness import prompt_logits
-from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
 from tests.engine.helpers import hf_model_from_gguf
 
@@ -61,9 +60,9 @@ def test_gguf_loader_matches_transformers_gguf_loading(llm_gguf_path, smollm):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_smollm_greedy_matches_transformers_generate(smollm, llm_gguf_path):
+def test_smollm_greedy_matches_transformers_generate(smollm, smollm_hf, llm_gguf_path):
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=256)
-    hf = build_hf_model(smollm.model)
+    hf = smollm_hf
     questions = ["What is the capital of France?", "Write a short poem about the sea.", "How do I apply for annual leave?"]
     prompts = [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
