@@ -1,4 +1,5 @@
-"""``python -m assistant.soak``: a half-minute run against its own real server, and the verdict's rules."""
+"""``python -m assistant.soak``: a short run against its own real server (five clients: each starts at
+another of the five episodes, so every kind of fault comes up at once), and the verdict's rules."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_a_short_soak_mixes_turns_and_faults_and_leaves_the_server_clean(tmp_pat
     questions.write_text("\n".join(QUESTIONS))
     out = tmp_path / "soak.json"
     r = subprocess.run(
-        [sys.executable, "-m", "assistant.soak", "--sessions", "3", "--minutes", "0.35", "--warm-up-minutes", "0.1", "--progress", "10",
+        [sys.executable, "-m", "assistant.soak", "--sessions", "5", "--minutes", "0.2", "--warm-up-minutes", "0.02", "--progress", "5",
          "--max-output-tokens", "16", "--questions", str(questions), "--json", str(out),
          "--docs", str(docs), "--lang", "en", "--asr", str(whisper_tiny_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -40,7 +41,7 @@ def test_a_short_soak_mixes_turns_and_faults_and_leaves_the_server_clean(tmp_pat
     assert rep["garbage"]["answered_with_error"] == rep["garbage"]["sent"]
     assert rep["after_clients_left"] == {"kv_cache_usage": 0.0, "kv_blocks_in_use": 0.0, "requests_running": 0.0, "requests_waiting": 0.0, "sessions_open": 0.0}
     assert rep["rss_start_bytes"] > 100 * 2**20 and rep["rss_end_bytes"] > 100 * 2**20
-    assert rep["meta"]["warm_up_minutes"] == 0.1 and rep["rss_trace_mib"][0] == [0.0, round(rep["rss_start_bytes"] / 2**20)]
+    assert rep["meta"]["warm_up_minutes"] == 0.02 and rep["rss_trace_mib"][0] == [0.0, round(rep["rss_start_bytes"] / 2**20)]
     assert len(rep["rss_trace_mib"]) >= 3 and rep["rss_trace_mib"][-1][1] == round(rep["rss_end_bytes"] / 2**20)
     assert rep["tracebacks"] == [] and rep["failures"] == [] and Path(rep["meta"]["server_log"]).exists()
 

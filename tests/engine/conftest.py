@@ -73,6 +73,16 @@ def smollm(llm_gguf_path) -> LoadedModel:
 
 
 @pytest.fixture(scope="package")
+def smollm_hf(smollm):
+    """HF transformers' model holding SmolLM2's float32 weights (engine.bench.hf_reference), the
+    reference of test_model_parity.py, test_native_decode.py and test_quantization.py, built once
+    and only read (eval, no grad); freed after the engine tests."""
+    from engine.bench.hf_reference import build_hf_model
+
+    return build_hf_model(smollm.model)
+
+
+@pytest.fixture(scope="package")
 def smollm_int4(llm_gguf_path) -> LoadedModel:
     """SmolLM2 with its GGUF blocks repacked as int4, loaded once for the engine tests that use it
     (test_quantization.py, test_native_decode.py); freed after the engine tests."""

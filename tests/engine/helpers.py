@@ -1,10 +1,15 @@
-"""Test helpers: requests built directly, a model-free engine loop, and waits on an async engine."""
+"""Test helpers: requests built directly, a model-free engine loop, waits on an async engine, and
+transformers' own model of a GGUF file."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.execution_path import ExecutionPath
@@ -110,3 +115,38 @@ def generate_staggered(core, prompts: list[list[int]], params: SamplingParams, s
     while core.has_unfinished_requests():
         step()
     return [out[r.request_id] for r in reqs]
+
+
+@contextlib.contextmanager
+def gguf_files_read_once() -> Iterator[None]:
+    """While the block runs, ``gguf.GGUFReader`` parses each file once and hands that same reader
+    to every later reader of the file (the reader is only read from). transformers'
+    ``from_pretrained(gguf_file=...)`` reads a file twice, for its config and for its tensors, and
+    gguf's reader turns every vocabulary entry into numpy views in Python: seconds a read."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+
+    def reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
+
+
+def hf_model_from_gguf(path: Path):
+    """transformers' model of a GGUF file in float32, by its own loader (``gguf_file=``: its
+    dequantization and names, independent of the engine's loader), the file parsed once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with gguf_files_read_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval().requires_grad_(False)

@@ -28,6 +28,14 @@ def prompts(smollm):
     return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
 
 
+@pytest.fixture(scope="module")
+def plain_answers(smollm, llm_gguf_path, prompts) -> tuple[tuple[int, ...], ...]:
+    """Plain decoding's greedy tokens (40 at most) for the three prompts batched, computed once:
+    what drafting must reproduce."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    return tuple(tuple(o.token_ids) for o in LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(prompts, params))
+
+
 def draft_llm(smollm, draft, path, **kw) -> LLM:
     """An engine drafting with ``draft``; its steps priced as on a launch-bound GPU (a draft row and a
     draft step cheap), so that requests draft whenever drafts are accepted."""
@@ -41,11 +49,11 @@ def all_blocks_free(llm: LLM) -> bool:
     return stats.kv_blocks_free == stats.kv_blocks_total and draft.num_free_blocks == draft.num_usable_blocks
 
 
-def test_greedy_answers_are_plain_decodings_in_fewer_steps(smollm, smollm_int4, llm_gguf_path, prompts):
+def test_greedy_answers_are_plain_decodings_in_fewer_steps(smollm, smollm_int4, llm_gguf_path, prompts, plain_answers):
     """Each prompt alone and all three batched: token for token the plain engine's answers, most
     drafts accepted, far fewer target steps than tokens, no mirror or KV block left behind."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    want = [o.token_ids for o in LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(prompts, params)]
+    want = [list(t) for t in plain_answers]
     spec = draft_llm(smollm, smollm_int4, llm_gguf_path)
     for prompt, ref in zip(prompts, want):
         spec.core.num_steps = 0
@@ -58,12 +66,12 @@ def test_greedy_answers_are_plain_decodings_in_fewer_steps(smollm, smollm_int4, 
     assert spec.core.proposer.times.steps > 0
 
 
-def test_target_and_draft_steps_replay_their_graphs_with_the_same_answers(smollm, llm_gguf_path, prompts):
+def test_target_and_draft_steps_replay_their_graphs_with_the_same_answers(smollm, llm_gguf_path, prompts, plain_answers):
     """As on a GPU: the target's verifying steps replay its row graphs, the draft's one-token steps
     its decode graphs and its catch-up steps (the accepted tokens, two when every draft was taken)
     its row graphs; the draft engine's config turns row graphs on. Greedy answers unchanged."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    want = [o.token_ids for o in LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(prompts, params)]
+    want = [list(t) for t in plain_answers]
     spec = draft_llm(smollm, smollm, llm_gguf_path)
     draft = spec.core.proposer.draft
     assert draft.config.row_cuda_graphs == "on"
@@ -123,14 +131,14 @@ def test_after_a_verification_the_draft_continues_from_the_targets_tokens(smollm
     assert len(prompts[1]) // config.block_size <= len(bm.prefix_cache) == len(bm.prefix_cache.longest_prefix(hashes))
 
 
-def test_a_full_draft_cache_means_no_drafts_not_a_failure(smollm, smollm_int4, llm_gguf_path, prompts):
+def test_a_full_draft_cache_means_no_drafts_not_a_failure(smollm, smollm_int4, llm_gguf_path, prompts, plain_answers):
     """A draft engine whose KV cache cannot hold the prompt: no drafts, no mirror, no block held;
     the target engine with such a draft still answers as plain decoding does."""
     proposer = DraftModelProposer(build_engine(make_config(str(llm_gguf_path), num_kv_blocks=3), smollm_int4))
     assert proposer.propose_batch([DraftWant("a", list(prompts[0]), 4)]) == [[]]
     assert not proposer.mirrors and proposer.draft.block_manager.num_free_blocks == 2
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    want = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(prompts[:1], params)[0].token_ids
+    want = list(plain_answers[0][:20])  # a greedy run of 20 tokens is the first 20 of the 40
     spec = draft_llm(smollm, smollm_int4, llm_gguf_path)
     spec.core.proposer = proposer
     assert spec.generate(prompts[:1], params)[0].token_ids == want

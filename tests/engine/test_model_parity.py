@@ -7,8 +7,8 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, build_engine
 from engine.bench.correctness import prompt_logits
-from engine.bench.hf_reference import build_hf_model
 from engine.model.rope import inverse_frequencies
+from tests.engine.helpers import hf_model_from_gguf
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,9 +50,7 @@ def test_llama3_rope_scaling_matches_transformers():
 
 def test_gguf_loader_matches_transformers_gguf_loading(llm_gguf_path, smollm):
     """Same file, two loaders: ours (dequantize + un-permute Q/K) and transformers' gguf_file path."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(llm_gguf_path.parent), gguf_file=llm_gguf_path.name, dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(llm_gguf_path)
     core = build_engine(EngineConfig(model=str(llm_gguf_path), num_kv_blocks=32), loaded=smollm)
     ids = smollm.tokenizer.encode("Employees receive 20 days of paid annual leave per year.")
     ours = prompt_logits(core, ids)
@@ -62,9 +60,9 @@ def test_gguf_loader_matches_transformers_gguf_loading(llm_gguf_path, smollm):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_smollm_greedy_matches_transformers_generate(smollm, llm_gguf_path):
+def test_smollm_greedy_matches_transformers_generate(smollm, smollm_hf, llm_gguf_path):
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=256)
-    hf = build_hf_model(smollm.model)
+    hf = smollm_hf
     questions = ["What is the capital of France?", "Write a short poem about the sea.", "How do I apply for annual leave?"]
     prompts = [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))

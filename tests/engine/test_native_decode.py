@@ -25,10 +25,8 @@ def native_llm(smollm_int4, llm_gguf_path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(smollm):
-    from engine.bench.hf_reference import build_hf_model
-
-    return build_hf_model(smollm.model)
+def hf_fp32(smollm_hf):
+    return smollm_hf
 
 
 def feed(kernel: NativeDecodeStep, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:

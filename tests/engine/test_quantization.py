@@ -174,20 +174,18 @@ def test_the_dense_path_is_kept_for_cpus_with_hardware_bf16_matmuls():
     assert no_bf16 > 1 << 20
 
 
-def test_engine_int4_tracks_the_float32_model(smollm_int4, smollm, llm_gguf_path):
+def test_engine_int4_tracks_the_float32_model(smollm_int4, smollm, smollm_hf, llm_gguf_path):
     """Greedy tokens of the int4 engine, scored by HF transformers in float32 on the dense weights
     of the same file: each chosen token's log-prob is close to what float32 gives it, and the
     answer is the float32 engine's answer. The question's float32 greedy tokens lead their runners-up
     by >= 0.4 nats: the plain "What is the capital of France?" starts on a 0.08-nat near-tie that
     bf16 rounding breaks either way depending on the CPU's matmul kernels (AMX or not)."""
-    from engine.bench.hf_reference import build_hf_model
-
     prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
     out = LLM(str(llm_gguf_path), quantization="int4", max_model_len=512, loaded=smollm_int4).generate([prompt], params)[0]
     fp32 = LLM(str(llm_gguf_path), max_model_len=512, loaded=smollm).generate([prompt], params)[0]
     assert "Paris" in out.text and out.text == fp32.text
-    hf = build_hf_model(smollm.model)
+    hf = smollm_hf
     seq = torch.tensor([prompt + out.token_ids])
     with torch.inference_mode():
         logprobs = torch.log_softmax(hf(seq).logits[0, len(prompt) - 1 : -1].float(), -1)

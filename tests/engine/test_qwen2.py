@@ -15,6 +15,7 @@ from engine import LLM, EngineConfig, LoadedModel, SamplingParams, build_engine
 from engine.bench.correctness import prompt_logits
 from engine.config import ConfigError
 from engine.loader import GGUF_LAYER_NAMES, GGUF_NAMES, load_model
+from tests.engine.helpers import hf_model_from_gguf
 
 CPU = torch.device("cpu")
 
@@ -166,13 +167,11 @@ def test_qwen_greedy_tokens_and_logprobs_match_transformers_from_the_same_gguf(q
     and transformers' gguf_file path - agree on 16 greedy tokens (each of ours is transformers'
     argmax given the ones before: one forward of transformers instead of 16 steps) with log-probs
     within 1e-3; and <|im_end|> ends a generation."""
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(str(qwen_0_5b_gguf), loaded=qwen_fp32, num_kv_blocks=64)
     prompt = qwen_fp32.tokenizer.apply_chat_template(QUESTION)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 16
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen_0_5b_gguf.parent), gguf_file=qwen_0_5b_gguf.name, dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(qwen_0_5b_gguf)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     ref = torch.log_softmax(logits.float(), -1)

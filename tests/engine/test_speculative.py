@@ -4,6 +4,8 @@ without it at temperature 0, fewer steps, no KV block left behind)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from hypothesis import given
@@ -126,12 +128,12 @@ class WrongGuesses(NgramProposer):
         return [0] * min(self.k, limit or self.k)
 
 
-def test_a_request_whose_drafts_are_rejected_stops_drafting(smollm, llm_gguf_path, quoting_prompts):
+def test_a_request_whose_drafts_are_rejected_stops_drafting(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
     """The real engine with drafts that are always wrong: the answer is still plain decoding's, and
     after a rejection or two the request proposes none for several steps at a time (its acceptance
     estimate fell; it tries one draft again now and then)."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    want = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate(quoting_prompts[2:], params)[0].token_ids
+    want = list(plain_tokens[2][:30])
     spec = spec_llm(smollm, llm_gguf_path)
     spec.core.proposer = WrongGuesses(k=4)
     assert spec.generate(quoting_prompts[2:], params)[0].token_ids == want
@@ -174,38 +176,63 @@ def quoting_prompts(smollm):
     return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
 
 
-def test_greedy_output_is_the_same_with_fewer_steps(smollm, llm_gguf_path, quoting_prompts):
+class Answer(NamedTuple):
+    """A finished greedy answer, frozen: its tokens, text and each token's log-prob."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...]
+
+
+@pytest.fixture(scope="module")
+def plain_answers(smollm, llm_gguf_path, quoting_prompts) -> tuple[Answer, ...]:
+    """Plain decoding's greedy answer (40 tokens at most, with log-probs) to each quoting prompt
+    alone, computed once: what speculation must reproduce."""
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0)
+    outs = [plain.generate([p], params)[0] for p in quoting_prompts]
+    return tuple(Answer(tuple(o.token_ids), o.text, tuple(next(iter(e.values())) for e in o.logprobs)) for o in outs)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(smollm, llm_gguf_path, quoting_prompts) -> tuple[tuple[int, ...], ...]:
+    """Plain decoding's first 40 greedy tokens after each quoting prompt alone, EOS ignored,
+    computed once: a greedy run of n <= 40 tokens (EOS ignored) is the first n of them."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return tuple(tuple(LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids)
+                 for p in quoting_prompts)
+
+
+def test_greedy_output_is_the_same_with_fewer_steps(smollm, llm_gguf_path, quoting_prompts, plain_answers):
     """The real model, each prompt alone and all three batched: the same tokens as without
     speculation, drafts accepted, fewer steps than tokens, and every KV block back in the pool."""
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0)
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = [plain.generate([p], params)[0] for p in quoting_prompts]
+    want = plain_answers
     spec = spec_llm(smollm, llm_gguf_path)
     alone = []
     for p in quoting_prompts:
         spec.core.num_steps = 0
         alone.append(spec.generate([p], params)[0])
         assert spec.core.num_steps < len(alone[-1].token_ids) + 1 or spec.core.spec_stats.num_accepted_tokens == 0
-    assert [o.token_ids for o in alone] == [o.token_ids for o in want]
-    assert [o.text for o in alone] == [o.text for o in want]
+    assert [tuple(o.token_ids) for o in alone] == [a.token_ids for a in want]
+    assert [o.text for o in alone] == [a.text for a in want]
     for got, ref in zip(alone, want):  # the log-prob of each kept token, from the verifying step's rows
-        assert [next(iter(e.values())) for e in got.logprobs] == pytest.approx([next(iter(e.values())) for e in ref.logprobs], abs=2e-3)
+        assert [next(iter(e.values())) for e in got.logprobs] == pytest.approx(list(ref.logprobs), abs=2e-3)
     stats = spec.core.spec_stats
     assert stats.num_accepted_tokens > 10 and 0 < stats.acceptance_rate <= 1
     batched = spec.generate(quoting_prompts, params)
-    assert [o.token_ids for o in batched] == [o.token_ids for o in want]
+    assert [tuple(o.token_ids) for o in batched] == [a.token_ids for a in want]
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf_path, quoting_prompts):
+def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf_path, quoting_prompts, plain_answers):
     """Row graphs (engine/cuda_graph.py): each verifying step, a row per token with its own context
     length and its request's block table, packed and scattered like a decode graph's step and
     padded to a row bucket, greedy tokens from the step's own argmax; the three prompts alone and
     batched give the plain engine's tokens. On a GPU each bucket is one CUDA graph; here the same
     scatter, rows and argmax run eagerly."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts]
+    want = [list(a.token_ids) for a in plain_answers]
     spec = spec_llm(smollm, llm_gguf_path)
     runner = spec.core.runner
     runner.capture_cuda_graphs([1, 2, 4], spec.core.max_model_len, spec.core.config.max_num_seqs)
@@ -227,7 +254,7 @@ def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, llm_gguf_path, quoting_prompts):
+def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
     """Async scheduling with speculation: while more than ``speculative_max_batch`` requests
     decode, steps overlap the host's work (each launched before the previous one is read back);
     once few enough decode, the step in flight is read back before drafts are proposed. Greedy
@@ -235,8 +262,7 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = quoting_prompts * 2  # six requests: above a speculative_max_batch of 2 until four finish
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = [o.token_ids for o in plain.generate(prompts, [short] * 4 + [params] * 2)]
+    want = [list(plain_tokens[i % 3][:n]) for i, n in enumerate([8] * 4 + [30] * 2)]
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=2)
     chained = []  # per launched step: whether the step before it was still in flight (its drafts, if any)
     launch = spec.core._launch
@@ -254,15 +280,14 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(smollm, llm_gguf_path, quoting_prompts):
+def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
     """Async scheduling, one request at a time: the step in flight is read back for drafts only
     when the tokens known so far end in an n-gram seen before (NgramProposer.may_propose); the
     other steps are launched before the one before them is read back. The answer about annual
     leave quotes the handbook in places and not in others, so both kinds of step occur. Greedy
     output as without speculation."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = plain.generate(quoting_prompts[1:2], params)[0].token_ids
+    want = list(plain_tokens[1])
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
     chained = []  # per launched decode step: (launched while the one before was in flight, with drafts)
     launch = spec.core._launch
@@ -280,7 +305,7 @@ def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(s
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts):
+def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
     """Async scheduling, speculation for one decoding request at most: a prompt whose prefill ends
     in the step that verifies the other request's drafts makes the next step too large to draft,
     so nothing else reads the verifying step back first; it must have been read back already (the
@@ -294,8 +319,7 @@ def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_
             return True
 
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
-    want = [plain.generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
+    want = [list(t[:30]) for t in plain_tokens[:2]]
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=1, long_prefill_token_threshold=8)
     spec.core.proposer = EveryStep(spec.core.proposer.k)
     assert generate_staggered(spec.core, quoting_prompts[:2], params, steps_between=16) == want
