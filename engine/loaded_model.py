@@ -98,9 +98,7 @@ class LoadedModel:
                 raise ConfigError(f"quantization='int4': {e}") from e
             int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]
             laid_out = sum(m.add_tinygemm() for m in int4)  # batch-1 decode may run PyTorch's kernel (GemvPolicy.int4_kernel)
-            for m in int4:
-                m.add_words()  # or the words GEMV
-            log.info("int4: %d of %d projections also laid out for aten._weight_int4pack_mm, all as words", laid_out, len(int4))
+            log.info("int4: %d of %d projections also laid out for aten._weight_int4pack_mm", laid_out, len(int4))
             torch.cuda.empty_cache()
         native = None
         if blocks is not None:

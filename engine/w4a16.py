@@ -127,7 +127,6 @@ class W4A16Linear(nn.Module):
         self.in_features, self.out_features = qweight.shape[1] * 2, qweight.shape[0]
         self.tinygemm_weight: nn.Parameter | None = None  # with the scales and zeros below: after add_tinygemm
         self.tinygemm_scales_zeros: nn.Parameter | None = None
-        self.words: nn.Parameter | None = None  # after add_words
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int = GROUP) -> "W4A16Linear":
@@ -136,18 +135,14 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
                 prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
-        """Any number of rows; the words GEMV for one row where ``kernel`` is "words" and the weight
-        has that layout (:meth:`add_words`); tinygemm where the weight has its layout and ``kernel``
-        is "tinygemm" (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
+        """Any number of rows; tinygemm where the weight has its layout and ``kernel`` is "tinygemm"
+        (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
         its float32 reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials
         [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py)."""
-        from engine.kernels.int4_linear import int4_linear, int4_words_gemv
+        from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
         rows = x.reshape(-1, x.shape[-1])
-        if kernel == "words" and self.words is not None and rows.shape[0] == 1 and runs_triton(rows):
-            y = int4_words_gemv(rows, self.words, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl)
-            return y if split_k > 1 else y.reshape(*x.shape[:-1], self.out_features)
         if self.has_tinygemm and split_k == 1 and (kernel == "tinygemm" or (kernel == "auto" and rows.shape[0] <= TINYGEMM_MAX_ROWS)):
             return self.tinygemm(rows, out_dtype).reshape(*x.shape[:-1], self.out_features)
         if runs_triton(rows):
@@ -171,16 +166,6 @@ class W4A16Linear(nn.Module):
                                             requires_grad=False)
         self.tinygemm_scales_zeros = nn.Parameter(scales_zeros, requires_grad=False)
         return True
-
-    def add_words(self) -> None:
-        """Lay the groups out as words too (:func:`words_layout`), for the one-row CUDA-core GEMV."""
-        self.words = nn.Parameter(words_layout(self.qweight, self.group), requires_grad=False)
-
-    def second_layouts(self) -> list[nn.Parameter]:
-        """The copies of the same groups in other layouts (tinygemm's, words): a step reads one
-        layout, so byte counts of what a step reads skip these."""
-        tinygemm = [self.tinygemm_weight, self.tinygemm_scales_zeros] if self.has_tinygemm else []
-        return tinygemm + ([self.words] if self.words is not None else [])
 
     @property
     def has_tinygemm(self) -> bool:

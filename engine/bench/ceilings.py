@@ -79,7 +79,8 @@ def decode_step_bytes(core: EngineCore, context: int) -> int:
         # the stored weights (int4 blocks, e4m3 or nibbles with their scales) as they are; not read by a one-row step: int4's
         # dense copies, the RoPE table, and the embedding unless it is the head (an int4 model's
         # head is an int4 copy of its own)
-        tinygemm = [t for m in model.modules() if isinstance(m, W4A16Linear) for t in m.second_layouts()]  # a step reads one layout
+        tinygemm = [t for m in model.modules() if isinstance(m, W4A16Linear) and m.has_tinygemm
+                    for t in (m.tinygemm_weight, m.tinygemm_scales_zeros)]  # the same groups laid out twice; a step reads one (as many bytes)
         skip = [*(m.weight for m in int4 if m.weight is not None), *tinygemm, model.rope.cos_sin,
                 *((model.embed_tokens.weight,) if int4 or model.lm_head is not None else ())]
         ptrs = {t.untyped_storage().data_ptr() for t in skip}

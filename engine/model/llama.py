@@ -200,12 +200,11 @@ def _gemv(
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it),
-    or PyTorch's tinygemm or the words GEMV where the policy says so and the weight has that layout."""
+    or PyTorch's tinygemm where the policy says so and the weight has that layout."""
     if isinstance(linear, W4A16Linear):
         # Triton: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
-        kernel = gemv.int4_kernel
-        splits = kernel == "triton" or (kernel == "tinygemm" and not linear.has_tinygemm) or (kernel == "words" and linear.words is not None)
-        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if splits and name in ("o", "down") else 1
+        triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
+        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if triton and name in ("o", "down") else 1
         y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
                    prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes), kernel=gemv.int4_kernel)
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y

@@ -148,7 +148,7 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
                 changed = [f.name for f in fields(GemvPolicy) if getattr(variant, f.name) != getattr(path, f.name)]
                 assert len(changed) <= 2, (name, changed)
         kinds = {v.int4_kernel for v in quantized.values()}
-        assert (kinds == {"tinygemm", "triton", "words"}) == int4
+        assert (kinds == {"tinygemm", "triton"}) == int4
         assert ({v.fp8_down_split_k for v in quantized.values()} == {1, 2}) == fp8
 
 

@@ -800,16 +800,16 @@ def test_rows_rounded_to_e4m3_by_one_kernel_match_the_torch_rule():
         quantize_rows_triton(x.t(), FP8_MAX)
 
 
-# PyTorch's tinygemm int4 kernel is CUDA-only: in the interpreter only this engine's kernels run
-INT4_KERNELS = ["triton", "tinygemm", "words"] if DEVICE.type == "cuda" else ["triton", "words"]
+# PyTorch's tinygemm int4 kernel is CUDA-only: in the interpreter only this engine's kernel runs
+INT4_KERNELS = ["triton", "tinygemm"] if DEVICE.type == "cuda" else ["triton"]
 
 
 @pytest.mark.parametrize("kernel", INT4_KERNELS)
 def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, kernel):
     """The W4A16 wiring (engine/w4a16.py): a Qwen2 (q|k|v bias) whose layer projections are
     group-wise int4 - a 20-token prompt through the prefill tile, then batch-1 steps through the
-    decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel),
-    through tinygemm, or through the words GEMV (split-K likewise) - decodes like a plain model holding the dequantized weights (scored
+    decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel)
+    or through tinygemm - decodes like a plain model holding the dequantized weights (scored
     teacher-forced; the Triton kernel multiplies in fp16, tinygemm with bf16 scales)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS
@@ -833,10 +833,6 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
         for rows in (3, 9):
             x = torch.randn(rows, proj.in_features, device=DEVICE, dtype=DTYPE)
             assert rel(proj(x), int4_linear_ref(x, proj.qweight, proj.scales, proj.mins, proj.group, out_dtype=torch.float32)) < 2e-2
-    if kernel == "words":
-        for m in int4.model.modules():
-            if isinstance(m, W4A16Linear):
-                m.add_words()
     got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1, int4_kernel=kernel))).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
 
