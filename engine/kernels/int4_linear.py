@@ -112,16 +112,10 @@ class WordsTile:
     num_stages: int = 2
 
 
-def words_tile(k: int, group: int, split_k: int = 1) -> WordsTile:
-    """The words GEMV's tile for a weight of ``k`` inputs: two groups a loop step where the slice
-    holds an even number of them, else one."""
-    return WordsTile(groups_per_step=2 if (k // split_k // group) % 2 == 0 else 1)
-
-
 def int4_words_gemv(
     x: torch.Tensor, qwords: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, split_k: int = 1, pdl: bool = False,
-    tile: WordsTile | None = None,
+    tile: WordsTile = WordsTile(),
 ) -> torch.Tensor:
     """x [1, K] @ W^T (+ bias) -> [1, N] from W's words layout (engine/w4a16.py ``words_layout``:
     ``qwords`` [N, K/8] int32, ``scales`` and ``mins`` [N, K/group] fp16) on the CUDA cores.
@@ -131,7 +125,6 @@ def int4_words_gemv(
 
     m, k = x.shape
     n = qwords.shape[0]
-    tile = tile or words_tile(k, group, split_k)
     if (m != 1 or qwords.shape != (n, k // 8) or qwords.dtype != torch.int32 or group % 8 or split_k < 1
             or k % (split_k * group * tile.groups_per_step) or scales.shape != (n, k // group) or mins.shape != scales.shape
             or x.stride(1) != 1 or not qwords.is_contiguous() or (bias is not None and (bias.shape != (n,) or split_k > 1))

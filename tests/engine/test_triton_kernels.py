@@ -610,11 +610,11 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     """W4A16 (engine/w4a16.py): the kernel's product equals x @ the dequantized weight (x rounded
     to fp16: 2e-3), for decode tiles (1 and 5 rows) and prefill tiles (70 rows: two M tiles, the
     second partial); groups of 32 and 128, one and two groups a loop step, odd N (masked rows), a
-    bias, float32 out, split-K partials that sum to the product; at one row also the CUDA-core GEMVs
-    (Int4Tile kind "sum", and int4_words_gemv over the words layout). The groups' scales and minimums are far apart across the weight, so a
+    bias, float32 out, split-K partials that sum to the product; at one row also the CUDA-core GEMV
+    (Int4Tile kind "sum"). The groups' scales and minimums are far apart across the weight, so a
     group scaled with its neighbour's numbers fails."""
-    from engine.kernels.int4_linear import Int4Tile, WordsTile, int4_linear, int4_split_k, int4_words_gemv
-    from engine.w4a16 import int4_linear_ref, quantize_groups, words_layout
+    from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_split_k
+    from engine.w4a16 import int4_linear_ref, quantize_groups
 
     tol = max(TOL, 2e-3)
     for k, n, group in ((384, 100, 128), (256, 72, 32), (256, 120, 128)):
@@ -638,14 +638,6 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
             if (k // group) % 2 == 0:
                 parts = int4_linear(x, q, scales, mins, group, split_k=2, pdl=pdl, tile=cores)
                 assert parts.shape == (2, 1, n) and rel(parts.sum(0), ref) < tol
-            words = words_layout(q, group)  # the words GEMV: plain, bias and float32 out, split-K, two groups a step
-            assert rel(int4_words_gemv(x, words, scales, mins, group, pdl=pdl), ref) < tol
-            got = int4_words_gemv(x, words, scales, mins, group, b, torch.float32, pdl=pdl, tile=WordsTile(16, 1))
-            assert got.dtype == torch.float32 and rel(got, ref + b.float()) < tol
-            if (k // group) % 2 == 0:
-                parts = int4_words_gemv(x, words, scales, mins, group, split_k=2, pdl=pdl, tile=WordsTile(64, 1))
-                assert parts.shape == (2, 1, n) and rel(parts.sum(0), ref) < tol
-                assert rel(int4_words_gemv(x, words, scales, mins, group, pdl=pdl, tile=WordsTile(32, 2)), ref) < tol
     assert int4_split_k(1, 4096, 14336, 128) == 4 and int4_split_k(1, 1536, 8960, 128) == 2 and int4_split_k(70, 4096, 14336, 128) == 1
 
 

@@ -17,7 +17,7 @@ from engine.loaded_model import LoadedModel
 from engine.quantization import gguf_tensors
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.w4a16 import (W4A16Linear, int4_linear_ref, quantize_groups, quantize_model_int4_from_gguf, tinygemm_fits,
-                          tinygemm_operands, unpack_groups, words_layout)
+                          tinygemm_operands, unpack_groups)
 
 
 def test_a_q4_1_gguf_becomes_int4_with_the_files_own_groups(llm_gguf_path):
@@ -86,19 +86,6 @@ def test_tinygemm_operands_hold_the_same_weight():
         got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros).float()
         ref = int4_linear_ref(x, q, scales, mins, group, out_dtype=torch.float32)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2, group
-
-
-def test_the_words_layout_puts_a_nibbles_inputs_in_one_run():
-    """words_layout (the one-row CUDA-core kernel's): in each group, word j's nibble b holds input
-    b * group / 8 + j, for every word, nibble and group (the sign bit included: nibble 7 of 15
-    makes a negative int32)."""
-    for group in (32, 128):
-        q, _, _ = quantize_groups(torch.randn(5, 256), group)
-        words = words_layout(q, group)
-        assert words.shape == (5, 32) and words.dtype == torch.int32
-        nibbles = torch.stack([(words.to(torch.int64) >> (4 * b)) & 0xF for b in range(8)], dim=-1)  # [N, word, b]
-        per_group = nibbles.reshape(5, 256 // group, group // 8, 8).transpose(2, 3).reshape(5, 256)
-        assert torch.equal(per_group, unpack_groups(q, group).to(torch.int64)), group
 
 
 def test_tinygemm_takes_only_the_shapes_its_layout_has():
