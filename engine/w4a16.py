@@ -67,16 +67,6 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
     return (q * scales.float()[:, :, None] + mins.float()[:, :, None]).reshape(n, -1)
 
 
-def words_layout(qweight: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """The same 4-bit values as int32 words [N, K/8] for the one-row CUDA-core kernel
-    (engine/kernels/_int4_triton.py ``int4_words_gemv_kernel``): in each group, word j's nibble b
-    (bits 4b..4b+3) holds input b * group / 8 + j."""
-    n = qweight.shape[0]
-    q = unpack_groups(qweight, group).reshape(n, -1, 8, group // 8).to(torch.int64)  # [N, groups, nibble b, word j]
-    words = (q << (4 * torch.arange(8, device=q.device))[None, None, :, None]).sum(dim=2)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).reshape(n, -1)
-
-
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm takes
 TINYGEMM_MAX_ROWS = 4
 """Steps of up to this many rows run tinygemm where a projection has its layout (W4A16Linear.forward;

@@ -5,7 +5,8 @@ interleaved; every variant's greedy tokens checked equal to the first's. ``--lat
 projections release late; ``--splits``: decode attention's context splits (module constant
 TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; ``--sum`` (2026-12-04): q|k|v and o_proj on
 the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--down`` (2026-12-05): down_proj as a GEMV split K
-2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS. (A form
+2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS: every split past 2 slower
+(docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-down-split-ab.txt). (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too. Forms ``--ahead`` and ``--gate-up`` (2026-12-04) A/B'd GEMVs asking L2

@@ -6,21 +6,17 @@ weights, for 1 row (decode), 16 and 512 rows (prefill): microseconds a call (one
 weight copies that overflow L2, replayed) and bytes read per second, against cuBLAS on the bf16
 weight. First it checks tinygemm's output against the dequantized weight, so that the layout
 ``tinygemm_operands`` assumes is the kernel's.
-``--words`` (2026-12-05): one row only, with the CUDA-core GEMV over the words layout
-(engine/w4a16.py ``words_layout``, int4_words_gemv) in several tiles, after checking its output.
-Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_kernel_ab.py [--words]``.
+A form ``--words`` (2026-12-05) timed a one-row CUDA-core GEMV over a "words" layout (each nibble
+position's inputs contiguous in x, nibbles made floats by two integer ops, no conversion), since
+dropped: 8B gate|up 44.3 us and down_proj 25.7 us at best against tinygemm's 33.6 and 18.9
+(docs/results/2026-12-05-h200-int4-words-gemv-ab.txt).
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_kernel_ab.py``.
 """
-import sys
-
 import torch
 
 from engine.bench.kernels import time_rotating
-from engine.kernels.int4_linear import Int4Tile, WordsTile, int4_linear, int4_split_k, int4_tile, int4_words_gemv
-from engine.w4a16 import W4A16Linear, int4_linear_ref, quantize_groups, words_layout
-
-WORDS = "--words" in sys.argv
-WORDS_TILES = [WordsTile(bn, gps, warps) for bn, gps, warps in
-               ((16, 2, 2), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 2, 4), (64, 4, 8), (128, 2, 8))]
+from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_split_k, int4_tile
+from engine.w4a16 import W4A16Linear, int4_linear_ref, quantize_groups
 
 torch.manual_seed(0)
 for group in (128, 32):
@@ -32,15 +28,6 @@ for group in (128, 32):
     err = ((linear.tinygemm(x).float() - ref).norm() / ref.norm()).item()
     print(f"tinygemm against the dequantized weight, groups of {group}: relative error {err:.2e}", flush=True)
     assert err < 2e-2, "tinygemm_operands' nibble order is not the kernel's"
-    if WORDS:
-        x1 = x[:1]
-        ref1 = int4_linear_ref(x1, linear.qweight, linear.scales, linear.mins, group, out_dtype=torch.float32)
-        for tile in WORDS_TILES[:3]:
-            y = int4_words_gemv(x1, words_layout(linear.qweight, group), linear.scales, linear.mins, group, out_dtype=torch.float32,
-                                tile=WordsTile(16, 1, tile.num_warps))
-            err = ((y - ref1).norm() / ref1.norm()).item()
-            print(f"words GEMV against the dequantized weight, groups of {group}: relative error {err:.2e}", flush=True)
-            assert err < 1e-3, "int4_words_gemv disagrees with the dequantized weight"
 
 shapes = {"8B q|k|v": (6144, 4096), "8B o_proj": (4096, 4096), "8B gate|up": (28672, 4096), "8B down_proj": (4096, 14336),
           "1.5B q|k|v": (2048, 1536), "1.5B gate|up": (17920, 1536), "1.5B down_proj": (1536, 8960)}
@@ -52,11 +39,9 @@ for name, (n, k) in shapes.items():
     for _ in range(copies):
         linear = W4A16Linear(*quantize_groups(w), 128, None)
         linear.add_tinygemm()
-        if WORDS:
-            linear.qwords = words_layout(linear.qweight)
         linears.append(linear)
     dense = [w.clone() for _ in range(max(2, -(-(256 << 20) // (n * k * 2))))]
-    for rows in ((1,) if WORDS else (1, 16, 512)):
+    for rows in (1, 16, 512):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         dense_us = time_rotating(lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]), len(dense)) * 1e6
         split = int4_split_k(rows, n, k, 128) if ("o_proj" in name or "down" in name) else 1
@@ -67,11 +52,6 @@ for name, (n, k) in shapes.items():
                 tile = Int4Tile(16, bn, 1, warps, 2, "sum")
                 candidates[f"triton sum bn{bn} w{warps} split {split}"] = (
                     lambda i, tile=tile: int4_linear(x, linears[i].qweight, linears[i].scales, linears[i].mins, 128, split_k=split, tile=tile))
-        if WORDS:
-            for tile in WORDS_TILES:
-                if k % (split * 128 * tile.groups_per_step) == 0:
-                    candidates[f"words {tile} split {split}"] = (lambda i, tile=tile: int4_words_gemv(
-                        x, linears[i].qwords, linears[i].scales, linears[i].mins, 128, split_k=split, tile=tile))
         candidates["tinygemm"] = lambda i: linears[i].tinygemm(x)
         print(f"{name} [{n}x{k}] rows {rows}: cuBLAS bf16 {dense_us:.1f} us ({n * k * 2 / dense_us / 1e3:.0f} GB/s of bf16)", flush=True)
         for label, fn in candidates.items():
