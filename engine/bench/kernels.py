@@ -185,6 +185,8 @@ def print_exposed_time(prof, steps: int) -> None:
 
 LAYER_ANCHOR = "decode_attention"  # a decode step runs one kernel with this in its name a layer
 MATMUL_MARKS = ("linear", "gemv", "gemm", "int4", "_mm", "xmma", "cutlass", "nvjet")  # a projection's kernel: ours, cuBLAS's, tinygemm's
+PROJECTION_SITES = ("q|k|v", "o_proj", "gate|up", "down_proj", "lm_head", "other matmul")
+REDUCE_MARKS = ("splitKreduce",)  # cuBLAS's second kernel of a split-K product: part of the projection before it
 
 
 def projection_sites(names: list[str], layers: int) -> list[str]:
@@ -192,7 +194,8 @@ def projection_sites(names: list[str], layers: int) -> list[str]:
     name for a matrix kernel, else the kernel's own name. Decode attention runs once a layer;
     after it the projections come in the model's order - o_proj, gate|up, down_proj, then the
     next layer's q|k|v - and after a step's last layer the lm_head comes before the next step's
-    first q|k|v. A matrix kernel beyond that order is "other matmul"."""
+    first q|k|v. A matrix kernel beyond that order is "other matmul"; cuBLAS's split-K reduction
+    belongs to the projection it finishes."""
     after_anchor = ["o_proj", "gate|up", "down_proj", "q|k|v"]
     after_last = ["o_proj", "gate|up", "down_proj", "lm_head", "q|k|v"]
     order, anchors, sites = ["q|k|v"], 0, []
@@ -201,6 +204,8 @@ def projection_sites(names: list[str], layers: int) -> list[str]:
             order = list(after_last if anchors % layers == layers - 1 else after_anchor)
             anchors += 1
             sites.append(name)
+        elif any(mark in name for mark in REDUCE_MARKS) and sites and sites[-1] in PROJECTION_SITES:
+            sites.append(sites[-1])
         elif any(mark in name for mark in MATMUL_MARKS):
             sites.append(order.pop(0) if order else "other matmul")
         else:

@@ -116,7 +116,8 @@ def test_each_kernel_of_a_decode_step_is_named_by_the_projection_it_ran():
     """projection_sites: matrix kernels between two decode attentions are o_proj, gate|up,
     down_proj, then the next layer's q|k|v; after a step's last layer the lm_head comes before the
     next step's first q|k|v; other kernels keep their names, and a matrix kernel beyond the order
-    is "other matmul". Two steps of a 2-layer model, kernels named as on the H200."""
+    is "other matmul"; cuBLAS's split-K reduction counts with its projection. Two steps of a
+    2-layer model, kernels named as on the H200."""
     from engine.bench.kernels import projection_sites
 
     def step(down: str) -> list[str]:
@@ -134,6 +135,10 @@ def test_each_kernel_of_a_decode_step_is_named_by_the_projection_it_ran():
     assert sites[5:7] == ["split_kv_decode_attention", "combine_kernel"] and sites[-1] == "chunk_argmax_kernel"
     extra = projection_sites(["split_kv_decode_attention", *["int4_linear_kernel"] * 6], layers=4)
     assert extra[1:] == ["o_proj", "gate|up", "down_proj", "q|k|v", "other matmul", "other matmul"]
+    reduce = "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>"  # cuBLAS's split-K down_proj: two kernels
+    split = projection_sites(["split_kv_decode_attention", "decode_linear_kernel", "add_rms_norm_kernel", "decode_linear_kernel",
+                              "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", reduce, "add_rms_norm_kernel", reduce], layers=4)
+    assert split[4:] == ["down_proj", "down_proj", "add_rms_norm_kernel", reduce]  # a reduction after no projection keeps its name
 
 
 def test_a_projection_counts_the_bytes_a_one_row_step_reads():
