@@ -122,7 +122,8 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl
 @pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 16, 4, False), (8, 4, 64, 16, False), (8, 8, 32, 8, True)])
 def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unsplit, pdl):
     """A decode step in one kernel: RoPE on q and k, the new k/v written to their slots, attention
-    over the cached context plus the new token - against rope + write + reference attention."""
+    over the cached context plus the new token - against rope + write + reference attention. With
+    PDL (Hopper) the kernel also asks L2 for its slice's cached rows before its wait."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
 
     seed = random.randrange(1 << 30)
@@ -333,11 +334,12 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
     assert rel(out, ref) < FP8_TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
 @pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 64, 4, False), (8, 8, 32, 8, True)])  # >= 640 stored values
-def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq, hkv, dim, page, unsplit):
+def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq, hkv, dim, page, unsplit, pdl):
     """The decode step's one kernel with an FP8 cache: the new k (after RoPE) and v written as e4m3
     and scales (as torch rounds them), attended as stored: equal to the reference over the cache
-    the kernel leaves."""
+    the kernel leaves. With PDL (Hopper) the kernel also asks L2 for cached rows before its wait."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
 
     seed = random.randrange(1 << 30)
@@ -353,7 +355,8 @@ def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping))
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl,
+                     new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping))
     slots = meta.slot_mapping
     for x, values, scales in ((rotate(k.float(), cos, sin), cache.k, cache.k_scale), (v.float(), cache.v, cache.v_scale)):
         want, want_scale = quantize(x)
