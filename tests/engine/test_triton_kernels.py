@@ -122,8 +122,7 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl
 @pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 16, 4, False), (8, 4, 64, 16, False), (8, 8, 32, 8, True)])
 def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unsplit, pdl):
     """A decode step in one kernel: RoPE on q and k, the new k/v written to their slots, attention
-    over the cached context plus the new token - against rope + write + reference attention. With
-    PDL (Hopper) the kernel also asks L2 for its slice's cached rows before its wait."""
+    over the cached context plus the new token - against rope + write + reference attention."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
 
     seed = random.randrange(1 << 30)
@@ -339,7 +338,8 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
 def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq, hkv, dim, page, unsplit, pdl):
     """The decode step's one kernel with an FP8 cache: the new k (after RoPE) and v written as e4m3
     and scales (as torch rounds them), attended as stored: equal to the reference over the cache
-    the kernel leaves. With PDL (Hopper) the kernel also asks L2 for cached rows before its wait."""
+    the kernel leaves. Also with PDL where
+    the GPU has it."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
 
     seed = random.randrange(1 << 30)
