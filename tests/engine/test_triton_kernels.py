@@ -338,8 +338,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_content
 def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq, hkv, dim, page, unsplit, pdl):
     """The decode step's one kernel with an FP8 cache: the new k (after RoPE) and v written as e4m3
     and scales (as torch rounds them), attended as stored: equal to the reference over the cache
-    the kernel leaves. Also with PDL where
-    the GPU has it."""
+    the kernel leaves; with PDL too where the GPU has it."""
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
 
     seed = random.randrange(1 << 30)
