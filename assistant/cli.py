@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions
+from assistant.config import HANDBOOK_DIR, AssistantConfig, EngineOptions, add_engine_arguments
 from assistant.conversation import Conversation
 from speech.chunker import Chunker
 
@@ -60,17 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="context length in tokens (default: the model's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
-    p.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
-                   help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
-                        "tensor cores; the CPU emulates them, slowly); auto (default): int4 for a GGUF on the CPU")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
-                        "capability 8.9+ GPU); auto (default): the model's dtype")
-    p.add_argument("--speculative-decoding", choices=("auto", "off", "ngram", "draft"), default="auto",
-                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); draft: by a "
-                        "draft model's greedy tokens (--draft-model); auto (default): ngram on the CPU, off on CUDA")
-    p.add_argument("--draft-model", type=Path, help="with --speculative-decoding draft: the draft model, same tokenizer as "
-                   "the model (default: the embedded Qwen2.5-Coder-0.5B)")
+    add_engine_arguments(p)
     p.add_argument(
         "--timings", action="store_true",
         help="print the documents mode (whole-context or retrieval) and, per answer, TTFT, tokens/s and cached prompt tokens",

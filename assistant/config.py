@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,28 @@ class EngineOptions:
     the speech workers' threads (H200, 64 callers: 172 ms a step instead of ~20). The engine then
     gives a step with decodes one question chunk of at most this size, so that it fits a graph.
     0: only a question while nothing else decodes. Ignored on the CPU."""
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of :class:`EngineOptions`' weight, cache and speculation choices
+    (--quantization, --kv-cache-dtype, --speculative-decoding, --draft-model), one wording for the
+    text CLI and the server."""
+    parser.add_argument(
+        "--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
+        help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
+             "tensor cores; the CPU emulates them, slowly); auto (default): int4 for a GGUF on the CPU")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
+             "capability 8.9+ GPU); auto (default): the model's dtype")
+    parser.add_argument(
+        "--speculative-decoding", choices=("auto", "off", "ngram", "draft"), default="auto",
+        help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); draft: by a "
+             "draft model's greedy tokens (--draft-model); auto (default): ngram on the CPU, off on CUDA")
+    parser.add_argument(
+        "--draft-model", type=Path,
+        help="with --speculative-decoding draft: the draft model, same tokenizer as the model (default: the embedded "
+             "Qwen2.5-Coder-0.5B)")
 
 
 @dataclass

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from assistant.config import ENDPOINTING, HANDBOOK_DIR, AssistantConfig, EngineOptions, RefusalConfig, ServerConfig, VoiceConfig
+from assistant.config import (ENDPOINTING, HANDBOOK_DIR, AssistantConfig, EngineOptions, RefusalConfig, ServerConfig, VoiceConfig,
+                              add_engine_arguments)
 from engine.serving.auth import MissingAPIKey, resolve_api_key
 
 API_KEY_ENV = "ASSISTANT_API_KEY"
@@ -60,17 +61,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     s.add_argument("--lang", choices=("auto", "en", "zh"), default="auto", help="handbook language (default: from the question)")
     s.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens (default 160)")
     s.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    s.add_argument("--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
-                   help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "
-                        "tensor cores; the CPU emulates them, slowly); auto (default): int4 for a GGUF on the CPU")
-    s.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="fp8: K and V cached in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory (a compute "
-                        "capability 8.9+ GPU); auto (default): the model's dtype")
-    s.add_argument("--speculative-decoding", choices=("auto", "off", "ngram", "draft"), default="auto",
-                   help="ngram: speculative decoding by n-gram prompt lookup (the same answers, fewer steps); draft: by a "
-                        "draft model's greedy tokens (--draft-model); auto (default): ngram on the CPU, off on CUDA")
-    s.add_argument("--draft-model", type=Path, help="with --speculative-decoding draft: the draft model, same tokenizer as "
-                   "the model (default: the embedded Qwen2.5-Coder-0.5B)")
+    add_engine_arguments(s)
     s.add_argument("--asr", type=asr_model, default=None, metavar="base|tiny|DIR", help="Whisper model (default: base)")
     s.add_argument("--asr-language", default="en", help="speech language: en (default), zh, auto, ...")
     s.add_argument("--asr-device", choices=("auto", "cpu", "cuda"), default="auto", help="Whisper's device (auto: cuda when there is a GPU)")
