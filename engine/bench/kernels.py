@@ -225,6 +225,13 @@ def projection_read_bytes(module: torch.nn.Module) -> int:
     return storage_bytes(t for t in [*module.parameters(), *module.buffers()] if t.untyped_storage().data_ptr() not in skip)
 
 
+def step_at_copy_bandwidth(projections: list[tuple[float, float]], rest: float) -> float:
+    """A step's time if every projection, given as (exposed time, time its bytes take at the copy
+    bandwidth), took no longer than its bytes at the copy bandwidth, the rest unchanged: how far
+    faster GEMVs alone could take the step."""
+    return sum(min(exposed, at_bandwidth) for exposed, at_bandwidth in projections) + rest
+
+
 def print_projection_sites(prof, steps: int, core) -> None:
     """The profiled decode steps' exposed device time (:func:`exposed_time`) by projection
     (:func:`projection_sites`), with the bytes each reads and the rate that makes, against the
@@ -244,6 +251,7 @@ def print_projection_sites(prof, steps: int, core) -> None:
     bandwidth = copy_bandwidth(core.device)
     total = sum(exposed.values()) / steps
     print(f"by projection (exposed time a step; copy bandwidth {bandwidth / 1e9:.0f} GB/s):")
+    bounded = []  # (exposed, at the copy bandwidth) a step, us
     for site in (*modules, "other matmul"):
         if site not in exposed:
             continue
@@ -254,9 +262,13 @@ def print_projection_sites(prof, steps: int, core) -> None:
             nbytes = projection_read_bytes(modules[site])
             line += (f"  {nbytes / 1e6:8.1f} MB each, {nbytes / (us / count * 1e-6) / 1e9:6.0f} GB/s"
                      f" (at the copy bandwidth: {nbytes / bandwidth * 1e6:6.2f} us)")
+        bounded.append((us, count * nbytes / bandwidth * 1e6 if site in modules else us))
         print(line)
     rest = total - sum(exposed.get(site, 0.0) for site in (*modules, "other matmul")) / steps
     print(f"  {'the rest':12s}       {rest / 1e3:7.3f} ms {100 * rest / total:5.1f}%  (attention, norms, activations, sampling, copies)")
+    bound = step_at_copy_bandwidth(bounded, rest)
+    print(f"every projection at most its bytes at the copy bandwidth, the rest as it is: {bound / 1e3:.3f} ms a step "
+          f"({1e6 / bound:.1f} steps/s) against {total / 1e3:.3f} ms")
 
 
 def profile_chunked_step(model_config: str, batch: int, long: int, budget: int) -> None:

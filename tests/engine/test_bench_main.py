@@ -141,6 +141,17 @@ def test_each_kernel_of_a_decode_step_is_named_by_the_projection_it_ran():
     assert split[4:] == ["down_proj", "down_proj", "add_rms_norm_kernel", reduce]  # a reduction after no projection keeps its name
 
 
+def test_a_step_at_copy_bandwidth_caps_only_the_projections_slower_than_their_bytes():
+    """step_at_copy_bandwidth: a projection slower than its bytes at the copy bandwidth counts at
+    that time, a faster one (an lm_head helped by L2) as measured; the rest is added unchanged.
+    The FP8 8B profile's figures (us a step): 2,256 us."""
+    from engine.bench.kernels import step_at_copy_bandwidth
+
+    fp8 = [(418.0, 200.6), (289.0, 133.8), (989.0, 936.3), (782.0, 467.8), (231.0, 261.5)]
+    assert round(step_at_copy_bandwidth(fp8, 286.0)) == 2256
+    assert step_at_copy_bandwidth([], 10.0) == 10.0
+
+
 def test_a_projection_counts_the_bytes_a_one_row_step_reads():
     """projection_read_bytes: weight and bias of a bf16 projection; an int4 one's groups, scales
     and mins once, also when tinygemm's layout of the same groups sits beside them."""
