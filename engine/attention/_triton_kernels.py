@@ -33,7 +33,7 @@ value and the unpacking (sm_90 PTX of the decode kernel: 192 ``cvt.bf16.f16`` an
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_wait
+from engine.kernels._pdl_triton import pdl_wait, prefetch_l2
 from engine.kernels.cached_launch import CachedLaunch
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # engine/kv_cache.py FP8_MAX
@@ -148,12 +148,15 @@ def split_kv_decode_attention(
     scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
-    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr,
+    FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr, KV_LINE: tl.constexpr = 0,
+    KV_LINES: tl.constexpr = 1,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
     the cache at SLOT and attends to them from registers (the cache read never meets its own
-    write) - no rope_store kernel in a decode step."""
+    write) - no rope_store kernel in a decode step. KV_LINE > 0 (with USE_PDL and FUSED_ROPE:
+    cache elements a 128-byte line, KV_LINES of them a row): the slice's first SMALL_TILE cached K and V rows are asked
+    into L2 before the PDL wait - earlier steps wrote them, and no kernel in flight writes them."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,6 +186,15 @@ def split_kv_decode_attention(
         last = end == seq_len  # this split owns the last position: the token being decoded
         owner = (start < end) & last
         end = tl.where(last, end - 1, end)  # the cache holds every position before it
+        if USE_PDL and KV_LINE > 0:
+            offs = start + tl.arange(0, SMALL_TILE)
+            ok = offs < end
+            page = tl.load(BLOCK_TABLES + b * stride_bt + offs // PAGE, mask=ok, other=0).to(tl.int64)
+            rows = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
+            line_offs = tl.minimum(tl.arange(0, KV_LINES) * KV_LINE, D - 1)  # a row's line starts
+            ptrs = tl.where(ok, rows, 0)[:, None] + line_offs[None, :]
+            prefetch_l2(K_CACHE + ptrs)
+            prefetch_l2(V_CACHE + ptrs)
     pdl_wait(USE_PDL)
     if FUSED_ROPE:
         q = (tl.load(q_row + d[None, :], mask=qmask, other=0.0).to(tl.float32) * cos[None, :]

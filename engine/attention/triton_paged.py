@@ -16,6 +16,9 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
 DECODE_SMALL_TILE = 32
+# With PDL and the fused RoPE + KV write, decode attention asks L2 for its slice's first cached
+# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE).
+DECODE_KV_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ def decode_attention(
     o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
     d_pad = _pow2(dim, 16)
+    line = 128 // k_cache.element_size()  # cache elements a 128-byte line
     k_new, v_new, positions, cos_sin, slots = (new.k, new.v, new.positions, new.cos_sin, new.slot_mapping) if new else (q, q, seq_lens, q, seq_lens)
     decode_launch[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, o_part, lse,
@@ -129,7 +133,9 @@ def decode_attention(
         scale,
         GROUP=group, GROUP_PAD=_pow2(group, 16), D=dim, D_PAD=d_pad, PAGE=page, TILE_N=tile_n or DECODE_TILE, NUM_SPLITS=splits,
         SMALL_TILE=small_tile or DECODE_SMALL_TILE,
-        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized, num_warps=4, **launch_options(pdl),
+        USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
+        KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
+        num_warps=4, **launch_options(pdl),
     )
     if splits == 1:
         return out
