@@ -138,13 +138,6 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
     return acc, m_new, l_i
 
 
-@triton.jit
-def _split_length(seq_len, NUM_SPLITS, SMALL_TILE: tl.constexpr):
-    """Context positions a decode split owns: slices in SMALL_TILE steps (the splits past
-    ``cdiv(seq_len, this)`` own none and write an empty partial)."""
-    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SMALL_TILE) * SMALL_TILE
-
-
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def split_kv_decode_attention(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
@@ -172,7 +165,7 @@ def split_kv_decode_attention(
     seq_len = tl.load(SEQ_LENS + b)
     # Slices in SMALL_TILE steps: a short one is one SMALL_TILE tile (more splits busy at short
     # contexts), a longer one TILE_N tiles, the last part masked.
-    per_split = _split_length(seq_len, NUM_SPLITS, SMALL_TILE)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SMALL_TILE) * SMALL_TILE
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -288,49 +281,6 @@ def combine_kernel(
                 mask=smask[:, None] & (d < D)[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty), mask=d < D)
-
-
-@triton.jit(do_not_specialize=["stride_oh", "stride_os", "stride_lh", "stride_wn", "stride_ys", "NUM_SPLITS"])
-def combine_project_kernel(
-    O_PART, LSE_PART, SEQ_LENS, W, Y, N,
-    stride_oh, stride_os, stride_lh, stride_wn, stride_ys,
-    NUM_SPLITS, SPLITS_PAD: tl.constexpr, SMALL_TILE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """One request's split-KV partials merged as ``combine_kernel`` does and multiplied by the
-    output projection W [N, Hq * D] in the same kernel: no combine launch between attention and
-    o_proj. Program (n, g) owns BLOCK_N rows of W over the HEADS heads of group g: it loads that
-    weight tile into registers before the PDL wait (a weight: nothing in flight writes it), then
-    merges its heads' busy splits (the ones ``_split_length`` gave positions), rounds the merged
-    head to W's dtype (the attention output the unfused path stores) and stores float32 partial
-    sums Y[g, 0, n] for the next residual add + RMSNorm to add up."""
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    c = tl.arange(0, HEADS * D_PAD)  # the group's columns, each head padded to D_PAD
-    head_of_c = g * HEADS + c // D_PAD
-    c_ok = (c % D_PAD) < D
-    w = tl.load(W + offs_n.to(tl.int64)[:, None] * stride_wn + (head_of_c * D + c % D_PAD)[None, :],
-                mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-    seq_len = tl.load(SEQ_LENS)  # step metadata, written before the step's first kernel
-    busy = tl.cdiv(seq_len, _split_length(seq_len, NUM_SPLITS, SMALL_TILE))
-    s = tl.arange(0, SPLITS_PAD)
-    h = g * HEADS + tl.arange(0, HEADS)
-    d = tl.arange(0, D_PAD)
-    s_ok = s < tl.minimum(busy, NUM_SPLITS)
-    pdl_wait(USE_PDL)
-    lse = tl.load(LSE_PART + h[:, None] * stride_lh + s[None, :], mask=s_ok[None, :], other=float("-inf"))
-    o = tl.load(O_PART + h[:, None, None] * stride_oh + s[None, :, None] * stride_os + d[None, None, :],
-                mask=s_ok[None, :, None] & (d < D)[None, None, :], other=0.0)
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    weight = tl.exp(lse - m[:, None])
-    total = tl.sum(weight, 1)
-    x = tl.sum(weight[:, :, None] * o, 1) / tl.where(total > 0, total, 1.0)[:, None]  # [HEADS, D_PAD]
-    x = tl.reshape(x.to(W.dtype.element_ty).to(tl.float32), [HEADS * D_PAD])
-    y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-    tl.store(Y + g * stride_ys + offs_n, y, mask=n_ok)
 
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -469,5 +419,4 @@ def prefill_kernel(
 rope_store_launch = CachedLaunch(rope_store_kernel)
 decode_launch = CachedLaunch(split_kv_decode_attention)
 combine_launch = CachedLaunch(combine_kernel)
-combine_project_launch = CachedLaunch(combine_project_kernel)
 prefill_launch = CachedLaunch(prefill_kernel)

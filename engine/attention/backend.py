@@ -37,25 +37,6 @@ class AttentionMetadata:
         return len(self.query_lens_host)
 
 
-@dataclass(frozen=True)
-class SplitAttention:
-    """A one-request decode step's attention left as its split-KV partials (a backend asked to
-    ``defer_combine``): the output projection merges the splits itself (:meth:`project`), so no
-    combine kernel runs between attention and o_proj."""
-
-    o_part: torch.Tensor  # [1, Hq, splits, D] float32: each split's normalized output
-    lse: torch.Tensor  # [1, Hq, splits] float32: each split's log-sum-exp (-inf: an empty split)
-    seq_lens: torch.Tensor  # [1] int32: the context length, which fixes the busy splits
-    small_tile: int  # the split slices' step (the decode kernel's SMALL_TILE)
-
-    def project(self, weight: torch.Tensor, heads: int, *, pdl: bool = False) -> torch.Tensor:
-        """o_proj of the merged attention output: float32 partial sums [Hq // heads, 1, N] (one
-        per group of ``heads`` heads) for the next residual add + RMSNorm to add up."""
-        from engine.attention.triton_paged import combine_project  # Triton only when used
-
-        return combine_project(self, weight, heads, pdl=pdl)
-
-
 class AttentionBackend:
     """Puts this step's K/V into the paged cache (after RoPE), then attends each query to its
     request's context. One instance serves every layer."""
@@ -80,11 +61,9 @@ class AttentionBackend:
 
     def rope_store_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        kv_cache: LayerKV, meta: AttentionMetadata, scale: float, pdl: bool = False, defer_combine: bool = False,
-    ) -> torch.Tensor | SplitAttention:
+        kv_cache: LayerKV, meta: AttentionMetadata, scale: float, pdl: bool = False,
+    ) -> torch.Tensor:
         """:meth:`rope_and_store` then :meth:`attend` - what a layer calls; a backend may fuse
-        the two (the Triton backend does for decode steps). ``defer_combine``: a decode step of
-        one request may return its :class:`SplitAttention` instead of the output (the Triton
-        backend does when it splits the context; this one never)."""
+        the two (the Triton backend does for decode steps)."""
         q = self.rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta, pdl)
         return self.attend(q, kv_cache, meta, scale, pdl)

@@ -6,7 +6,7 @@ import torch
 
 from dataclasses import dataclass
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata, SplitAttention
+from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kernels.triton_utils import launch_options
 from engine.kv_cache import LayerKV
 from engine.transfer import to_device
@@ -16,10 +16,9 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
 DECODE_SMALL_TILE = 32
-# With PDL and the fused RoPE + KV write, decode attention may ask L2 for its slice's first cached
-# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE). Off:
-# not shown to pay yet (A/B: engine/bench/experiments/bs1_prefetch_ab.py --combine).
-DECODE_KV_PREFETCH = False
+# With PDL and the fused RoPE + KV write, decode attention asks L2 for its slice's first cached
+# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE).
+DECODE_KV_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -102,16 +101,13 @@ class NewTokens:
 def decode_attention(
     q: torch.Tensor, kv_cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
-    defer_combine: bool = False,
-) -> torch.Tensor | SplitAttention:
+) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
     applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
     ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
-    (``python -m engine.bench.kernels --decode-tiles`` sweeps others). ``defer_combine``: one
-    request whose context is split returns its partials (:class:`SplitAttention`) and launches no
-    combine; the output projection merges them (:func:`combine_project`)."""
+    (``python -m engine.bench.kernels --decode-tiles`` sweeps others)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache.k, kv_cache.v
@@ -143,36 +139,12 @@ def decode_attention(
     )
     if splits == 1:
         return out
-    if defer_combine and b == 1:
-        return SplitAttention(o_part, lse, seq_lens, small_tile or DECODE_SMALL_TILE)
     combine_launch[(b, hq)](
         o_part, lse, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, D=dim, D_PAD=d_pad, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
-
-
-def combine_project(split: SplitAttention, weight: torch.Tensor, heads: int, *, pdl: bool = False) -> torch.Tensor:
-    """o_proj ``weight`` [N, Hq * D] times the merged attention output of ``split`` -> float32
-    partial sums [Hq // heads, 1, N], one kernel (``combine_project_kernel``): a program owns
-    ``64 // heads`` rows of the weight over ``heads`` heads (16 KB of a bf16 weight at D 128), so
-    the grid is 24 x 12 programs for the Qwen2.5-1.5B's o_proj whatever ``heads`` is."""
-    from engine.attention._triton_kernels import combine_project_launch
-
-    _, hq, splits, dim = split.o_part.shape
-    n = weight.shape[0]
-    if heads < 1 or heads & (heads - 1) or hq % heads or weight.shape[1] != hq * dim or weight.stride(1) != 1:
-        raise ValueError(f"combine_project: {heads} heads a program do not fit {hq} heads of {dim} and a weight {tuple(weight.shape)}")
-    block_n = max(1, 64 // heads)
-    y = torch.empty((hq // heads, 1, n), dtype=torch.float32, device=weight.device)
-    combine_project_launch[(-(-n // block_n), hq // heads)](
-        split.o_part, split.lse, split.seq_lens, weight, y, n,
-        split.o_part.stride(1), split.o_part.stride(2), split.lse.stride(1), weight.stride(0), y.stride(0),
-        NUM_SPLITS=splits, SPLITS_PAD=MAX_SPLITS, SMALL_TILE=split.small_tile, D=dim, D_PAD=_pow2(dim, 16),
-        HEADS=heads, BLOCK_N=block_n, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
-    )
-    return y
 
 
 def prefill_tiles(
@@ -250,13 +222,12 @@ class TritonPagedAttention(AttentionBackend):
     def rope_and_store(self, q, k, v, positions, cos_sin, kv_cache, meta, pdl=False):  # type: ignore[override]
         return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
 
-    def rope_store_attend(self, q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl=False, defer_combine=False):  # type: ignore[override]
+    def rope_store_attend(self, q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         if meta.num_decodes < meta.num_requests or meta.rows_are_tokens:  # prefill chunks, rows of one request: RoPE + write first
             return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)
         out = torch.empty_like(q)  # a decode step: one kernel per layer does RoPE, the KV write and attention
         new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new,
-                                defer_combine=defer_combine)
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new)
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)

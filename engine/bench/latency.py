@@ -105,8 +105,6 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False
     variants[f"same, down_proj {down}"] = replace(path, gemv_down=not path.gemv_down)
     for split in sorted({1, 2, 4} - {path.o_split_k}):
         variants[f"same, o_proj split-K {split}"] = replace(path, o_split_k=split)
-    for heads in sorted({0, 1, 2} - {path.o_combine_heads}):
-        variants[f"same, o_proj merging attention's splits: {heads or 'no'} heads a program"] = replace(path, o_combine_heads=heads)
     if path.gemv_down:
         for split in sorted({1, 2, 4} - {path.down_split_k}):
             variants[f"same, down_proj split-K {split}"] = replace(path, down_split_k=split)

@@ -75,13 +75,6 @@ class GemvPolicy:
     engine/bench/experiments/bs1_prefetch_ab.py --sum) and 1.31 against 1.30 in the bench's A/B
     rows of the next (H200, 2026-12-04): within noise."""
 
-    o_combine_heads: int = 0
-    """Above 0 (a power of two dividing the query heads): in a one-request decode step whose
-    attention splits the context, o_proj merges the splits itself, this many heads a program
-    (engine/attention/triton_paged.py ``combine_project``), and the attention launches no combine
-    kernel; o_proj's partials, one per head group, go to the next residual add + RMSNorm. Only
-    for a plain (not FP8, not int4) o_proj weight. 0: the combine kernel, then the o_proj GEMV."""
-
     int4_kernel: str = "tinygemm"
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
     where the weight has that layout too (W4A16Linear.add_tinygemm); "triton" runs this engine's
@@ -95,8 +88,6 @@ class GemvPolicy:
         unknown = (set(self.late_release) | set(self.sum_tiles)) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"GemvPolicy.late_release / sum_tiles: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
-        if self.o_combine_heads < 0 or self.o_combine_heads & (self.o_combine_heads - 1):
-            raise ValueError(f"GemvPolicy.o_combine_heads must be 0 or a power of two, got {self.o_combine_heads}")
         if self.fp8_math not in FP8_MATHS:
             raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
 

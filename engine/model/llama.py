@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.attention.backend import SplitAttention
 from engine.config import ModelConfig
 from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
@@ -69,26 +68,15 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: LayerKV,
         pdl: bool = False,
-        defer_combine: bool = False,
-    ) -> torch.Tensor | SplitAttention:
+    ) -> torch.Tensor:
         """The part between the projections: RoPE, KV write, paged attention -> [T, q_size].
-        Piecewise CUDA graphs run exactly this eagerly (its launch shape depends on the batch).
-        ``defer_combine``: the backend may return its split partials instead, for o_proj to merge
-        (``GemvPolicy.o_combine_heads``)."""
+        Piecewise CUDA graphs run exactly this eagerly (its launch shape depends on the batch)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = backend.rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, self.scale, pdl, defer_combine)
-        return out if isinstance(out, SplitAttention) else out.reshape(t, self.q_size)
-
-    def merges_splits(self, gemv: GemvPolicy, qkv: torch.Tensor) -> bool:
-        """Whether this step's o_proj may merge the attention's splits (GemvPolicy.o_combine_heads):
-        a one-token step on the GEMVs, a plain weight in the activations' dtype, heads in whole groups."""
-        heads = gemv.o_combine_heads
-        return (heads > 0 and _use_gemv(gemv, qkv) and qkv.shape[0] == 1 and self.num_heads % heads == 0
-                and type(self.o_proj) is nn.Linear and self.o_proj.weight.dtype == qkv.dtype)
+        return backend.rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, self.scale, pdl).reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -140,8 +128,7 @@ class LlamaForCausalLM(nn.Module):
         qkv, residual = self.first_piece(input_ids, gemv)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i], _pdl(gemv, qkv),
-                                             layer.self_attn.merges_splits(gemv, qkv))
+            attn = layer.self_attn.attention(qkv, positions, self.rope.cos_sin, backend, meta, kv_caches[i], _pdl(gemv, qkv))
             if i == last:
                 return self.last_piece(attn, residual, gemv)
             qkv, residual = self.middle_piece(i, attn, residual, gemv)
@@ -153,19 +140,14 @@ class LlamaForCausalLM(nn.Module):
         x, residual = layer.input_layernorm(h, None, _pdl(gemv, h))
         return _proj(gemv, "qkv", layer.self_attn.qkv_proj, x), residual
 
-    def _after_attention(self, i: int, attn: torch.Tensor | SplitAttention, residual: torch.Tensor, gemv: GemvPolicy,
+    def _after_attention(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy,
                          next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then ``next_norm`` (layer i+1's input norm or the
         final norm) of the residual stream -> (normed, new residual)."""
-        layer = self.layers[i]
+        layer, pdl = self.layers[i], _pdl(gemv, attn)
         o_proj = layer.self_attn.o_proj
-        # h may be partials [parts, rows, hidden] (split-K, or one per head group): the norm after it sums them
-        if isinstance(attn, SplitAttention):  # a one-token GEMV step (LlamaAttention.merges_splits)
-            pdl = gemv.pdl
-            h = attn.project(o_proj.weight, gemv.o_combine_heads, pdl=pdl)
-        else:
-            pdl = _pdl(gemv, attn)
-            h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
+        # h may be split-K partials [parts, rows, hidden]: the norm after it sums them
+        h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
         if _use_gemv(gemv, x) and gemv.fused_swiglu:
@@ -177,12 +159,12 @@ class LlamaForCausalLM(nn.Module):
             return next_norm(_gemv(gemv, "down", act, mlp.down_proj, split_k=split), residual, pdl)
         return next_norm(mlp.down_proj(act), residual, pdl)
 
-    def middle_piece(self, i: int, attn: torch.Tensor | SplitAttention, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    def middle_piece(self, i: int, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's output projection and MLP, then layer i+1's input norm and q|k|v projection."""
         x, residual = self._after_attention(i, attn, residual, gemv, self.layers[i + 1].input_layernorm)
         return _proj(gemv, "qkv", self.layers[i + 1].self_attn.qkv_proj, x), residual
 
-    def last_piece(self, attn: torch.Tensor | SplitAttention, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
+    def last_piece(self, attn: torch.Tensor, residual: torch.Tensor, gemv: GemvPolicy = PLAIN) -> torch.Tensor:
         """The last layer's output projection and MLP, then the final norm -> hidden [T, H]."""
         return self._after_attention(len(self.layers) - 1, attn, residual, gemv, self.norm)[0]
 

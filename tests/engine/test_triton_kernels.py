@@ -149,54 +149,6 @@ def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unspl
     assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
 
 
-@pytest.mark.parametrize("pdl", PDL_CASES)
-@pytest.mark.parametrize("heads", [1, 2, 4])
-@pytest.mark.parametrize("hq,hkv,dim,ctx", [(8, 2, 64, 37), (8, 2, 64, 300), (4, 1, 24, 3)])
-def test_o_proj_merging_the_attention_splits_matches_combine_then_projection(hq, hkv, dim, ctx, heads, pdl):
-    """A one-request decode step with ``defer_combine``: attention returns its split partials and
-    o_proj merges them (heads a program, 1-4) - against the reference attention rounded to the
-    model's dtype, then the projection: contexts whose slices leave splits empty (37) or busy
-    (300), and a head_dim that is not a power of two (24)."""
-    from engine.attention.backend import SplitAttention
-    from engine.attention.triton_paged import NewTokens, decode_splits
-
-    seed = random.randrange(1 << 30)
-    torch.manual_seed(seed)
-    cache, meta = build_batch([1], [ctx], hkv, dim, 16, seed)
-    qkv = torch.randn(1, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    q, k, v = q.reshape(1, hq, dim), k.view(1, hkv, dim), v.view(1, hkv, dim)
-    positions = torch.tensor([ctx], device=DEVICE)
-    angles = torch.rand(512, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
-    cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
-    ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
-    write_kv(rotate(k, cos, sin), v, ref_cache, meta.slot_mapping)
-    attn = paged_attention_reference(rotate(q, cos, sin), ref_cache, meta, dim**-0.5).to(DTYPE).reshape(1, hq * dim)
-    w = torch.randn(200, hq * dim, device=DEVICE, dtype=DTYPE) * 0.05
-    ref = torch.nn.functional.linear(attn.float(), w.float())
-    assert decode_splits(1, hkv) > 1
-    split = decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, torch.empty_like(q), pdl=pdl,
-                             new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping), defer_combine=True)
-    assert isinstance(split, SplitAttention)
-    parts = split.project(w, heads, pdl=pdl)
-    assert parts.shape == (hq // heads, 1, 200) and parts.dtype == torch.float32
-    assert rel(parts.sum(0), ref) < TOL, f"seed {seed}"
-    assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
-
-
-def test_combine_project_refuses_head_groups_that_do_not_fit():
-    from engine.attention.backend import SplitAttention
-
-    split = SplitAttention(torch.zeros(1, 6, 4, 8, device=DEVICE), torch.zeros(1, 6, 4, device=DEVICE),
-                           torch.ones(1, dtype=torch.int32, device=DEVICE), 32)
-    for heads, w in ((4, torch.zeros(16, 48, device=DEVICE)), (3, torch.zeros(16, 48, device=DEVICE)), (2, torch.zeros(16, 40, device=DEVICE))):
-        with pytest.raises(ValueError, match="combine_project"):
-            split.project(w, heads)
-    with pytest.raises(ValueError, match="o_combine_heads"):
-        GemvPolicy(o_combine_heads=3)
-
-
 @pytest.mark.parametrize("query_lens,ctx_lens", [([1, 1, 1], [0, 9, 40]), ([1, 1, 6], [12, 3, 20])])
 def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps(query_lens, ctx_lens):
     """What a layer calls (rope_store_attend): a decode-only step takes the fused kernel, a step
@@ -746,7 +698,7 @@ def test_a_gemv_bias_must_fit_its_output():
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, request, monkeypatch):
+def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, request):
     """The wiring in LlamaForCausalLM: batch-1 steps through the GEMVs (Qwen2's q|k|v bias in the
     GEMV's epilogue; gated or the SwiGLU kernel after it; down_proj as a GEMV or on torch) give the
     same tokens and log-probs as torch's linear (the GEMVs run in Triton's interpreter on the CPU).
@@ -764,18 +716,10 @@ def test_the_model_with_decode_gemvs_decodes_like_with_torch_linear(fixture, req
              "gemv+swiglu kernel, down on torch": GemvPolicy(max_rows=1, fused_swiglu=False, gemv_down=False)}
     if PDL:
         paths["gemv+pdl"] = GemvPolicy(max_rows=1, pdl=True)
-    if DEVICE.type == "cuda":  # the Triton attention backend (CUDA only) hands o_proj its split partials
-        paths["gemv, o_proj merging the attention's splits"] = GemvPolicy(max_rows=1, pdl=PDL, o_combine_heads=2)
-    merges = []
-    if DEVICE.type == "cuda":
-        import engine.attention.triton_paged as triton_paged
-
-        monkeypatch.setattr(triton_paged, "combine_project", lambda *a, _f=triton_paged.combine_project, **k: merges.append(1) or _f(*a, **k))
     for name, path in paths.items():
         config = make_config(str(model_dir), num_kv_blocks=32, device=str(DEVICE), enable_cuda_graphs=False)
         llm = LLM(core=build_engine(config, gemv=path))
         outputs[name] = llm.generate([prompt], params)[0]
-        assert bool(merges) == (path.o_combine_heads > 0), name  # only that path's o_proj merged the splits
     if PDL:  # as the engine runs it: its own path (PDL on), captured in CUDA graphs
         llm = LLM(str(model_dir), num_kv_blocks=32, device=str(DEVICE), cuda_graph_batch_sizes=(1, 2), piecewise_cuda_graph_sizes=(8, 16))
         assert llm.core.runner.gemv.pdl

@@ -7,15 +7,13 @@ TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; 
 the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--down`` (2026-12-05): down_proj as a GEMV split K
 2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS: every split past 2 slower
 (docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-down-split-ab.txt); ``--kv`` (2026-12-05): decode
-attention's first cached K/V rows asked into L2 before its PDL wait (DECODE_KV_PREFETCH) or not;
-``--combine`` (2026-12-05): o_proj merging the attention's splits 1, 2 or 4 heads a program
-(GemvPolicy.o_combine_heads) against the combine kernel, each with and without that KV prefetch. (A form
+attention's first cached K/V rows asked into L2 before its PDL wait (DECODE_KV_PREFETCH) or not. (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too. Forms ``--ahead`` and ``--gate-up`` (2026-12-04) A/B'd GEMVs asking L2
 for a later weight after their K loop - GemvPolicy.prefetch_ahead, then .prefetch_gate_up_bytes -
 since dropped: docs/results/2026-12-04-h200-*-bs1-prefetch-ahead-ab.txt and *-gate-up-ahead-*.txt.) Run from the repository
-root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum | --down | --kv | --combine]``.
+root: ``PYTHONPATH=$PWD python engine/bench/experiments/bs1_prefetch_ab.py [model config] [--late | --policy | --splits | --sum | --down | --kv]``.
 """
 import random
 import sys
@@ -64,11 +62,6 @@ elif "--splits" in sys.argv:  # fourth form: decode attention's context splits a
 elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projections
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
-elif "--combine" in sys.argv:  # eighth form (2026-12-05): o_proj merges the attention's splits; the KV prefetch
-    for heads in (0, 1, 2, 4):
-        for on in (False, True):
-            variants[f"o_proj merges splits {heads or 'no'} heads, KV prefetch {'on' if on else 'off'}"] = (
-                on, replace(path, o_combine_heads=heads))
 elif "--kv" in sys.argv:  # seventh form (2026-12-05): decode attention's cached K/V asked into L2 before its PDL wait
     for on in (False, True):
         variants[f"attention KV prefetch {'on' if on else 'off'}"] = (on, path)
@@ -91,7 +84,7 @@ for rnd in range(3):
         if isinstance(variant, tuple) and "--down" in sys.argv:
             down_tile, variant = variant
             linear.decode_tile = (lambda n, k, tile=down_tile: tile if tile and k > 4 * n else default_tile(n, k))
-        elif isinstance(variant, tuple) and ("--kv" in sys.argv or "--combine" in sys.argv):
+        elif isinstance(variant, tuple) and "--kv" in sys.argv:
             tp.DECODE_KV_PREFETCH, variant = variant
         elif isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
