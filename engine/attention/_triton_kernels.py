@@ -107,19 +107,32 @@ def rope_store_kernel(
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks,
-                 stride_kh, scale, K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D: tl.constexpr, PAGE: tl.constexpr,
-                 FP8: tl.constexpr):
-    """Online softmax over the context positions ``offs`` (those < end): the running output,
-    max and sum updated (m_i may stay -inf only for a tile with no valid position)."""
+def _load_kv(offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh,
+             K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+    """The cached K and V rows of the context positions ``offs`` (those < end; the rest read as
+    zeros and cost no traffic), with an FP8 cache's per-row scales (otherwise unused stand-ins)."""
     valid = offs < end
     page = tl.load(BLOCK_TABLES + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
     kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
     kvmask = valid[:, None] & (d < D)[None, :]
     k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
     if FP8:
         sc = page * stride_sb + (offs % PAGE) * stride_ss + kvh * stride_sh
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * tl.load(K_SCALE + sc, mask=valid, other=0.0)[None, :] * scale
+        k_scale = tl.load(K_SCALE + sc, mask=valid, other=0.0)
+        v_scale = tl.load(V_SCALE + sc, mask=valid, other=0.0)
+    else:
+        k_scale = offs.to(tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, valid, scale, FP8: tl.constexpr):
+    """Online softmax over one tile of loaded K/V rows (``valid`` ones count): the running
+    output, max and sum updated (m_i may stay -inf only for a tile with no valid position)."""
+    if FP8:
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * k_scale[None, :] * scale
     else:
         s = tl.dot(q, tl.trans(k)) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -127,15 +140,23 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
     if FP8:  # V's scales on p's columns, over the tile's largest (module docstring): p @ (v * scale)
-        v_scale = tl.load(V_SCALE + sc, mask=valid, other=0.0)
         v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
         p = p * (v_scale / v_max)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks,
+                 stride_kh, scale, K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D: tl.constexpr, PAGE: tl.constexpr,
+                 FP8: tl.constexpr):
+    """:func:`_load_kv` then :func:`_attend_kv` for the context positions ``offs`` (those < end)."""
+    k, v, k_scale, v_scale = _load_kv(offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks,
+                                      stride_kh, K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
+    return _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, offs < end, scale, FP8)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
@@ -149,14 +170,16 @@ def split_kv_decode_attention(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
     FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr, KV_LINE: tl.constexpr = 0,
-    KV_LINES: tl.constexpr = 1,
+    KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
     the cache at SLOT and attends to them from registers (the cache read never meets its own
     write) - no rope_store kernel in a decode step. KV_LINE > 0 (with USE_PDL and FUSED_ROPE:
     cache elements a 128-byte line, KV_LINES of them a row): the slice's first SMALL_TILE cached K and V rows are asked
-    into L2 before the PDL wait - earlier steps wrote them, and no kernel in flight writes them."""
+    into L2 before the PDL wait - earlier steps wrote them, and no kernel in flight writes them.
+    KV_PRELOAD (with FUSED_ROPE): a short slice's one tile of cached K/V is loaded into registers
+    before the wait (with PDL), for the same reason."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -195,6 +218,12 @@ def split_kv_decode_attention(
             ptrs = tl.where(ok, rows, 0)[:, None] + line_offs[None, :]
             prefetch_l2(K_CACHE + ptrs)
             prefetch_l2(V_CACHE + ptrs)
+        if KV_PRELOAD:  # a short slice's tile (none for a long one: end 0 masks every row)
+            pre_offs = start + tl.arange(0, SMALL_TILE)
+            pre_end = tl.where((per_split <= SMALL_TILE) & (start < end), end, 0)
+            k0, v0, k0_scale, v0_scale = _load_kv(pre_offs, pre_end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt,
+                                                  stride_kb, stride_ks, stride_kh, K_SCALE, V_SCALE, stride_sb, stride_ss,
+                                                  stride_sh, D, PAGE, FP8)
     pdl_wait(USE_PDL)
     if FUSED_ROPE:
         q = (tl.load(q_row + d[None, :], mask=qmask, other=0.0).to(tl.float32) * cos[None, :]
@@ -207,15 +236,19 @@ def split_kv_decode_attention(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    if (per_split <= SMALL_TILE) & (start < end):  # a short slice: one narrow tile
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, SMALL_TILE), end, d, b, kvh, K_CACHE, V_CACHE,
-                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
-                                     K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
+    short = (per_split <= SMALL_TILE) & (start < end)  # a short slice: one narrow tile
+    if FUSED_ROPE and KV_PRELOAD:
+        if short:  # the tile loaded before the wait
+            acc, m_i, l_i = _attend_kv(q, acc, m_i, l_i, k0, v0, k0_scale, v0_scale, pre_offs < end, scale, FP8)
     else:
-        for n0 in range(start, end, TILE_N):
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
+        if short:
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, SMALL_TILE), end, d, b, kvh, K_CACHE, V_CACHE,
                                          BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
                                          K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
+    for n0 in range(start, tl.where(short, start, end), TILE_N):  # a long slice in wide tiles
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
+                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
+                                     K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
     if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
         k_row = K_NEW + b * stride_knt + kvh * stride_knh
         k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos

@@ -19,6 +19,8 @@ DECODE_SMALL_TILE = 32
 # With PDL and the fused RoPE + KV write, decode attention asks L2 for its slice's first cached
 # K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE).
 DECODE_KV_PREFETCH = True
+# ... or loads a short slice's one tile of them into registers then (split_kv_decode_attention's KV_PRELOAD).
+DECODE_KV_PRELOAD = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ def decode_attention(
         SMALL_TILE=small_tile or DECODE_SMALL_TILE,
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
+        KV_PRELOAD=new is not None and DECODE_KV_PRELOAD,
         num_warps=4, **launch_options(pdl),
     )
     if splits == 1:

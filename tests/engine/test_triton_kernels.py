@@ -118,12 +118,17 @@ def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl
     assert rel(out, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("pdl", PDL_CASES)
 @pytest.mark.parametrize("hq,hkv,dim,page,unsplit", [(4, 2, 16, 4, False), (8, 4, 64, 16, False), (8, 8, 32, 8, True)])
-def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unsplit, pdl):
+def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unsplit, pdl, preload, monkeypatch):
     """A decode step in one kernel: RoPE on q and k, the new k/v written to their slots, attention
-    over the cached context plus the new token - against rope + write + reference attention."""
+    over the cached context plus the new token - against rope + write + reference attention; also
+    with a short slice's cached K/V loaded before the (PDL) wait (DECODE_KV_PRELOAD)."""
+    import engine.attention.triton_paged as triton_paged
     from engine.attention.triton_paged import TARGET_PROGRAMS, NewTokens
+
+    monkeypatch.setattr(triton_paged, "DECODE_KV_PRELOAD", preload)
 
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)

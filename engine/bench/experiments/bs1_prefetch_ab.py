@@ -7,7 +7,10 @@ TARGET_PROGRAMS patched); ``--policy``: o_proj split-K and down_proj on cuBLAS; 
 the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--down`` (2026-12-05): down_proj as a GEMV split K
 2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS: every split past 2 slower
 (docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-down-split-ab.txt); ``--kv`` (2026-12-05): decode
-attention's first cached K/V rows asked into L2 before its PDL wait (DECODE_KV_PREFETCH) or not. (A form
+attention's first cached K/V rows asked into L2 before its PDL wait (DECODE_KV_PREFETCH), or a short
+slice's tile loaded into registers then (DECODE_KV_PRELOAD), or both, or neither (the prefetch alone
+kept: docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-combine-in-o-proj-kv-prefetch-ab.txt, whose
+form ``--combine`` also A/B'd o_proj merging the attention's splits itself, since dropped). (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
 dropped: docs/results/2026-12-03-h200-qwen1.5b-dummy-bs1-fused-norm-ab.txt; the ``--splits`` form's
 output has those variants too. Forms ``--ahead`` and ``--gate-up`` (2026-12-04) A/B'd GEMVs asking L2
@@ -62,9 +65,9 @@ elif "--splits" in sys.argv:  # fourth form: decode attention's context splits a
 elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projections
     for tiles in ((), ("qkv",), ("o",), ("qkv", "o")):
         variants[f"sum tiles {'+'.join(tiles) or 'none'}"] = replace(path, sum_tiles=tiles)
-elif "--kv" in sys.argv:  # seventh form (2026-12-05): decode attention's cached K/V asked into L2 before its PDL wait
-    for on in (False, True):
-        variants[f"attention KV prefetch {'on' if on else 'off'}"] = (on, path)
+elif "--kv" in sys.argv:  # seventh form (2026-12-05): decode attention's cached K/V asked into L2 / loaded before its PDL wait
+    for prefetch, preload in ((True, False), (False, False), (False, True), (True, True)):
+        variants[f"attention KV prefetch {'on' if prefetch else 'off'}, preload {'on' if preload else 'off'}"] = ((prefetch, preload), path)
 elif "--down" in sys.argv:  # sixth form (2026-12-05): down_proj as a GEMV split K 5-14 ways (more programs than 96)
     variants["down on cuBLAS"] = (None, replace(path, gemv_down=False))
     for block_n, stages in ((32, 5), (16, 5), (64, 4)):
@@ -85,7 +88,7 @@ for rnd in range(3):
             down_tile, variant = variant
             linear.decode_tile = (lambda n, k, tile=down_tile: tile if tile and k > 4 * n else default_tile(n, k))
         elif isinstance(variant, tuple) and "--kv" in sys.argv:
-            tp.DECODE_KV_PREFETCH, variant = variant
+            (tp.DECODE_KV_PREFETCH, tp.DECODE_KV_PRELOAD), variant = variant
         elif isinstance(variant, tuple):
             tp.TARGET_PROGRAMS, variant = variant
         other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
