@@ -149,5 +149,6 @@ def path_name(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> str:
              fp8_math if fp8 else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
              f"down GEMV split-K {down_split}" if path.gemv_down else "",
              "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",
+             " ".join(f"{name} {size / (1 << 20):g} MiB" for name, size in path.prefetch_by_projection) if path.pdl else "",
              f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]
     return ", ".join(p for p in parts if p)

@@ -66,6 +66,11 @@ class GemvPolicy:
     with 1 MiB, 1.324 with 2, 1.342 without, 1.428 / 1.527 / 1.592 with 8 / 32 / 128 MiB (a larger
     prefetch competes with the kernel before it for DRAM)."""
 
+    prefetch_by_projection: tuple[tuple[str, int], ...] = ()
+    """(projection, bytes) pairs that replace ``prefetch_bytes`` for those projections (of
+    ``PROJECTIONS``): each GEMV's window before its wait is the kernel before it, which differs by
+    projection (a norm before q|k|v and gate|up, attention's combine before o_proj)."""
+
     sum_tiles: tuple[str, ...] = ()
     """The projections (of ``PROJECTIONS``) whose one-row GEMV runs the CUDA-core "sum" tile
     (engine/kernels/linear.py ``sum_tile``: multiply-and-reduce, no tensor-core padding) instead
@@ -85,11 +90,15 @@ class GemvPolicy:
     def __post_init__(self) -> None:
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"GemvPolicy.int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
-        unknown = (set(self.late_release) | set(self.sum_tiles)) - set(PROJECTIONS)
+        unknown = (set(self.late_release) | set(self.sum_tiles) | {name for name, _ in self.prefetch_by_projection}) - set(PROJECTIONS)
         if unknown:
-            raise ValueError(f"GemvPolicy.late_release / sum_tiles: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
+            raise ValueError(f"GemvPolicy.late_release / sum_tiles / prefetch_by_projection: unknown projections {sorted(unknown)} (known: {PROJECTIONS})")
         if self.fp8_math not in FP8_MATHS:
             raise ValueError(f"GemvPolicy.fp8_math must be one of {FP8_MATHS}, got {self.fp8_math!r}")
+
+    def prefetch_budget(self, projection: str) -> int:
+        """Bytes of this projection's weight its GEMV asks L2 for before its PDL wait."""
+        return dict(self.prefetch_by_projection).get(projection, self.prefetch_bytes)
 
     def applies(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens takes this path (never 0 rows: a step may sample none)."""

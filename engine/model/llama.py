@@ -206,7 +206,7 @@ def _gemv(
         triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
         split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if triton and name in ("o", "down") else 1
         y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
-                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_bytes), kernel=gemv.int4_kernel)
+                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)), kernel=gemv.int4_kernel)
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
@@ -215,4 +215,4 @@ def _gemv(
     split_k = usable_split_k(weight, split_k, config)
     return decode_linear(x, weight, out_dtype, config, gated=gated, pdl=gemv.pdl, split_k=split_k,
                          late_release=name in gemv.late_release, bias=bias, w_scale=scale, fp8_math=gemv.fp8_math,
-                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_bytes))
+                         prefetch_k=prefetch_columns(weight, split_k, gemv.prefetch_budget(name)))

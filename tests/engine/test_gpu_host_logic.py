@@ -167,6 +167,17 @@ def test_late_release_names_known_projections():
 
     with pytest.raises(ValueError, match="unknown projections \\['q_proj'\\]"):
         GemvPolicy(late_release=("q_proj",))
+    with pytest.raises(ValueError, match="unknown projections \\['up'\\]"):
+        GemvPolicy(prefetch_by_projection=(("up", 1),))
+
+
+def test_a_projection_may_have_its_own_prefetch_budget():
+    from engine.bench.latency import path_name
+    from engine.kernels.gemv_policy import GemvPolicy
+
+    path = GemvPolicy(max_rows=1, pdl=True, prefetch_bytes=1 << 20, prefetch_by_projection=(("gate_up", 4 << 20),))
+    assert path.prefetch_budget("gate_up") == 4 << 20 and path.prefetch_budget("qkv") == 1 << 20
+    assert "gate_up 4 MiB" in path_name(path)
 
 
 def test_mixed_graph_settings_are_checked_and_bound_the_steps_taken(tiny_llama_dir):

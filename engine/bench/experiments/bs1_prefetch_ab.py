@@ -8,7 +8,8 @@ the CUDA-core "sum" GEMV (GemvPolicy.sum_tiles); ``--down`` (2026-12-05): down_p
 2-14 ways with 16-64-row tiles (decode_tile patched) against cuBLAS: every split past 2 slower
 (docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-down-split-ab.txt); ``--kv`` (2026-12-05): decode
 attention's first cached K/V rows asked into L2 before its PDL wait (DECODE_KV_PREFETCH), or a short
-slice's tile loaded into registers then (DECODE_KV_PRELOAD), or both, or neither (the prefetch alone
+slice's tile loaded into registers then (DECODE_KV_PRELOAD), or both, or neither, and one GEMV's L2
+prefetch budget raised (GemvPolicy.prefetch_by_projection) (the prefetch alone
 kept: docs/results/2026-12-05-h200-qwen1.5b-dummy-bs1-combine-in-o-proj-kv-prefetch-ab.txt, whose
 form ``--combine`` also A/B'd o_proj merging the attention's splits itself, since dropped). (A form
 ``--norm`` A/B'd the norms run by the o/down GEMVs' last program, GemvPolicy.fused_norm, since
@@ -68,6 +69,9 @@ elif "--sum" in sys.argv:  # fifth form: the CUDA-core GEMV for the small projec
 elif "--kv" in sys.argv:  # seventh form (2026-12-05): decode attention's cached K/V asked into L2 / loaded before its PDL wait
     for prefetch, preload in ((True, False), (False, False), (False, True), (True, True)):
         variants[f"attention KV prefetch {'on' if prefetch else 'off'}, preload {'on' if preload else 'off'}"] = ((prefetch, preload), path)
+    for name, mib in (("qkv", 2), ("o", 2), ("gate_up", 2), ("gate_up", 4)):  # one GEMV's L2 budget raised (prefetch_by_projection)
+        variants[f"attention KV prefetch on, preload off, {name} prefetch {mib} MiB"] = ((True, False), replace(
+            path, prefetch_by_projection=((name, mib << 20),)))
 elif "--down" in sys.argv:  # sixth form (2026-12-05): down_proj as a GEMV split K 5-14 ways (more programs than 96)
     variants["down on cuBLAS"] = (None, replace(path, gemv_down=False))
     for block_n, stages in ((32, 5), (16, 5), (64, 4)):
