@@ -17,9 +17,11 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
 DECODE_SMALL_TILE = 32
 # With PDL and the fused RoPE + KV write, decode attention asks L2 for its slice's first cached
-# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE).
+# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE): batch-1
+# replay of the Qwen2.5-1.5B shape 1.297 against 1.310 ms (H200, three rounds, 2026-12-05).
 DECODE_KV_PREFETCH = True
-# ... or loads a short slice's one tile of them into registers then (split_kv_decode_attention's KV_PRELOAD).
+# ... or loads a short slice's one tile of them into registers then (KV_PRELOAD). Off: not measured
+# yet (engine/bench/experiments/bs1_prefetch_ab.py --kv).
 DECODE_KV_PRELOAD = False
 
 
