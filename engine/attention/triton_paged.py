@@ -16,13 +16,16 @@ DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page 
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
 DECODE_SMALL_TILE = 32
-# With PDL and the fused RoPE + KV write, decode attention asks L2 for its slice's first cached
-# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE): batch-1
-# replay of the Qwen2.5-1.5B shape 1.297 against 1.310 ms (H200, three rounds, 2026-12-05).
-DECODE_KV_PREFETCH = True
-# ... or loads a short slice's one tile of them into registers then (KV_PRELOAD). Off: not measured
-# yet (engine/bench/experiments/bs1_prefetch_ab.py --kv).
-DECODE_KV_PRELOAD = False
+# With PDL and the fused RoPE + KV write, decode attention may ask L2 for its slice's first cached
+# K/V rows before waiting for the q|k|v projection (split_kv_decode_attention's KV_LINE), or load
+# a short slice's one tile of them into registers then (KV_PRELOAD). Batch-1 graph replay of the
+# Qwen2.5-1.5B shape (engine/bench/experiments/bs1_prefetch_ab.py --kv, three rounds, H100,
+# 2026-12-05): preload alone 1.513 ms, prefetch and preload 1.524, prefetch alone 1.552, neither
+# 1.563. engine.bench latency on that H100, alternating: 1.5B 642.8 / 643.8 tok/s with preload
+# against 626.2 / 625.0 with prefetch; 8B 181.9 against 179.9. (On an H200 the prefetch had
+# beaten neither, 1.297 against 1.310 ms; preload has not run there yet.)
+DECODE_KV_PREFETCH = False
+DECODE_KV_PRELOAD = True
 
 
 @dataclass(frozen=True)
