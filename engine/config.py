@@ -274,6 +274,12 @@ class EngineConfig:
     draft row's 0.45 on top, a draft there costs more than the token it may save, so no number of
     drafts pays and requests do not draft: on that CPU n-gram lookup (free drafts) is the one that
     pays. A launch-bound GPU step of a small model costs nearly a full step too."""
+    speculative_answer_cache_tokens: int = 1 << 15
+    """With ``speculative="ngram"``: the last requests' outputs kept (this many tokens at most),
+    so that a request whose own tokens do not continue its last n-gram may draft what a recent
+    answer said next (engine/speculative.py AnswerCache); 0: prompt lookup only. At the default
+    the index took 24 MB (39 MB at its peak, before a rebuild) for 3,000 answers of random tokens,
+    the worst case, where every n-gram is new."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float = 0.45
@@ -340,6 +346,8 @@ class EngineConfig:
             raise ConfigError(f"speculative_draft_cost must be >= 0, got {self.speculative_draft_cost}")
         if self.speculative_row_cost < 0:
             raise ConfigError(f"speculative_row_cost must be >= 0, got {self.speculative_row_cost}")
+        if self.speculative_answer_cache_tokens < 0:
+            raise ConfigError(f"speculative_answer_cache_tokens must be >= 0, got {self.speculative_answer_cache_tokens}")
         if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:
             raise ConfigError(f"num_speculative_tokens and speculative_max_batch must be >= 1, got {self.num_speculative_tokens} "
                               f"and {self.speculative_max_batch}")

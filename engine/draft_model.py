@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +108,9 @@ class DraftModelProposer:
         """Always: the draft model proposes for every request."""
         return True
 
-    def release(self, request_id: str) -> None:
-        """Free the mirror's KV blocks (their verified full blocks stay in the draft's prefix cache)."""
+    def release(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
+        """Free the mirror's KV blocks (their verified full blocks stay in the draft's prefix cache);
+        the output is not needed: the draft model's prefix cache keeps what it computed."""
         mirror = self.mirrors.pop(request_id, None)
         if mirror is not None:
             self.draft.block_manager.free(mirror)

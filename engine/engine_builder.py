@@ -31,7 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
 from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
-from engine.speculative import NgramProposer, Proposer
+from engine.speculative import AnswerCache, NgramProposer, Proposer
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
     (built here, its weights and KV cache entered in ``memory``), refused unless it reads and
     writes the target's tokens."""
     if config.speculative == "ngram":
-        return NgramProposer(config.num_speculative_tokens)
+        answers = AnswerCache(config.speculative_answer_cache_tokens) if config.speculative_answer_cache_tokens else None
+        return NgramProposer(config.num_speculative_tokens, answers=answers)
     if config.speculative != "draft":
         return None
     kv_bytes = config.kv_cache_memory_bytes

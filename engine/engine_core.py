@@ -416,7 +416,7 @@ class EngineCore:
         self._detok.pop(req.request_id, None)
         self._generators.pop(req.request_id, None)
         if self.proposer is not None:
-            self.proposer.release(req.request_id)
+            self.proposer.release(req.request_id, req.output_token_ids)
 
     # ---- observability ---------------------------------------------------------------------------
     def memory_ledger(self) -> MemoryLedger:

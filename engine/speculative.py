@@ -25,7 +25,11 @@ proposes the number of drafts (:func:`best_k`, possibly none) that maximizes the
 unit of step cost: an answer that quotes its prompt gets several, one that does not soon gets none.
 
 Drafts come from a :class:`Proposer`: :class:`NgramProposer` here, or a smaller model of the same
-tokenizer that decodes ahead greedily (engine/draft_model.py). A model's draft costs a step of the
+tokenizer that decodes ahead greedily (engine/draft_model.py). An n-gram that the request's own
+tokens do not continue may still be continued by a recent request's answer
+(:class:`AnswerCache`): questions about one handbook get answers worded alike ("submit form HR-01
+in PeopleHub", "the handbook does not say; ask ..."), and a draft never changes an output, only
+how many steps it takes. A model's draft costs a step of the
 draft model as well, which :func:`best_k` weighs (``draft_cost``).
 
 Each step counts proposed and accepted drafts (:class:`SpecDecodeStats`, on ``/metrics`` under
@@ -35,6 +39,7 @@ vLLM's ``vllm:spec_decode_*`` names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -55,8 +60,9 @@ class Proposer(Protocol):
         """Up to ``want.k`` draft tokens for each want, in order (possibly none)."""
         ...
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (its draft state, if the proposer keeps any)."""
+    def release(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
+        """Forget a finished request (its draft state, if the proposer keeps any); its output
+        tokens may seed later requests' drafts."""
         ...
 
     def may_propose(self, want: DraftWant) -> bool:
@@ -102,16 +108,82 @@ class NgramIndex:
         return []
 
 
+@dataclass
+class AnswerCache:
+    """The outputs of the last requests (``capacity`` tokens at most, oldest dropped first), indexed
+    by their n-grams (``min_n`` <= n <= ``max_n``): drafts for a request whose own tokens do not
+    continue its last n-gram. Each n-gram maps to the answer and position where it last ended; an
+    entry left by a dropped answer is ignored, and the index is rebuilt from the answers kept once
+    dropped answers held more than ``capacity`` tokens (so it stays within a few times
+    ``capacity`` entries)."""
+
+    capacity: int
+    min_n: int = 2
+    max_n: int = 4
+    answers: dict[int, list[int]] = field(default_factory=dict)  # serial -> tokens, oldest first
+    ends: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)  # n-gram -> (serial, end)
+    num_tokens: int = 0
+    dropped_since_rebuild: int = 0
+    next_serial: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1 or not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"AnswerCache needs capacity >= 1 and 1 <= min_n <= max_n, got capacity={self.capacity}, "
+                             f"min_n={self.min_n}, max_n={self.max_n}")
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Keep one answer (its last ``capacity`` tokens), dropping the oldest answers beyond ``capacity``."""
+        answer = list(tokens[-self.capacity :])
+        if len(answer) <= self.min_n:  # no n-gram with a token after it
+            return
+        serial, self.next_serial = self.next_serial, self.next_serial + 1
+        self.answers[serial] = answer
+        self.num_tokens += len(answer)
+        self._index(serial, answer)
+        while self.num_tokens > self.capacity:
+            dropped = self.answers.pop(next(iter(self.answers)))
+            self.num_tokens -= len(dropped)
+            self.dropped_since_rebuild += len(dropped)
+        if self.dropped_since_rebuild > self.capacity:
+            self.ends.clear()
+            for kept, answer in self.answers.items():
+                self._index(kept, answer)
+            self.dropped_since_rebuild = 0
+
+    def _index(self, serial: int, answer: list[int]) -> None:
+        """Each n-gram of ``answer`` that has a token after it (later ends overwrite)."""
+        for n in range(self.min_n, self.max_n + 1):
+            grams = zip(*(answer[j : len(answer) - n + j] for j in range(n)))
+            self.ends.update(zip(grams, ((serial, end) for end in range(n, len(answer)))))
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest n-gram ending ``tokens`` where it last ended
+        in a kept answer; [] without one."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hit = self.ends.get(tuple(tokens[-n:]))
+            if hit is not None and hit[0] in self.answers:
+                return self.answers[hit[0]][hit[1] : hit[1] + k]
+        return []
+
+    def clear(self) -> None:
+        """Forget every answer."""
+        self.answers.clear()
+        self.ends.clear()
+        self.num_tokens = self.dropped_since_rebuild = 0
+
+
 @dataclass(frozen=True)
 class NgramProposer:
     """Proposes up to ``k`` tokens by matching the request's last ``max_n`` .. ``min_n`` tokens
-    against its earlier tokens (prompt and output), the most recent match of the longest n-gram.
-    Each request's n-grams are indexed as its tokens grow (:class:`NgramIndex`), until it is
-    released."""
+    against its earlier tokens (prompt and output), the most recent match of the longest n-gram,
+    and failing that against recent requests' answers (``answers``, when given; a released
+    request's output joins them). Each request's n-grams are indexed as its tokens grow
+    (:class:`NgramIndex`), until it is released."""
 
     k: int
     min_n: int = 2
     max_n: int = 4
+    answers: AnswerCache | None = field(default=None, compare=False, repr=False)
     indexes: dict[str, NgramIndex] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,7 +197,10 @@ class NgramProposer:
         k = self.k if limit is None else min(self.k, limit)
         if k < 1 or len(tokens) <= self.min_n:
             return []
-        return (index or NgramIndex(self.min_n, self.max_n)).lookup(tokens, k)
+        drafts = (index or NgramIndex(self.min_n, self.max_n)).lookup(tokens, k)
+        if not drafts and self.answers is not None:
+            drafts = self.answers.lookup(tokens, k)
+        return drafts
 
     def _index(self, want: DraftWant) -> NgramIndex:
         """The request's index, anew if its tokens are not the ones indexed (fewer than them)."""
@@ -138,15 +213,17 @@ class NgramProposer:
         """Each want's proposal on its own: a lookup in its own tokens."""
         return [self.propose(w.token_ids, w.k, self._index(w)) for w in wants]
 
-    def release(self, request_id: str) -> None:
-        """Forget the request's index."""
+    def release(self, request_id: str, output_token_ids: Sequence[int] = ()) -> None:
+        """Forget the request's index; keep its output among the answers (when kept)."""
         self.indexes.pop(request_id, None)
+        if self.answers is not None and output_token_ids:
+            self.answers.add(output_token_ids)
 
     def may_propose(self, want: DraftWant) -> bool:
-        """Whether the tokens known so far end in an n-gram seen before: then the token in flight
-        is likely the one that followed it there, and the match goes on. When they do not, a match
-        can still start with the token in flight, but the next step sees it (drafting starts a
-        step late), and the steps in between stay async. On the H200 with the 1.5B at batch 1, a
+        """Whether the tokens known so far end in an n-gram seen before (in the request or a kept
+        answer): then the token in flight is likely the one that followed it there, and the match
+        goes on. When they do not, a match can still start with the token in flight, but the next
+        step sees it (drafting starts a step late), and the steps in between stay async. On the H200 with the 1.5B at batch 1, a
         step read back at once took 2.5 ms of host time against 1.4 ms async (2026-12-04)."""
         return bool(self.propose(want.token_ids, 1, self._index(want)))
 

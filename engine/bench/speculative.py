@@ -5,7 +5,9 @@ from documents, with n-gram prompt lookup and, given ``--draft-model``, with a d
 
 Each question is asked with the documents in front of it (the chat template's user message),
 greedy, by engines on the same target weights: one without speculation (the baseline), one with
-``speculative="ngram"`` and one with ``speculative="draft"``. Questions run alone (batch 1) and in
+``speculative="ngram"`` (drafts from the prompt and from the answers kept since the batch size
+began, ``--answer-cache-tokens``; with ``--prompt-lookup-too`` also one from the prompt alone) and
+one with ``speculative="draft"``. Questions run alone (batch 1) and in
 groups of each ``--batch`` size. Printed for each: decode tokens/s (output tokens after the first,
 over the time from the group's first token to its last) of each and its ratio to the baseline, the
 drafts' acceptance rate and the tokens a verifying step appends, whether the outputs are token for
@@ -33,7 +35,7 @@ from engine.engine_core import EngineCore
 from engine.loaded_model import LoadedModel
 from engine.metrics import StepTimes
 from engine.sampling import SamplingParams
-from engine.speculative import SpecDecodeStats
+from engine.speculative import NgramProposer, SpecDecodeStats
 
 
 def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, float]:
@@ -87,6 +89,11 @@ def main(argv: list[str]) -> int:
                    "a launch-bound GPU step costs nearly the same for a few more rows)")
     p.add_argument("--draft-cost", type=float, default=EngineConfig.speculative_draft_cost,
                    help="speculative_draft_cost: a draft model's step as a share of the target's (default %(default)s)")
+    p.add_argument("--answer-cache-tokens", type=int, default=EngineConfig.speculative_answer_cache_tokens,
+                   help="n-gram drafts also from the last answers, this many tokens (0: prompt lookup only); "
+                        "emptied before each batch size, so that no question meets its own earlier answer")
+    p.add_argument("--prompt-lookup-too", action="store_true",
+                   help="also an n-gram engine without the answer cache (what the answers add, in the same run)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
@@ -98,7 +105,9 @@ def main(argv: list[str]) -> int:
         base = replace(base, kv_cache_memory_bytes=4 << 30)
     engines = {"plain": build_engine(base, loaded)}
     spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost)
-    engines["ngram"] = build_engine(replace(spec, speculative="ngram"), loaded)
+    engines["ngram"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
+    if args.prompt_lookup_too:
+        engines["ngram_prompt"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=0), loaded)
     if args.draft_model:
         engines["draft"] = build_engine(replace(spec, speculative="draft", draft_model=str(args.draft_model),
                                                 speculative_draft_cost=args.draft_cost), loaded)
@@ -108,13 +117,14 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
           f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
-          f"k={args.k}, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
+          f"k={args.k}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
           f"{len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
     kinds = [k for k in engines if k != "plain"]
-    names = {"ngram": "n-gram speculation", "draft": f"draft model {Path(args.draft_model or '').name}"}
+    names = {"ngram": "n-gram speculation",
+             "ngram_prompt": "n-gram speculation, prompt lookup only", "draft": f"draft model {Path(args.draft_model or '').name}"}
     rows, results, lines = [], {}, []
     all_identical = True
     for batch in args.batch:
@@ -122,6 +132,9 @@ def main(argv: list[str]) -> int:
         same = dict.fromkeys(kinds, 0)
         for kind in kinds:
             engines[kind].spec_stats = SpecDecodeStats()
+            proposer = engines[kind].proposer
+            if isinstance(proposer, NgramProposer) and proposer.answers is not None:
+                proposer.answers.clear()
         for core in engines.values():
             core.step_times = StepTimes()
         draft_times = engines["draft"].proposer.times if "draft" in engines else None

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.sampling import SampleInput, Sampler
-from engine.speculative import Acceptance, DraftWant, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
+from engine.speculative import Acceptance, AnswerCache, DraftWant, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 from tests.engine.helpers import SimulatedEngine, generate_staggered, make_request
 
 # A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
@@ -71,6 +71,60 @@ def test_a_request_s_index_grown_step_by_step_proposes_what_a_scan_would(tokens,
         assert proposer.may_propose(want) == bool(drafts)
     proposer.release("r")
     assert "r" not in proposer.indexes
+
+
+def test_an_n_gram_the_request_never_continued_drafts_what_a_kept_answer_said_next():
+    """The request's own tokens first; failing them, the most recent kept answer with the longest
+    n-gram; a released request's output joins the answers, and the oldest answers go first once
+    they hold more than the cache's capacity."""
+    cache = AnswerCache(capacity=12, min_n=2, max_n=3)
+    proposer = NgramProposer(k=3, min_n=2, max_n=3, answers=cache)
+    proposer.release("earlier", [50, 51, 52, 53, 54, 55])
+    assert proposer.propose([9, 8, 50, 51]) == [52, 53, 54]  # not in the request, in the answer
+    assert proposer.propose([50, 51, 9, 50, 51]) == [9, 50, 51]  # the request's own continuation first
+    proposer.release("later", [7, 51, 52, 60, 61])
+    assert proposer.propose([1, 51, 52]) == [60, 61]  # the more recent answer
+    assert proposer.propose([50, 51, 52]) == [53, 54, 55]  # the longer n-gram beats the recent one
+    assert proposer.may_propose(DraftWant("r", [3, 4, 7, 51], 2)) and not proposer.may_propose(DraftWant("r2", [3, 4, 5, 6], 2))
+    proposer.release("third", [80, 81, 82, 83])  # 15 tokens kept > 12: the first answer goes
+    assert sorted(cache.answers) == [1, 2] and cache.num_tokens == 9
+    assert proposer.propose([9, 8, 50, 51]) == [] and proposer.propose([2, 80, 81]) == [82, 83]
+    proposer.release("short", [5, 6])  # no n-gram with a token after it: nothing to keep
+    assert cache.num_tokens == 9
+    cache.clear()
+    assert proposer.propose([2, 80, 81]) == [] and not cache.ends
+    with pytest.raises(ValueError, match="capacity >= 1"):
+        AnswerCache(capacity=0)
+
+
+def scan_answers(answers: list[list[int]], tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """What AnswerCache.lookup answers, by a scan of the kept answers: the latest end of the
+    longest n-gram ending ``tokens`` that has a token after it."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        hits = [(a, end) for a, answer in enumerate(answers) for end in range(n, len(answer))
+                if answer[end - n : end] == tokens[-n:]]
+        if hits:
+            a, end = hits[-1]
+            return answers[a][end : end + k]
+    return []
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12), min_size=1, max_size=12),
+       st.lists(st.integers(0, 3), min_size=0, max_size=6), st.integers(1, 4), st.integers(3, 30))
+def test_the_answer_cache_drafts_what_a_scan_of_the_kept_answers_would(answers, tokens, k, capacity):
+    """Whatever the answers and however many were dropped (and the index rebuilt), a lookup is the
+    scan's over the answers kept; the index never holds more than a few times the capacity."""
+    cache = AnswerCache(capacity=capacity)
+    kept: list[list[int]] = []
+    for answer in answers:
+        cache.add(answer)
+        if len(answer[-capacity:]) > 2:
+            kept.append(answer[-capacity:])
+        while sum(map(len, kept)) > capacity:
+            kept.pop(0)
+        assert list(cache.answers.values()) == kept
+        assert cache.lookup(tokens, k) == scan_answers(kept, tokens, k)
+        assert len(cache.ends) <= 3 * 2 * capacity  # n = 2, 3, 4 of the kept and the not yet rebuilt
 
 
 def test_verification_keeps_samples_up_to_the_first_rejected_draft():
@@ -303,6 +357,26 @@ def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(s
     assert chained.count((True, False)) >= 5 and (False, True) in chained and (True, True) not in chained
     assert spec.core.spec_stats.num_accepted_tokens > 5
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_a_question_asked_again_drafts_its_earlier_answer(smollm, llm_gguf_path):
+    """The real engine, one question asked twice: with the answer cache the second answer is
+    drafted from the first (nearly every draft accepted, far fewer steps than tokens); with prompt
+    lookup alone (an answer that does not quote its prompt) few drafts are; the tokens are plain
+    decoding's either way, and every KV block is back in the pool."""
+    prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Write three sentences about the sea."}])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([prompt], params)[0].token_ids
+    accepted, steps = {}, {}
+    for cache_tokens in (0, 4096):
+        spec = spec_llm(smollm, llm_gguf_path, speculative_answer_cache_tokens=cache_tokens, speculative_row_cost=0.05)
+        assert spec.generate([prompt], params)[0].token_ids == want
+        spec.core.spec_stats, spec.core.num_steps = SpecDecodeStats(), 0
+        assert spec.generate([prompt], params)[0].token_ids == want
+        accepted[cache_tokens], steps[cache_tokens] = spec.core.spec_stats.num_accepted_tokens, spec.core.num_steps
+        assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+    assert accepted[4096] >= 25 and steps[4096] <= 15, (accepted, steps)  # 28 and 12 of 40 tokens (2-core CPU)
+    assert accepted[0] <= accepted[4096] - 20, (accepted, steps)
 
 
 def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
