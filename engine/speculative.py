@@ -38,8 +38,8 @@ vLLM's ``vllm:spec_decode_*`` names).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -190,6 +190,9 @@ class NgramProposer:
         if self.k < 1 or not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"NgramProposer needs k >= 1 and 1 <= min_n <= max_n, got k={self.k}, "
                              f"min_n={self.min_n}, max_n={self.max_n}")
+        if self.answers is not None and (self.answers.min_n, self.answers.max_n) != (self.min_n, self.max_n):
+            raise ValueError(f"NgramProposer's answers must index its own n-grams ({self.min_n}..{self.max_n}), "
+                             f"got {self.answers.min_n}..{self.answers.max_n}")
 
     def propose(self, tokens: list[int], limit: int | None = None, index: NgramIndex | None = None) -> list[int]:
         """Up to ``min(k, limit)`` draft tokens to follow ``tokens``, or [] without a match;
@@ -223,8 +226,9 @@ class NgramProposer:
         """Whether the tokens known so far end in an n-gram seen before (in the request or a kept
         answer): then the token in flight is likely the one that followed it there, and the match
         goes on. When they do not, a match can still start with the token in flight, but the next
-        step sees it (drafting starts a step late), and the steps in between stay async. On the H200 with the 1.5B at batch 1, a
-        step read back at once took 2.5 ms of host time against 1.4 ms async (2026-12-04)."""
+        step sees it (drafting starts a step late), and the steps in between stay async. On the
+        H200 with the 1.5B at batch 1, a step read back at once took 2.5 ms of host time against
+        1.4 ms async (2026-12-04)."""
         return bool(self.propose(want.token_ids, 1, self._index(want)))
 
 

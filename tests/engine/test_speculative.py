@@ -95,6 +95,8 @@ def test_an_n_gram_the_request_never_continued_drafts_what_a_kept_answer_said_ne
     assert proposer.propose([2, 80, 81]) == [] and not cache.ends
     with pytest.raises(ValueError, match="capacity >= 1"):
         AnswerCache(capacity=0)
+    with pytest.raises(ValueError, match="its own n-grams"):
+        NgramProposer(k=3, answers=AnswerCache(capacity=12, min_n=3))
 
 
 def scan_answers(answers: list[list[int]], tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
