@@ -150,7 +150,8 @@ def read_gguf(path: Path, blocks: BlockCache | None = None) -> tuple[ModelConfig
                 w = unpermute_rows(w, config.num_attention_heads)
             elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_rows(w, config.num_key_value_heads)
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+            # torch needs a writable array: a copy of a memory-mapped F32/F16 tensor; a fresh one as it is
+            yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
 
     return config, tensors()
 
