@@ -13,8 +13,9 @@ batches are bound by matmul rate, which Hopper doubles in FP8. Each projection o
   (engine/kernels/linear.py, ``w_scale``): it converts each weight tile to bf16 in registers and
   applies the scales in its epilogue, so the activations stay bf16 (W8A16, no activation error).
 
-The embedding, the lm_head and the norms stay bf16: the head is one matrix read once a step,
-and its rounding moves every logit.
+The embedding and the norms stay bf16. So does the lm_head unless ``EngineConfig.quantize_lm_head``
+asks for it in e4m3 too (:func:`quantize_lm_head_fp8`): the 8B's head is 1 GB of bf16, an eighth of
+what an FP8 step reads, but its rounding moves every logit, so it is a choice with its own measured cost.
 
 Without FP8 hardware (the CPU) the same rounding is emulated in float32, W8A8 in every step (the
 stricter case): slower than no quantization, it exists to measure what FP8 costs in answers
@@ -51,15 +52,20 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Linear(nn.Module):
     """y = x @ W^T (+ bias) with W in e4m3 and per-output-channel scales (see the module doc)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Module) -> None:
+        """``linear``: anything with a ``weight`` [N, K] and a ``bias`` (None or [N]): an nn.Linear,
+        or the nn.Embedding a tied head reads (no bias)."""
         super().__init__()
-        if linear.weight.is_cuda and (linear.in_features % 16 or linear.out_features % 16):
-            raise ValueError(f"FP8 matmuls need dims that are multiples of 16, not a [{linear.out_features}, {linear.in_features}] weight")
-        q, scale = quantize_rows(linear.weight.detach())
+        weight = linear.weight.detach()
+        out_features, in_features = weight.shape
+        if weight.is_cuda and (in_features % 16 or out_features % 16):
+            raise ValueError(f"FP8 matmuls need dims that are multiples of 16, not a [{out_features}, {in_features}] weight")
+        q, scale = quantize_rows(weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = getattr(linear, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
         self._widened: torch.Tensor | None = None  # the CPU's float32 copy of the rounded weight (emulation only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,13 @@ def replace_projections(model: nn.Module, make: Callable[[nn.Module], nn.Module]
 def quantize_model_fp8(model: nn.Module) -> int:
     """Every layer projection of ``model`` as an :class:`Fp8Linear`; returns how many."""
     return replace_projections(model, Fp8Linear)
+
+
+def quantize_lm_head_fp8(model: nn.Module) -> None:
+    """The head of ``model`` (a LlamaForCausalLM) as an :class:`Fp8Linear`. A head tied to the
+    embedding gets an e4m3 copy of its own (the bf16 table stays for the token lookups); an untied
+    one is replaced, its bf16 weight freed."""
+    model.lm_head = Fp8Linear(model.embed_tokens if model.lm_head is None else model.lm_head)
 
 
 def weight_scale(linear: nn.Module) -> torch.Tensor | None:

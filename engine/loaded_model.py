@@ -12,8 +12,8 @@ from engine.loader import has_tokenizer, load_model, model_kind
 from engine.model import LlamaForCausalLM
 from engine.gguf_blocks import BlockCache
 from engine.native_decode import NativeWeights
-from engine.fp8 import fp8_supported, quantize_model_fp8
-from engine.w4a16 import W4A16Linear, quantize_model_int4, quantize_model_int4_from_gguf
+from engine.fp8 import fp8_supported, quantize_lm_head_fp8, quantize_model_fp8
+from engine.w4a16 import W4A16Linear, quantize_lm_head_int4, quantize_model_int4, quantize_model_int4_from_gguf
 from engine.quantization import gguf_tensors, quantize_from_gguf
 from engine.tokenizer import Tokenizer
 
@@ -83,6 +83,8 @@ class LoadedModel:
         if config.quantization == "fp8":
             try:
                 quantize_model_fp8(model)
+                if config.quantize_lm_head:
+                    quantize_lm_head_fp8(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='fp8': {e}") from e
             if device.type == "cuda":
@@ -94,6 +96,8 @@ class LoadedModel:
                     log.info("int4: %d layer projections from the GGUF's 4-bit groups, %d with wider types kept bf16", replaced, kept)
                 else:
                     quantize_model_int4(model)
+                if config.quantize_lm_head:
+                    quantize_lm_head_int4(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
             int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]

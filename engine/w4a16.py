@@ -18,8 +18,9 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
 
 Quantized at load from the model's bf16 weights (:func:`quantize_model_int4`), or, for a GGUF,
 taken from the file's own 4-bit groups of 32 where a projection has them
-(:func:`quantize_model_int4_from_gguf`; its other projections stay bf16). The embedding, the
-lm_head and the norms stay bf16, as with FP8 (engine/fp8.py). On the CPU,
+(:func:`quantize_model_int4_from_gguf`; its other projections stay bf16). The embedding and the
+norms stay bf16, and the lm_head too unless ``EngineConfig.quantize_lm_head`` asks for it in groups
+of 128 as well (:func:`quantize_lm_head_int4`), as with FP8 (engine/fp8.py). On the CPU,
 ``quantization="int4"`` is a different path: the GGUF's own blocks (engine/quantization.py).
 """
 
@@ -179,6 +180,14 @@ def quantize_model_int4(model: nn.Module, group: int = GROUP) -> int:
     """Every layer projection of ``model`` rounded into a :class:`W4A16Linear` of groups of
     ``group``; returns how many."""
     return replace_projections(model, lambda linear: W4A16Linear.from_linear(linear, group))
+
+
+def quantize_lm_head_int4(model: nn.Module, group: int = GROUP) -> None:
+    """The head of ``model`` (a LlamaForCausalLM) rounded into a :class:`W4A16Linear` of groups of
+    ``group``: a tied head gets an int4 copy of its own (the bf16 table stays for the token
+    lookups), an untied one is replaced. A GGUF's head is 6- or 8-bit (Q6_K, Q8_0): rounded again."""
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = W4A16Linear(*quantize_groups(head.detach(), group), group, None)
 
 
 def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple[int, int]:

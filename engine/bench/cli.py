@@ -84,21 +84,12 @@ QUANTIZED_KEYS = {"decode_bs1_tok_s": "decode_bs1_{q}_tok_s", "prefill_tok_s": "
                   "throughput_output_tok_s": "throughput_{q}_output_tok_s"}
 
 
-def format_label(quantization: str, kv_cache_dtype: str = "auto") -> str | None:
-    """What the keys of :func:`quantized_keys` call a run's formats: the weights' (``fp8``), with
-    an FP8 KV cache ``fp8_kv`` after them (FP8 weights: just ``fp8_kv``; dense: ``dense_fp8_kv``);
-    None for dense weights and a plain cache."""
-    if kv_cache_dtype == "auto":
-        return None if quantization == "none" else quantization
-    weights = {"none": "dense_", "fp8": ""}.get(quantization, f"{quantization}_")
-    return f"{weights}fp8_kv"
-
-
-def quantized_keys(results: dict, quantization: str, kv_cache_dtype: str = "auto") -> dict:
-    """The headline figures again under names that say the weights' and the KV cache's format
-    (``decode_bs1_fp8_tok_s``, ``throughput_fp8_kv_output_tok_s``), so that runs of several formats
-    merge into one ``results`` object; none for dense weights and a plain cache."""
-    label = format_label(quantization, kv_cache_dtype)
+def quantized_keys(results: dict, fmt: "Format") -> dict:
+    """The headline figures again under names that say the weights', the head's and the KV cache's
+    format (``decode_bs1_fp8_tok_s``, ``decode_bs1_fp8_head_tok_s``, ``throughput_fp8_kv_output_tok_s``),
+    so that runs of several formats merge into one ``results`` object; none for dense weights and a
+    plain cache."""
+    label = fmt.label
     if label is None:
         return {}
     return {name.format(q=label): results[key] for key, name in QUANTIZED_KEYS.items() if key in results}
@@ -129,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"),
                    help="int4: the GGUF's own 4-bit blocks with bf16 activations (CPU), group-wise int4 layer weights quantized at load "
                         "(CUDA); fp8: e4m3 layer weights (CUDA, FP8 tensor cores)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization fp8 or int4: the lm_head in the same format (EngineConfig.quantize_lm_head)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="fp8: K and V in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory "
                         "(CUDA compute capability 8.9+, or the CPU without the native decode step)")
@@ -153,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--formats", nargs="+", metavar="FORMAT",
                    help="run the suites once per weight/KV format, in one process, and compare them to the first: none (bf16), "
-                        "fp8, int4, each optionally +fp8-kv (e.g. --formats none fp8 int4 fp8+fp8-kv); replaces --quantization "
+                        "fp8, int4, each optionally +head (the lm_head quantized too) and +fp8-kv (e.g. --formats none fp8 fp8+head int4 fp8+fp8-kv); "
+                        "replaces --quantization, --quantize-lm-head "
                         "and --kv-cache-dtype")
     args = p.parse_args(argv)
     # checked here, not by argparse's choices: with nargs="*" an empty list fails them on some
@@ -161,18 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.suite if name not in ("all", *SUITES)]
     if unknown:
         p.error(f"unknown suite(s) {', '.join(unknown)}: choose from all, {', '.join(SUITES)}")
-    if args.formats and (args.quantization != "none" or args.kv_cache_dtype != "auto"):
-        p.error("--formats names each run's weights and KV cache: leave out --quantization and --kv-cache-dtype")
+    if args.formats and (args.quantization != "none" or args.kv_cache_dtype != "auto" or args.quantize_lm_head):
+        p.error("--formats names each run's weights, head and KV cache: leave out --quantization, --quantize-lm-head and --kv-cache-dtype")
+    if args.quantize_lm_head and args.quantization == "none":
+        p.error("--quantize-lm-head rounds the lm_head like the layers: it needs --quantization fp8 or int4")
     try:
-        formats = [parse_format(f) for f in args.formats] if args.formats else [(args.quantization, args.kv_cache_dtype)]
+        formats = ([Format.parse(f) for f in args.formats] if args.formats
+                   else [Format(args.quantization, args.kv_cache_dtype, args.quantize_lm_head)])
     except ValueError as e:
         p.error(str(e))
     suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
     runs = []
-    for i, (quantization, kv_cache_dtype) in enumerate(formats):
+    for i, fmt in enumerate(formats):
         if len(formats) > 1:
-            print(f"\n## format {format_name(quantization, kv_cache_dtype)}", flush=True)
-        runs.append(run_format(args, suites, quantization, kv_cache_dtype, hf_baseline=not args.no_hf and i == 0))
+            print(f"\n## format {fmt.name}", flush=True)
+        runs.append(run_format(args, suites, fmt, hf_baseline=not args.no_hf and i == 0))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the run's weights, KV pool and graphs, before the next format's load
     results = merged_results(runs)
@@ -198,28 +195,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def parse_format(text: str) -> tuple[str, str]:
-    """``fp8+fp8-kv`` -> (quantization, kv_cache_dtype) = ("fp8", "fp8"); ``none`` (or ``bf16``) is dense weights."""
-    weights, _, kv = text.partition("+")
-    weights = "none" if weights == "bf16" else weights
-    if weights not in ("none", "int4", "fp8") or kv not in ("", "fp8-kv"):
-        raise ValueError(f"unknown format {text!r}: weights none, fp8 or int4, optionally +fp8-kv")
-    return weights, "fp8" if kv else "auto"
+@dataclass(frozen=True)
+class Format:
+    """A run's weights (``quantization``), whether its lm_head is quantized like them
+    (EngineConfig.quantize_lm_head) and its KV cache's dtype."""
 
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    lm_head: bool = False
 
-def format_name(quantization: str, kv_cache_dtype: str) -> str:
-    """A run's format as the report names it: ``bf16``, ``fp8``, ``int4``, ``fp8 + fp8 KV``..."""
-    weights = {"none": "bf16"}.get(quantization, quantization)
-    return weights + (" + fp8 KV" if kv_cache_dtype == "fp8" else "")
+    @classmethod
+    def parse(cls, text: str) -> "Format":
+        """``fp8+head+fp8-kv`` -> FP8 layers and head, FP8 KV cache; ``none`` (or ``bf16``) is dense
+        weights; ``+head`` (quantized weights only) and ``+fp8-kv`` in either order."""
+        weights, *extras = text.split("+")
+        weights = "none" if weights == "bf16" else weights
+        if weights not in ("none", "int4", "fp8") or not set(extras) <= {"head", "fp8-kv"} or len(set(extras)) < len(extras) or (
+                weights == "none" and "head" in extras):
+            raise ValueError(f"unknown format {text!r}: weights none, fp8 or int4, optionally +head (fp8, int4) and +fp8-kv")
+        return cls(weights, "fp8" if "fp8-kv" in extras else "auto", "head" in extras)
+
+    @property
+    def name(self) -> str:
+        """As the report names it: ``bf16``, ``fp8``, ``int4 + head``, ``fp8 + fp8 KV``..."""
+        weights = {"none": "bf16"}.get(self.quantization, self.quantization)
+        return weights + (" + head" if self.lm_head else "") + (" + fp8 KV" if self.kv_cache_dtype == "fp8" else "")
+
+    @property
+    def label(self) -> str | None:
+        """What :func:`quantized_keys` calls this format: the weights' (``fp8``), ``_head`` after
+        them with a quantized head, ``fp8_kv`` after that with an FP8 KV cache (FP8 weights: just
+        ``fp8_kv``; dense: ``dense_fp8_kv``); None for dense weights and a plain cache."""
+        weights = {"none": "dense"}.get(self.quantization, self.quantization) + ("_head" if self.lm_head else "")
+        if self.kv_cache_dtype == "auto":
+            return None if self.quantization == "none" else weights
+        return "fp8_kv" if weights == "fp8" else f"{weights}_fp8_kv"
 
 
 @dataclass
 class FormatRun:
     """One format's suites: its rows, results, where the host and device time went, its memory."""
 
-    name: str
-    quantization: str
-    kv_cache_dtype: str
+    format: Format
     device: torch.device
     sizes: Sizes
     rows: list[Row]
@@ -229,6 +246,10 @@ class FormatRun:
     memory: dict
     engines: dict
 
+    @property
+    def name(self) -> str:
+        return self.format.name
+
     def record(self) -> dict:
         """This run's part of the JSON record."""
         return {"step_breakdown_ms": self.breakdown, "device_time_s": self.device_time,
@@ -236,11 +257,12 @@ class FormatRun:
                 "memory": {name: dict(memory_rows) for name, memory_rows in self.memory.items()}, "engines": self.engines}
 
 
-def run_format(args: argparse.Namespace, suites: tuple[str, ...], quantization: str, kv_cache_dtype: str, hf_baseline: bool) -> FormatRun:
+def run_format(args: argparse.Namespace, suites: tuple[str, ...], fmt: Format, hf_baseline: bool) -> FormatRun:
     """Load the model in one format, run ``suites`` on it (the throughput suite on its own engine
     where its settings differ) and print the report."""
     config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=quantization, kv_cache_dtype=kv_cache_dtype, native_decode_step=args.native_decode_step,
+                          quantization=fmt.quantization, quantize_lm_head=fmt.lm_head, kv_cache_dtype=fmt.kv_cache_dtype,
+                          native_decode_step=args.native_decode_step,
                           async_scheduling=args.async_scheduling, pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)
     device = loaded.device
@@ -257,7 +279,7 @@ def run_format(args: argparse.Namespace, suites: tuple[str, ...], quantization: 
     rng = random.Random(args.seed)
     results: dict[str, float] = {}
     print(f"# engine.bench on {device_name(device)} — model {Path(args.model).name} ({core.model_config.num_parameters/1e6:,.0f}M params, "
-          f"{format_name(quantization, kv_cache_dtype)}, "
+          f"{fmt.name}, "
           f"{'RANDOM weights (--load-format dummy): speed only' if args.load_format == 'dummy' else 'real weights'})", flush=True)
     if core.runner.native is not None:
         print(f"# native CPU decode step ({core.runner.native.simd}) for every decode-only step", flush=True)
@@ -292,7 +314,7 @@ def run_format(args: argparse.Namespace, suites: tuple[str, ...], quantization: 
             run_suites(core, None, sizes, rng, bw, flops, ["throughput"], rows, results, breakdown, device_time, projection_flops)
     if syncs:
         print(f"host syncs during the suites: {sum(syncs.values())} at {len(syncs)} places (stacks above, on stderr)", file=sys.stderr)
-    results.update(quantized_keys(results, quantization, kv_cache_dtype))
+    results.update(quantized_keys(results, fmt))
     memory["throughput engine" if separate else "engine"] = core.memory_rows()
     print(format_table(rows))
     print("\nwhere the host time of a step went (ms per step; 'forward' launches the step, 'postprocess' "
@@ -306,7 +328,7 @@ def run_format(args: argparse.Namespace, suites: tuple[str, ...], quantization: 
     for name, memory_rows in memory.items():
         print(f"\nmemory ({name}):\n" + core.memory.format(memory_rows))
     engines = {"main": engine_settings(config), **({"throughput": engine_settings(tput_config)} if separate else {})}
-    return FormatRun(format_name(quantization, kv_cache_dtype), quantization, kv_cache_dtype, device, sizes, rows, results,
+    return FormatRun(fmt, device, sizes, rows, results,
                      breakdown, device_time, memory, engines)
 
 
@@ -336,7 +358,7 @@ def merged_results(runs: list[FormatRun]) -> dict:
     (``decode_bs1_fp8_tok_s``) with their speed-ups over the first (``decode_bs1_fp8_speedup``)."""
     merged = dict(runs[0].results)
     for run in runs[1:]:
-        label = format_label(run.quantization, run.kv_cache_dtype)
+        label = run.format.label
         if label is None:
             continue
         for key, name in QUANTIZED_KEYS.items():

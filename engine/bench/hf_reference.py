@@ -12,6 +12,7 @@ from engine.config import ARCHITECTURES
 from engine.fp8 import Fp8Linear
 from engine.model import LlamaForCausalLM
 from engine.quantization import Int4Linear
+from engine.w4a16 import W4A16Linear
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -21,8 +22,8 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     cfg = model.config
     q, kv, ff = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.weight
+    if model.lm_head is not None:  # untied, or a tied head quantized into a copy of its own
+        out["lm_head.weight"] = _weight(model.lm_head, model.embed_tokens.weight.dtype)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         qkv = _weight(layer.self_attn.qkv_proj, model.embed_tokens.weight.dtype)
@@ -45,9 +46,9 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def _weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A projection's weight as HF holds it: itself, an FP8 one's dequantized values, or an int4
-    one's dense copy."""
-    if isinstance(linear, Fp8Linear):
+    """A projection's weight as HF holds it: itself, an FP8 or CUDA int4 one's dequantized values,
+    or a CPU int4 one's dense copy."""
+    if isinstance(linear, (Fp8Linear, W4A16Linear)):
         return linear.dequantized().to(dtype)
     return linear.dense_weight() if isinstance(linear, Int4Linear) else linear.weight
 
@@ -60,6 +61,7 @@ def build_hf_model(model: LlamaForCausalLM, attn_implementation: str = "sdpa"):
     weight = model.embed_tokens.weight
     hf_class = getattr(transformers, ARCHITECTURES[model.config.architecture])
     config = hf_class.config_class(**model.config.to_hf_dict(), attn_implementation=attn_implementation)
+    config.tie_word_embeddings = model.lm_head is None  # a quantized copy of a tied head is a head of its own
     config.pad_token_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     from engine.loader import default_dtype
 

@@ -227,24 +227,24 @@ def test_the_throughput_suite_prints_its_roofline_and_serial_bound(tiny_llama_di
 def test_a_quantized_run_names_its_headline_figures_by_the_weights_format():
     """``decode_bs1_fp8_tok_s`` and siblings: runs of several formats merge into one results
     object; a dense run adds none."""
-    from engine.bench.cli import quantized_keys
+    from engine.bench.cli import Format, quantized_keys
 
     results = {"decode_bs1_tok_s": 310.7, "prefill_tok_s": 41587.1, "decode_bs1_graph_ms": 3.2}
-    assert quantized_keys(results, "fp8") == {"decode_bs1_fp8_tok_s": 310.7, "prefill_fp8_tok_s": 41587.1}
-    assert quantized_keys({"throughput_output_tok_s": 1.0}, "int4") == {"throughput_int4_output_tok_s": 1.0}
-    assert quantized_keys(results, "none") == {}
+    assert quantized_keys(results, Format("fp8")) == {"decode_bs1_fp8_tok_s": 310.7, "prefill_fp8_tok_s": 41587.1}
+    assert quantized_keys({"throughput_output_tok_s": 1.0}, Format("int4")) == {"throughput_int4_output_tok_s": 1.0}
+    assert quantized_keys(results, Format("none")) == {}
 
 
 def test_a_run_with_an_fp8_kv_cache_names_its_figures_by_both_formats():
     """FP8 weights and an FP8 KV cache: ``throughput_fp8_kv_output_tok_s``, apart from FP8 weights
     alone; other weights keep their name before ``fp8_kv``."""
-    from engine.bench.cli import quantized_keys
+    from engine.bench.cli import Format, quantized_keys
 
     tput = {"throughput_output_tok_s": 9000.0}
-    assert quantized_keys(tput, "fp8", "fp8") == {"throughput_fp8_kv_output_tok_s": 9000.0}
-    assert quantized_keys(tput, "fp8", "auto") == {"throughput_fp8_output_tok_s": 9000.0}
-    assert quantized_keys(tput, "int4", "fp8") == {"throughput_int4_fp8_kv_output_tok_s": 9000.0}
-    assert quantized_keys(tput, "none", "fp8") == {"throughput_dense_fp8_kv_output_tok_s": 9000.0}
+    assert quantized_keys(tput, Format("fp8", "fp8")) == {"throughput_fp8_kv_output_tok_s": 9000.0}
+    assert quantized_keys(tput, Format("fp8", "auto")) == {"throughput_fp8_output_tok_s": 9000.0}
+    assert quantized_keys(tput, Format("int4", "fp8")) == {"throughput_int4_fp8_kv_output_tok_s": 9000.0}
+    assert quantized_keys(tput, Format("none", "fp8")) == {"throughput_dense_fp8_kv_output_tok_s": 9000.0}
 
 
 def test_a_setting_the_machine_cannot_run_is_one_line_not_a_traceback(tiny_llama_dir):
@@ -282,7 +282,21 @@ def test_one_run_compares_formats_each_against_its_own_ceiling(tiny_qwen2_dir, t
     assert results["decode_bs1_ceiling_fp8_tok_s"] == formats["fp8"]["results"]["decode_bs1_ceiling_tok_s"]
 
 
+def test_a_format_with_a_quantized_head_has_its_own_name_and_keys():
+    """``fp8+head`` (EngineConfig.quantize_lm_head) runs beside ``fp8`` in one comparison, so its
+    figures need names of their own; ``+head`` and ``+fp8-kv`` come in either order."""
+    from engine.bench.cli import Format, quantized_keys
+
+    assert Format.parse("fp8+head") == Format("fp8", "auto", True) and Format.parse("int4+fp8-kv+head") == Format("int4", "fp8", True)
+    assert Format.parse("bf16") == Format() and Format.parse("fp8+head+fp8-kv").name == "fp8 + head + fp8 KV"
+    assert quantized_keys({"decode_bs1_tok_s": 1.0}, Format.parse("int4+head")) == {"decode_bs1_int4_head_tok_s": 1.0}
+    assert Format.parse("fp8+head+fp8-kv").label == "fp8_head_fp8_kv" and Format.parse("fp8+fp8-kv").label == "fp8_kv"
+
+
 @pytest.mark.parametrize("argv, message", [(["--formats", "fp9"], "unknown format 'fp9'"),
+                                           (["--formats", "none+head"], "unknown format 'none+head'"),
+                                           (["--formats", "fp8+head+head"], "unknown format 'fp8+head+head'"),
+                                           (["--quantize-lm-head"], "needs --quantization fp8 or int4"),
                                            (["--formats", "none", "--quantization", "fp8"], "leave out --quantization")])
 def test_a_bad_format_list_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

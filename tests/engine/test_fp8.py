@@ -120,3 +120,43 @@ def test_the_decode_ceiling_counts_the_fp8_bytes_a_step_reads(tiny_qwen2_dir):
     model = loaded.model
     want = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
     assert model.lm_head is not None and decode_step_bytes(core, 0) == want < dense
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_qwen2_dir", "tiny_llama3_tied_dir"])
+def test_quantize_lm_head_puts_the_head_in_e4m3_and_the_ceiling_counts_it(model_dir, request):
+    """``quantize_lm_head=True`` with FP8: the head becomes an Fp8Linear (an untied one replaced, a
+    tied one copied: the bf16 table stays for the lookups), the logits move by its rounding only,
+    a greedy answer still runs through it, the HF baseline holds the rounded head, and the
+    bandwidth ceiling counts e4m3 head bytes (more tokens a second than with a bf16 head)."""
+    from engine import LLM, SamplingParams
+    from engine.bench.ceilings import decode_step_bytes
+    from engine.bench.hf_reference import build_hf_model
+
+    path = str(request.getfixturevalue(model_dir))
+    ids = list(range(5, 40))
+    runs = {}
+    for head in (False, True):
+        config = EngineConfig(model=path, device="cpu", quantization="fp8", quantize_lm_head=head, num_kv_blocks=16)
+        loaded = LoadedModel.load(config)
+        core = build_engine(config, loaded)
+        runs[head] = loaded, prompt_logits(core, ids), decode_step_bytes(core, 0)
+    (plain, plain_logits, plain_bytes), (rounded, rounded_logits, rounded_bytes) = runs[False], runs[True]
+    head = rounded.model.lm_head
+    assert isinstance(head, Fp8Linear) and head.weight.dtype == torch.float8_e4m3fn and head.bias is None
+    assert not isinstance(plain.model.lm_head, Fp8Linear)
+    table = rounded.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and head.weight.shape == table.shape
+    assert not torch.equal(plain_logits, rounded_logits) and F.cosine_similarity(plain_logits, rounded_logits, dim=-1).min() > 0.99
+    # a bf16 head of V x H became e4m3 (1 byte) plus one float32 scale a row
+    vocab, hidden = table.shape
+    assert plain_bytes - rounded_bytes == vocab * hidden * (2 - 1) - vocab * 4
+    hf = build_hf_model(rounded.model)
+    assert torch.equal(hf.lm_head.weight, head.dequantized().to(torch.bfloat16))
+    assert torch.equal(hf.model.embed_tokens.weight, table)  # a tied table is not overwritten by the rounded head
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert len(LLM(path, loaded=rounded, num_kv_blocks=16).generate([ids], params)[0].token_ids) == 6
+
+
+def test_quantize_lm_head_needs_quantized_weights(tiny_qwen2_dir):
+    with pytest.raises(ConfigError, match="quantize_lm_head=True .* needs quantization='fp8' or 'int4'"):
+        EngineConfig(model=str(tiny_qwen2_dir), quantize_lm_head=True).validate()

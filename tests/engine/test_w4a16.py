@@ -101,3 +101,38 @@ def test_a_policy_names_a_known_int4_kernel():
     GemvPolicy(int4_kernel="tinygemm")
     with pytest.raises(ValueError, match="int4_kernel"):
         GemvPolicy(int4_kernel="marlin")
+
+
+def test_a_tied_head_rounded_into_int4_groups_gives_the_logits_of_its_rounded_weights(llm_gguf_path):
+    """``quantize_lm_head`` with int4 (CUDA's path, its function run here on the CPU through the
+    kernel's float32 reference): the tied SmolLM2 head gets an int4 copy of its own, the embedding
+    table stays for the lookups, the next-token logits are those of a dense head holding the
+    rounded weights, and the bandwidth ceiling counts the head's nibbles, scales and minimums
+    instead of the bf16 table."""
+    from engine.bench.ceilings import decode_step_bytes
+    from engine.bench.correctness import prompt_logits
+    from engine.engine_builder import build_engine
+    from engine.w4a16 import quantize_lm_head_int4
+
+    config = EngineConfig(model=str(llm_gguf_path), device="cpu", dtype="bfloat16", num_kv_blocks=16)
+    loaded = LoadedModel.load(config)
+    core = build_engine(config, loaded)
+    ids = loaded.tokenizer.encode("Employees get twenty days of annual leave a year. To apply for leave, submit form HR-04 to your manager")
+    dense = prompt_logits(core, ids)
+    model = loaded.model
+    assert model.lm_head is None
+    quantize_lm_head_int4(model, group=64)  # SmolLM2's 576 inputs are 9 groups of 64 (the GPU's 128 needs K % 128)
+    head = model.lm_head
+    assert isinstance(head, W4A16Linear) and (head.out_features, head.in_features) == tuple(model.embed_tokens.weight.shape)
+    rounded = prompt_logits(core, ids)
+    # int4 moves a head's weights by ~10% (SmolLM2: groups of 64): close logits, not the same ones ...
+    assert not torch.equal(dense, rounded) and F.cosine_similarity(dense, rounded, dim=-1).min() > 0.97
+    # ... and exactly those of a dense head holding the rounded weights (up to bf16 products)
+    dequantized = nn.Linear(head.in_features, head.out_features, bias=False, dtype=torch.bfloat16)
+    dequantized.weight.data = head.dequantized().to(torch.bfloat16)
+    model.lm_head = dequantized
+    assert F.cosine_similarity(prompt_logits(core, ids), rounded, dim=-1).min() > 0.9999
+    model.lm_head = head
+    vocab, hidden = model.embed_tokens.weight.shape
+    layers = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
+    assert decode_step_bytes(core, 0) == layers + vocab * hidden // 2 + 2 * vocab * (hidden // 64) * 2
