@@ -248,12 +248,14 @@ class EngineConfig:
     quantized at load from any weights (engine/w4a16.py); ``fp8``: every layer projection in e4m3
     with per-channel scales, quantized at load (CUDA with FP8 tensor cores, engine/fp8.py);
     ``none``: dense weights in ``dtype``."""
-    quantize_lm_head: bool = False
-    """With ``quantization`` fp8, or int4 on CUDA: the lm_head in the same format as the layers
-    (e4m3 per row; int4 groups of 128), a tied head as a copy of its own. Off: the head stays in
-    ``dtype``, as vLLM keeps it. At batch 1 the 8B's head is 1 GB of the bytes a step reads; its
-    rounding moves every logit (docs/performance.md measures both). int4 on the CPU always runs the
-    GGUF's own head as int4 (engine/quantization.py), so there it changes nothing."""
+    lm_head_quantization: Literal["none", "fp8", "int4"] = "none"
+    """The lm_head's own format, apart from the layers': ``fp8``, e4m3 per row (CUDA with FP8 tensor
+    cores, or the CPU's emulation); ``int4``, groups of 128 (W4A16, CUDA); a tied head gets a copy
+    of its own. ``none``: the head stays in ``dtype``, as vLLM keeps it. At batch 1 the 8B's head
+    is 1 GB of bf16, an eighth of what an FP8 step reads; its rounding moves every logit. On the
+    real Qwen2.5-Coder-1.5B (CPU emulation, 1,064 handbook prompt positions, docs/performance.md)
+    an e4m3 head kept 97.6% of the float32 model's next-token choices, an int4 one 92.2%. int4 on
+    the CPU runs the GGUF's own head as int4 (engine/quantization.py): leave this ``none`` there."""
     native_decode_step: Literal["auto", "on", "off"] = "auto"
     """With ``quantization="int4"`` on the CPU, every decode-only step (any batch size) runs as
     one native call (engine/native_decode.py, compiled on first use). ``auto``: use it when it builds,
@@ -337,8 +339,11 @@ class EngineConfig:
             raise ConfigError(f"quantization must be 'none', 'int4' or 'fp8', got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"quantization={self.quantization!r} runs bf16 activations; dtype {self.dtype!r} is not possible with it")
-        if self.quantize_lm_head and self.quantization == "none":
-            raise ConfigError("quantize_lm_head=True rounds the lm_head like the layers: it needs quantization='fp8' or 'int4'")
+        if self.lm_head_quantization not in ("none", "fp8", "int4"):
+            raise ConfigError(f"lm_head_quantization must be 'none', 'fp8' or 'int4', got {self.lm_head_quantization!r}")
+        if self.lm_head_quantization != "none" and self.dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"lm_head_quantization={self.lm_head_quantization!r} runs bf16 activations; dtype {self.dtype!r} "
+                              "is not possible with it")
         if self.row_cuda_graphs not in ("auto", "on", "off"):
             raise ConfigError(f"row_cuda_graphs must be auto/on/off, got {self.row_cuda_graphs!r}")
         if self.async_scheduling not in ("auto", "on", "off"):

@@ -13,8 +13,8 @@ batches are bound by matmul rate, which Hopper doubles in FP8. Each projection o
   (engine/kernels/linear.py, ``w_scale``): it converts each weight tile to bf16 in registers and
   applies the scales in its epilogue, so the activations stay bf16 (W8A16, no activation error).
 
-The embedding and the norms stay bf16. So does the lm_head unless ``EngineConfig.quantize_lm_head``
-asks for it in e4m3 too (:func:`quantize_lm_head_fp8`): the 8B's head is 1 GB of bf16, an eighth of
+The embedding and the norms stay bf16. So does the lm_head unless ``EngineConfig.lm_head_quantization``
+asks for it in e4m3 (:func:`quantize_lm_head_fp8`): the 8B's head is 1 GB of bf16, an eighth of
 what an FP8 step reads, but its rounding moves every logit, so it is a choice with its own measured cost.
 
 Without FP8 hardware (the CPU) the same rounding is emulated in float32, W8A8 in every step (the

@@ -45,6 +45,22 @@ def check_fp8_hardware(device: torch.device) -> None:
                           f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none' or 'int4'")
 
 
+def quantize_lm_head(model: torch.nn.Module, fmt: str) -> None:
+    """``model``'s head in ``fmt`` (EngineConfig.lm_head_quantization: "fp8" or "int4"), an int4 one
+    on CUDA also laid out for tinygemm (the batch-1 GEMV)."""
+    try:
+        if fmt == "fp8":
+            quantize_lm_head_fp8(model)
+        else:
+            quantize_lm_head_int4(model)
+    except ValueError as e:
+        raise ConfigError(f"lm_head_quantization={fmt!r}: {e}") from e
+    if next(model.lm_head.parameters()).is_cuda:
+        if fmt == "int4":
+            model.lm_head.add_tinygemm()
+        torch.cuda.empty_cache()  # an untied head's bf16 weight
+
+
 def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     """``auto``: bfloat16 on CUDA or with int4 weights, else float32."""
     if name == "auto":
@@ -67,12 +83,15 @@ class LoadedModel:
     def load(cls, config: EngineConfig) -> "LoadedModel":
         config.validate()
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, config.quantization)
+        dtype = resolve_dtype(config.dtype, device, config.quantization if config.quantization != "none" else config.lm_head_quantization)
         cpu_int4 = config.quantization == "int4" and device.type == "cpu"  # the GGUF's own blocks; on CUDA: W4A16 at load
         if cpu_int4 and model_kind(config) != "gguf":
             raise ConfigError(f"quantization='int4' on the CPU runs a GGUF's own 4-bit blocks: got {model_kind(config)} weights "
                               "(on a CUDA GPU any weights are quantized at load)")
-        if config.quantization == "fp8":
+        if cpu_int4 and config.lm_head_quantization != "none":
+            raise ConfigError(f"lm_head_quantization={config.lm_head_quantization!r}: quantization='int4' on the CPU already runs the "
+                              "GGUF's own head as int4; leave lm_head_quantization 'none' there")
+        if "fp8" in (config.quantization, config.lm_head_quantization):
             check_fp8_hardware(device)
         if config.quantization == "fp8" and device.type == "cpu":
             log.warning("quantization='fp8' on the CPU emulates the GPU's FP8 arithmetic (weights and each token's activations "
@@ -83,8 +102,6 @@ class LoadedModel:
         if config.quantization == "fp8":
             try:
                 quantize_model_fp8(model)
-                if config.quantize_lm_head:
-                    quantize_lm_head_fp8(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='fp8': {e}") from e
             if device.type == "cuda":
@@ -96,14 +113,14 @@ class LoadedModel:
                     log.info("int4: %d layer projections from the GGUF's 4-bit groups, %d with wider types kept bf16", replaced, kept)
                 else:
                     quantize_model_int4(model)
-                if config.quantize_lm_head:
-                    quantize_lm_head_int4(model)
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
             int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]
             laid_out = sum(m.add_tinygemm() for m in int4)  # batch-1 decode may run PyTorch's kernel (GemvPolicy.int4_kernel)
             log.info("int4: %d of %d projections also laid out for aten._weight_int4pack_mm", laid_out, len(int4))
             torch.cuda.empty_cache()
+        if config.lm_head_quantization != "none":
+            quantize_lm_head(model, config.lm_head_quantization)
         native = None
         if blocks is not None:
             try:

@@ -19,8 +19,8 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
 Quantized at load from the model's bf16 weights (:func:`quantize_model_int4`), or, for a GGUF,
 taken from the file's own 4-bit groups of 32 where a projection has them
 (:func:`quantize_model_int4_from_gguf`; its other projections stay bf16). The embedding and the
-norms stay bf16, and the lm_head too unless ``EngineConfig.quantize_lm_head`` asks for it in groups
-of 128 as well (:func:`quantize_lm_head_int4`), as with FP8 (engine/fp8.py). On the CPU,
+norms stay bf16, and the lm_head too unless ``EngineConfig.lm_head_quantization`` asks for it in
+groups of 128 (:func:`quantize_lm_head_int4`), as with FP8 (engine/fp8.py). On the CPU,
 ``quantization="int4"`` is a different path: the GGUF's own blocks (engine/quantization.py).
 """
 

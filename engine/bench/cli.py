@@ -86,7 +86,7 @@ QUANTIZED_KEYS = {"decode_bs1_tok_s": "decode_bs1_{q}_tok_s", "prefill_tok_s": "
 
 def quantized_keys(results: dict, fmt: "Format") -> dict:
     """The headline figures again under names that say the weights', the head's and the KV cache's
-    format (``decode_bs1_fp8_tok_s``, ``decode_bs1_fp8_head_tok_s``, ``throughput_fp8_kv_output_tok_s``),
+    format (``decode_bs1_fp8_tok_s``, ``decode_bs1_int4_fp8_head_tok_s``, ``throughput_fp8_kv_output_tok_s``),
     so that runs of several formats merge into one ``results`` object; none for dense weights and a
     plain cache."""
     label = fmt.label
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int4", "fp8"),
                    help="int4: the GGUF's own 4-bit blocks with bf16 activations (CPU), group-wise int4 layer weights quantized at load "
                         "(CUDA); fp8: e4m3 layer weights (CUDA, FP8 tensor cores)")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization fp8 or int4: the lm_head in the same format (EngineConfig.quantize_lm_head)")
+    p.add_argument("--lm-head-quantization", default="none", choices=("none", "fp8", "int4"),
+                   help="the lm_head's own format: fp8 (e4m3 per row) or int4 (groups of 128, CUDA); none: the model's dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="fp8: K and V in e4m3 with a scale per token and head, ~1.94x the tokens in the same memory "
                         "(CUDA compute capability 8.9+, or the CPU without the native decode step)")
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--formats", nargs="+", metavar="FORMAT",
                    help="run the suites once per weight/KV format, in one process, and compare them to the first: none (bf16), "
-                        "fp8, int4, each optionally +head (the lm_head quantized too) and +fp8-kv (e.g. --formats none fp8 fp8+head int4 fp8+fp8-kv); "
-                        "replaces --quantization, --quantize-lm-head "
+                        "fp8, int4, each optionally +fp8-head or +int4-head (the lm_head's format) and +fp8-kv (e.g. --formats none fp8 "
+                        "fp8+fp8-head int4 int4+fp8-head fp8+fp8-kv); replaces --quantization, --lm-head-quantization "
                         "and --kv-cache-dtype")
     args = p.parse_args(argv)
     # checked here, not by argparse's choices: with nargs="*" an empty list fails them on some
@@ -155,13 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.suite if name not in ("all", *SUITES)]
     if unknown:
         p.error(f"unknown suite(s) {', '.join(unknown)}: choose from all, {', '.join(SUITES)}")
-    if args.formats and (args.quantization != "none" or args.kv_cache_dtype != "auto" or args.quantize_lm_head):
-        p.error("--formats names each run's weights, head and KV cache: leave out --quantization, --quantize-lm-head and --kv-cache-dtype")
-    if args.quantize_lm_head and args.quantization == "none":
-        p.error("--quantize-lm-head rounds the lm_head like the layers: it needs --quantization fp8 or int4")
+    if args.formats and (args.quantization != "none" or args.kv_cache_dtype != "auto" or args.lm_head_quantization != "none"):
+        p.error("--formats names each run's weights, head and KV cache: leave out --quantization, --lm-head-quantization and --kv-cache-dtype")
     try:
         formats = ([Format.parse(f) for f in args.formats] if args.formats
-                   else [Format(args.quantization, args.kv_cache_dtype, args.quantize_lm_head)])
+                   else [Format(args.quantization, args.kv_cache_dtype, args.lm_head_quantization)])
     except ValueError as e:
         p.error(str(e))
     suites = SUITES if not args.suite or "all" in args.suite else tuple(dict.fromkeys(args.suite))
@@ -197,38 +195,41 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Format:
-    """A run's weights (``quantization``), whether its lm_head is quantized like them
-    (EngineConfig.quantize_lm_head) and its KV cache's dtype."""
+    """A run's layer weights (``quantization``), its KV cache's dtype and its lm_head's format
+    (EngineConfig.lm_head_quantization)."""
 
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
-    lm_head: bool = False
+    lm_head: str = "none"
 
     @classmethod
     def parse(cls, text: str) -> "Format":
-        """``fp8+head+fp8-kv`` -> FP8 layers and head, FP8 KV cache; ``none`` (or ``bf16``) is dense
-        weights; ``+head`` (quantized weights only) and ``+fp8-kv`` in either order."""
+        """``int4+fp8-head+fp8-kv`` -> int4 layers, an e4m3 head, an FP8 KV cache; ``none`` (or
+        ``bf16``) is dense weights; the extras in any order, each at most once."""
         weights, *extras = text.split("+")
         weights = "none" if weights == "bf16" else weights
-        if weights not in ("none", "int4", "fp8") or not set(extras) <= {"head", "fp8-kv"} or len(set(extras)) < len(extras) or (
-                weights == "none" and "head" in extras):
-            raise ValueError(f"unknown format {text!r}: weights none, fp8 or int4, optionally +head (fp8, int4) and +fp8-kv")
-        return cls(weights, "fp8" if "fp8-kv" in extras else "auto", "head" in extras)
+        heads = [e.removesuffix("-head") for e in extras if e.endswith("-head")]
+        if (weights not in ("none", "int4", "fp8") or not set(extras) <= {"fp8-head", "int4-head", "fp8-kv"}
+                or len(set(extras)) < len(extras) or len(heads) > 1):
+            raise ValueError(f"unknown format {text!r}: weights none, fp8 or int4, optionally +fp8-head or +int4-head and +fp8-kv")
+        return cls(weights, "fp8" if "fp8-kv" in extras else "auto", heads[0] if heads else "none")
 
     @property
     def name(self) -> str:
-        """As the report names it: ``bf16``, ``fp8``, ``int4 + head``, ``fp8 + fp8 KV``..."""
+        """As the report names it: ``bf16``, ``fp8``, ``int4 + fp8 head``, ``fp8 + fp8 KV``..."""
         weights = {"none": "bf16"}.get(self.quantization, self.quantization)
-        return weights + (" + head" if self.lm_head else "") + (" + fp8 KV" if self.kv_cache_dtype == "fp8" else "")
+        head = f" + {self.lm_head} head" if self.lm_head != "none" else ""
+        return weights + head + (" + fp8 KV" if self.kv_cache_dtype == "fp8" else "")
 
     @property
     def label(self) -> str | None:
-        """What :func:`quantized_keys` calls this format: the weights' (``fp8``), ``_head`` after
-        them with a quantized head, ``fp8_kv`` after that with an FP8 KV cache (FP8 weights: just
-        ``fp8_kv``; dense: ``dense_fp8_kv``); None for dense weights and a plain cache."""
-        weights = {"none": "dense"}.get(self.quantization, self.quantization) + ("_head" if self.lm_head else "")
+        """What :func:`quantized_keys` calls this format: the weights' (``fp8``), the head's after
+        them (``int4_fp8_head``), ``fp8_kv`` after that with an FP8 KV cache (FP8 weights alone:
+        just ``fp8_kv``; dense: ``dense_fp8_kv``); None for dense weights, head and cache."""
+        weights = {"none": "dense"}.get(self.quantization, self.quantization)
+        weights += f"_{self.lm_head}_head" if self.lm_head != "none" else ""
         if self.kv_cache_dtype == "auto":
-            return None if self.quantization == "none" else weights
+            return None if weights == "dense" else weights
         return "fp8_kv" if weights == "fp8" else f"{weights}_fp8_kv"
 
 
@@ -261,7 +262,7 @@ def run_format(args: argparse.Namespace, suites: tuple[str, ...], fmt: Format, h
     """Load the model in one format, run ``suites`` on it (the throughput suite on its own engine
     where its settings differ) and print the report."""
     config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-                          quantization=fmt.quantization, quantize_lm_head=fmt.lm_head, kv_cache_dtype=fmt.kv_cache_dtype,
+                          quantization=fmt.quantization, lm_head_quantization=fmt.lm_head, kv_cache_dtype=fmt.kv_cache_dtype,
                           native_decode_step=args.native_decode_step,
                           async_scheduling=args.async_scheduling, pdl=args.pdl, gpu_memory_utilization=args.gpu_memory_utilization)
     loaded = LoadedModel.load(config)

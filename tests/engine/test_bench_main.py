@@ -283,20 +283,21 @@ def test_one_run_compares_formats_each_against_its_own_ceiling(tiny_qwen2_dir, t
 
 
 def test_a_format_with_a_quantized_head_has_its_own_name_and_keys():
-    """``fp8+head`` (EngineConfig.quantize_lm_head) runs beside ``fp8`` in one comparison, so its
-    figures need names of their own; ``+head`` and ``+fp8-kv`` come in either order."""
+    """``int4+fp8-head`` (EngineConfig.lm_head_quantization) runs beside ``int4`` in one comparison,
+    so its figures need names of their own; the extras come in any order."""
     from engine.bench.cli import Format, quantized_keys
 
-    assert Format.parse("fp8+head") == Format("fp8", "auto", True) and Format.parse("int4+fp8-kv+head") == Format("int4", "fp8", True)
-    assert Format.parse("bf16") == Format() and Format.parse("fp8+head+fp8-kv").name == "fp8 + head + fp8 KV"
-    assert quantized_keys({"decode_bs1_tok_s": 1.0}, Format.parse("int4+head")) == {"decode_bs1_int4_head_tok_s": 1.0}
-    assert Format.parse("fp8+head+fp8-kv").label == "fp8_head_fp8_kv" and Format.parse("fp8+fp8-kv").label == "fp8_kv"
+    assert Format.parse("fp8+fp8-head") == Format("fp8", "auto", "fp8")
+    assert Format.parse("int4+fp8-kv+int4-head") == Format("int4", "fp8", "int4") and Format.parse("bf16") == Format()
+    assert Format.parse("int4+fp8-head+fp8-kv").name == "int4 + fp8 head + fp8 KV"
+    assert quantized_keys({"decode_bs1_tok_s": 1.0}, Format.parse("int4+fp8-head")) == {"decode_bs1_int4_fp8_head_tok_s": 1.0}
+    assert Format.parse("none+fp8-head").label == "dense_fp8_head" and Format.parse("fp8+fp8-kv").label == "fp8_kv"
 
 
 @pytest.mark.parametrize("argv, message", [(["--formats", "fp9"], "unknown format 'fp9'"),
-                                           (["--formats", "none+head"], "unknown format 'none+head'"),
-                                           (["--formats", "fp8+head+head"], "unknown format 'fp8+head+head'"),
-                                           (["--quantize-lm-head"], "needs --quantization fp8 or int4"),
+                                           (["--formats", "fp8+head"], "unknown format 'fp8+head'"),
+                                           (["--formats", "int4+fp8-head+int4-head"], "unknown format 'int4+fp8-head+int4-head'"),
+                                           (["--formats", "fp8", "--lm-head-quantization", "fp8"], "leave out --quantization, --lm-head"),
                                            (["--formats", "none", "--quantization", "fp8"], "leave out --quantization")])
 def test_a_bad_format_list_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

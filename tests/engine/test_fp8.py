@@ -123,8 +123,8 @@ def test_the_decode_ceiling_counts_the_fp8_bytes_a_step_reads(tiny_qwen2_dir):
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_qwen2_dir", "tiny_llama3_tied_dir"])
-def test_quantize_lm_head_puts_the_head_in_e4m3_and_the_ceiling_counts_it(model_dir, request):
-    """``quantize_lm_head=True`` with FP8: the head becomes an Fp8Linear (an untied one replaced, a
+def test_an_fp8_lm_head_is_e4m3_and_the_ceiling_counts_it(model_dir, request):
+    """``lm_head_quantization="fp8"`` with FP8 layers: the head becomes an Fp8Linear (an untied one replaced, a
     tied one copied: the bf16 table stays for the lookups), the logits move by its rounding only,
     a greedy answer still runs through it, the HF baseline holds the rounded head, and the
     bandwidth ceiling counts e4m3 head bytes (more tokens a second than with a bf16 head)."""
@@ -136,7 +136,7 @@ def test_quantize_lm_head_puts_the_head_in_e4m3_and_the_ceiling_counts_it(model_
     ids = list(range(5, 40))
     runs = {}
     for head in (False, True):
-        config = EngineConfig(model=path, device="cpu", quantization="fp8", quantize_lm_head=head, num_kv_blocks=16)
+        config = EngineConfig(model=path, device="cpu", quantization="fp8", lm_head_quantization="fp8" if head else "none", num_kv_blocks=16)
         loaded = LoadedModel.load(config)
         core = build_engine(config, loaded)
         runs[head] = loaded, prompt_logits(core, ids), decode_step_bytes(core, 0)
@@ -157,6 +157,16 @@ def test_quantize_lm_head_puts_the_head_in_e4m3_and_the_ceiling_counts_it(model_
     assert len(LLM(path, loaded=rounded, num_kv_blocks=16).generate([ids], params)[0].token_ids) == 6
 
 
-def test_quantize_lm_head_needs_quantized_weights(tiny_qwen2_dir):
-    with pytest.raises(ConfigError, match="quantize_lm_head=True .* needs quantization='fp8' or 'int4'"):
-        EngineConfig(model=str(tiny_qwen2_dir), quantize_lm_head=True).validate()
+def test_a_head_format_is_checked_and_the_cpus_int4_keeps_its_own_head(tiny_qwen2_dir, llm_gguf_path):
+    """An unknown head format, a float32 model (the quantized head runs bf16 activations) and the
+    CPU's int4 path (whose head is the GGUF's own int4 already) are refused with the reason; an
+    FP8 head on dense bf16 layers loads (the CPU emulates it)."""
+    with pytest.raises(ConfigError, match="lm_head_quantization must be 'none', 'fp8' or 'int4', got 'int8'"):
+        EngineConfig(model=str(tiny_qwen2_dir), lm_head_quantization="int8").validate()
+    with pytest.raises(ConfigError, match="lm_head_quantization='fp8' runs bf16 activations; dtype 'float32'"):
+        EngineConfig(model=str(tiny_qwen2_dir), lm_head_quantization="fp8", dtype="float32").validate()
+    with pytest.raises(ConfigError, match="already runs the GGUF's own head as int4"):
+        LoadedModel.load(EngineConfig(model=str(llm_gguf_path), device="cpu", quantization="int4", lm_head_quantization="fp8"))
+    loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", lm_head_quantization="fp8"))
+    assert isinstance(loaded.model.lm_head, Fp8Linear) and loaded.dtype == torch.bfloat16
+    assert not any(isinstance(m, Fp8Linear) for m in loaded.model.layers.modules())

@@ -104,7 +104,7 @@ def test_a_policy_names_a_known_int4_kernel():
 
 
 def test_a_tied_head_rounded_into_int4_groups_gives_the_logits_of_its_rounded_weights(llm_gguf_path):
-    """``quantize_lm_head`` with int4 (CUDA's path, its function run here on the CPU through the
+    """``lm_head_quantization="int4"`` (CUDA's path, its function run here on the CPU through the
     kernel's float32 reference): the tied SmolLM2 head gets an int4 copy of its own, the embedding
     table stays for the lookups, the next-token logits are those of a dense head holding the
     rounded weights, and the bandwidth ceiling counts the head's nibbles, scales and minimums

@@ -10,7 +10,7 @@ forward of each model over the whole prompt: how often their next-token argmax a
 the FP8 model's log-prob of the dense model's argmax moves. The same for the model in bf16 (the
 GPU's unquantized dtype) puts the FP8 figures in scale.
 
-Variants with the lm_head rounded too (``EngineConfig.quantize_lm_head``) show what the head's
+Variants with the lm_head rounded too (``EngineConfig.lm_head_quantization``) show what the head's
 share of a step's bytes costs: in e4m3 per row, or in int4 groups of 128.
 
 Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/quantization_quality.py
