@@ -38,11 +38,12 @@ def device_label(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
 
 
-def check_fp8_hardware(device: torch.device) -> None:
-    """Refuse FP8 weights on a CUDA GPU without FP8 tensor cores; the CPU emulates them (slowly)."""
+def check_fp8_hardware(device: torch.device, setting: str = "quantization") -> None:
+    """Refuse FP8 weights on a CUDA GPU without FP8 tensor cores; the CPU emulates them (slowly).
+    ``setting``: the EngineConfig field that asked for them, named in the error."""
     if device.type == "cuda" and not fp8_supported(device):
-        raise ConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
-                          f"Ada, Hopper); this engine runs on {device_label(device)}. Use quantization='none' or 'int4'")
+        raise ConfigError(f"{setting}='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or later: "
+                          f"Ada, Hopper); this engine runs on {device_label(device)}. Use {setting}='none' or 'int4'")
 
 
 def quantize_lm_head(model: torch.nn.Module, fmt: str) -> None:
@@ -91,8 +92,9 @@ class LoadedModel:
         if cpu_int4 and config.lm_head_quantization != "none":
             raise ConfigError(f"lm_head_quantization={config.lm_head_quantization!r}: quantization='int4' on the CPU already runs the "
                               "GGUF's own head as int4; leave lm_head_quantization 'none' there")
-        if "fp8" in (config.quantization, config.lm_head_quantization):
-            check_fp8_hardware(device)
+        for setting in ("quantization", "lm_head_quantization"):
+            if getattr(config, setting) == "fp8":
+                check_fp8_hardware(device, setting)
         if config.quantization == "fp8" and device.type == "cpu":
             log.warning("quantization='fp8' on the CPU emulates the GPU's FP8 arithmetic (weights and each token's activations "
                         "rounded to e4m3, products in float32): it shows what FP8 costs in answers, and is slower than 'none'")

@@ -120,9 +120,11 @@ class W4A16Linear(nn.Module):
         self.tinygemm_scales_zeros: nn.Parameter | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: int = GROUP) -> "W4A16Linear":
-        """``linear``'s weight quantized in groups of ``group``."""
-        return cls(*quantize_groups(linear.weight.detach(), group), group, None if linear.bias is None else linear.bias.detach())
+    def from_linear(cls, linear: nn.Module, group: int = GROUP) -> "W4A16Linear":
+        """``linear``'s weight quantized in groups of ``group``: an nn.Linear, or the nn.Embedding a
+        tied head reads (no bias)."""
+        bias = getattr(linear, "bias", None)
+        return cls(*quantize_groups(linear.weight.detach(), group), group, None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
                 prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
@@ -186,8 +188,7 @@ def quantize_lm_head_int4(model: nn.Module, group: int = GROUP) -> None:
     """The head of ``model`` (a LlamaForCausalLM) rounded into a :class:`W4A16Linear` of groups of
     ``group``: a tied head gets an int4 copy of its own (the bf16 table stays for the token
     lookups), an untied one is replaced. A GGUF's head is 6- or 8-bit (Q6_K, Q8_0): rounded again."""
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = W4A16Linear(*quantize_groups(head.detach(), group), group, None)
+    model.lm_head = W4A16Linear.from_linear(model.embed_tokens if model.lm_head is None else model.lm_head, group)
 
 
 def quantize_model_int4_from_gguf(model: nn.Module, blocks: BlockCache) -> tuple[int, int]:

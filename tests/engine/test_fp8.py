@@ -70,6 +70,8 @@ def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(tiny_llama_dir, monkey
     monkeypatch.setattr(loaded_model, "device_label", lambda device: "NVIDIA A100 (compute capability 8.0)")
     with pytest.raises(ConfigError, match=r"quantization='fp8' needs a CUDA GPU with FP8 tensor cores .*A100.*'int4'"):
         loaded_model.check_fp8_hardware(torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"lm_head_quantization='fp8' needs a CUDA GPU .*Use lm_head_quantization='none'"):
+        loaded_model.check_fp8_hardware(torch.device("cuda"), "lm_head_quantization")
     loaded_model.check_fp8_hardware(torch.device("cpu"))  # the CPU emulates FP8
     with pytest.raises(ConfigError, match="bf16 activations"):
         EngineConfig(model=str(tiny_llama_dir), quantization="fp8", dtype="float32").validate()
