@@ -81,7 +81,12 @@ def fp8_decode_tile(n: int, k: int, block_k: int) -> GemvConfig:
     where a sweep of FP8 tiles found faster ones (H200, 2026-12-03 18:20 UTC, unsplit, weights
     rotating through more than L2, engine/bench/experiments/fp8_gemv_sweep.py): down_proj 32 x 512
     at 6 stages 25.7 us against 39.3 with the borrowed 64 x 256; q|k|v 64 x 512 at 3 stages 13.5
-    against 14.0. gate|up's borrowed tile was the sweep's fastest (31.5 us, 3.7 TB/s)."""
+    against 14.0. gate|up's borrowed tile was the sweep's fastest (31.5 us, 3.7 TB/s). A
+    vocabulary-sized head (``EngineConfig.lm_head_quantization="fp8"``) takes 128 x 256 at 3 stages:
+    the 8B's [128,256 x 4,096] head in 175.4 us, at the copy bandwidth, against 206.8 with the
+    borrowed tile (H100, 2026-12-06, engine/bench/experiments/lm_head_gemv_sweep.py)."""
+    if n > 65536 and k % 256 == 0:
+        return GemvConfig("dot", 128, 256, 4, 3)
     if n < 4096:  # narrower models' shapes: not swept in FP8
         return replace(decode_tile(n, k), block_k=block_k)
     if n == 4096 and k > 8192:

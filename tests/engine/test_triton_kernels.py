@@ -605,7 +605,7 @@ def test_an_fp8_weight_gemv_scales_each_row(rows, math):
     gate, up = ref[:, :n], ref[:, n:]
     assert rel(decode_linear(x, q, w_scale=scale, gated=True, fp8_math=math).float(), F.silu(gate) * up) < 2 * tol
     assert rel(decode_linear(x, q, w_scale=scale, split_k=2, fp8_math=math).sum(0), ref) < tol
-    for config in (fp8_decode_tile(4096, 14336, 256), fp8_decode_tile(6144, 4096, 256)):  # the 8B's own FP8 tiles
+    for config in (fp8_decode_tile(4096, 14336, 256), fp8_decode_tile(6144, 4096, 256), fp8_decode_tile(128256, 4096, 256)):  # the 8B's own FP8 tiles, the head's
         assert rel(decode_linear(x, q, None, config, w_scale=scale, fp8_math=math).float(), ref) < tol, config
     with pytest.raises(ValueError, match="w_scale"):
         decode_linear(x, q)  # an FP8 weight without its scales
