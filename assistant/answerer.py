@@ -127,6 +127,7 @@ class Answerer:
             gpu_memory_utilization=opts.gpu_memory_utilization,
             dtype=opts.dtype,  # type: ignore[arg-type]
             quantization=resolve_quantization(opts, model),  # type: ignore[arg-type]
+            lm_head_quantization=opts.lm_head_quantization,  # type: ignore[arg-type]
             kv_cache_dtype=opts.kv_cache_dtype,  # type: ignore[arg-type]
             speculative=resolve_speculative(opts),  # type: ignore[arg-type]
             draft_model=resolve_draft_model(opts),

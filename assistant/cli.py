@@ -267,7 +267,8 @@ async def run(args: argparse.Namespace) -> int:
             return fail(f"--audio {args.audio}: {e}")
     config = AssistantConfig(
         docs_dir=args.docs, language=args.lang, max_tokens=args.max_tokens, temperature=args.temperature,
-        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        engine=EngineOptions(model=args.model, device=args.device, quantization=args.quantization,
+                             lm_head_quantization=args.lm_head_quantization, kv_cache_dtype=args.kv_cache_dtype,
                              speculative=args.speculative_decoding, draft_model=args.draft_model,
                              max_model_len=args.max_model_len),
     )

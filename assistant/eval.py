@@ -18,7 +18,9 @@ stage (its character error rate printed per picture), its text put before the qu
 turn with an image, the answer graded as a fact (numbers the picture shows count as stated).
 
 Several engine variants (``--quantization``) run one after the other on the same questions, so
-what an optimization costs in answers is measured next to what it buys in speed.
+what an optimization costs in answers is measured next to what it buys in speed. A variant names
+the layers' weights (``int4``, ``fp8``, ``none``, ``auto``) and may add the output head's own
+format: ``fp8+fp8-head`` (engine.EngineConfig.lm_head_quantization).
 
 With ``--gate-only``, no model: only whether the refusal gate (:mod:`assistant.refusal`) refuses
 each question, per language the questions the handbook does not answer that it refuses (and of
@@ -179,15 +181,41 @@ def kind_of(item: dict) -> str:
     return "refusal" if item.get("refusal") else "fact"
 
 
+VARIANT_WEIGHTS = ("auto", "int4", "none", "fp8")
+VARIANT_HEADS = ("fp8-head", "int4-head")
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"int4+fp8-head"`` -> ("int4", "fp8"): the layers' quantization and the head's (``"none"``
+    when not named); ValueError naming the choices otherwise (argparse shows it)."""
+    weights, _, head = text.partition("+")
+    if weights not in VARIANT_WEIGHTS or head not in ("", *VARIANT_HEADS):
+        raise ValueError(f"unknown variant {text!r}: one of {', '.join(VARIANT_WEIGHTS)}, optionally with "
+                         f"+{' or +'.join(VARIANT_HEADS)} (e.g. fp8+fp8-head)")
+    return weights, head.removesuffix("-head") or "none"
+
+
+def variant_argument(text: str) -> str:
+    """argparse type for a variant: checked by :func:`parse_variant`, kept as written (its label)."""
+    try:
+        parse_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
 async def grade_variant(variant: str, items: list[dict], langs: list[str], max_tokens: int, model: Path | None,
                         progress: bool, pictures: tuple = (), warm: bool = False) -> list[Graded]:  # fmt: skip
-    """Every question (and picture question) in every language through one Answerer built with ``quantization=variant``."""
+    """Every question (and picture question) in every language through one Answerer built for
+    ``variant`` (:func:`parse_variant`)."""
     from assistant.answerer import Answerer
     from assistant.config import AssistantConfig, EngineOptions
     from assistant.eval_images import character_error_rate, render
     from assistant.image_reading import ImageReading, image_prompt
 
-    answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=EngineOptions(model=model, quantization=variant)))
+    weights, head = parse_variant(variant)
+    engine = EngineOptions(model=model, quantization=weights, lm_head_quantization=head)
+    answerer = Answerer.create(AssistantConfig(max_tokens=max_tokens, engine=engine))
     out: list[Graded] = []
     try:
         if warm:
@@ -333,8 +361,9 @@ def format_gate_table(verdicts: list[GateVerdict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m assistant.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quantization", nargs="+", default=["int4", "none"], choices=("auto", "int4", "none", "fp8"),
-                   help="engine variants to compare, in order (default: int4 none)")
+    p.add_argument("--quantization", nargs="+", default=["int4", "none"], type=variant_argument, metavar="VARIANT",
+                   help="engine variants to compare, in order: auto, int4, none or fp8, each optionally with +fp8-head or "
+                        "+int4-head, the output head's own format (default: int4 none)")
     p.add_argument("--lang", nargs="+", default=["en", "zh"], choices=("en", "zh"))
     p.add_argument("--max-tokens", type=int, default=96, help="longest answer in tokens (default 96)")
     p.add_argument("--model", type=Path, help="the model to ask (default: the assistant's default LLM)")

@@ -131,7 +131,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool
     assistant = AssistantConfig(docs_dir=a.docs, language=a.lang, max_tokens=a.max_tokens, warm_documents=a.warm_documents,
                                 refusal=RefusalConfig(enabled=a.refusal_gate),
                                 engine=EngineOptions(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer, device=a.device,
-                                                     quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                                                     quantization=a.quantization, lm_head_quantization=a.lm_head_quantization,
+                                                     kv_cache_dtype=a.kv_cache_dtype,
                                                      speculative=a.speculative_decoding, draft_model=a.draft_model,
                                                      gpu_memory_utilization=a.gpu_memory_utilization,
                                                      max_num_seqs=a.max_num_seqs, graph_start_chunk=a.graph_start_chunk))  # fmt: skip

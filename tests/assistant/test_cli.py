@@ -72,6 +72,18 @@ def test_a_draft_model_answers_as_the_model_alone(tmp_path, llm_gguf_path, qwen_
     assert unused.returncode == 2 and "--speculative-decoding draft" in unused.stderr and "Traceback" not in unused.stderr
 
 
+def test_an_e4m3_head_answers_and_is_refused_over_the_cpus_int4_head(tmp_path, llm_gguf_path):
+    """--lm-head-quantization fp8 reaches the engine: over dense layers the head runs in e4m3 and
+    the answer still comes; over the CPU's int4 layers (the default there), whose head is already
+    the GGUF's 4-bit one, it is a one-line error that names the setting."""
+    docs = str(small_docs(tmp_path))
+    common = ("-q", "How many days of annual leave do I get?", "--docs", docs, "--max-tokens", "16", "--model", str(llm_gguf_path))
+    dense = cli(*common, "--quantization", "none", "--lm-head-quantization", "fp8")
+    assert dense.returncode == 0 and "20" in dense.stdout, dense.stderr[-2000:]
+    refused = cli(*common, "--lm-head-quantization", "fp8")
+    assert refused.returncode == 2 and "lm_head_quantization='fp8'" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+
+
 def words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import weakref
 
-from assistant.eval import FACTS_FILE, alternatives, contains_fact, grade, load_facts, main, refuses, source_text, stated_numbers
+import pytest
+
+from assistant.eval import FACTS_FILE, alternatives, contains_fact, grade, load_facts, main, parse_variant, refuses, source_text, stated_numbers
 
 ITEMS = load_facts()
 FACTS = [item for item in ITEMS if not item.get("refusal")]
@@ -85,6 +87,20 @@ def test_the_shipped_questions_cover_both_languages_facts_and_refusals():
             assert all(contains_fact(source_text(item, lang), f) for f in item.get("answer_contains", []) if f[0].isdigit())
 
 
+def test_a_variant_names_the_weights_and_optionally_the_heads_format(capsys):
+    """``fp8+fp8-head`` is FP8 layers with an e4m3 head; a variant of unknown parts is a usage error
+    naming the choices, before any model loads."""
+    assert parse_variant("int4") == ("int4", "none")
+    assert parse_variant("fp8+fp8-head") == ("fp8", "fp8")
+    assert parse_variant("none+int4-head") == ("none", "int4")
+    for bad in ("int8", "fp8+fp8", "fp8+fp8-head+x", "+fp8-head"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            parse_variant(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--quantization", "fp8+bf16-head"])
+    assert exit_info.value.code == 2 and "unknown variant 'fp8+bf16-head'" in capsys.readouterr().err
+
+
 def test_a_bad_facts_file_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "facts.json"
     bad.write_text('[{"question_en": "x"}]', encoding="utf-8")
@@ -99,23 +115,24 @@ def test_a_real_run_grades_what_the_assistant_said(tmp_path, capsys, monkeypatch
     (2.8k tokens; 5.8k in Chinese, whose grading the tests above cover), most of the run's time."""
     import engine.async_engine
 
-    cores, build = [], engine.async_engine.build_engine
+    cores, heads, build = [], [], engine.async_engine.build_engine
 
-    def tracked(*args, **kwargs):
+    def tracked(config, *args, **kwargs):
         assert all(ref() is None for ref in cores), "the previous variant's engine is still alive"
-        core = build(*args, **kwargs)
+        core = build(config, *args, **kwargs)
         cores.append(weakref.ref(core))
+        heads.append((config.quantization, config.lm_head_quantization))
         return core
 
     monkeypatch.setattr(engine.async_engine, "build_engine", tracked)
     out = tmp_path / "eval.json"
-    assert main(["--quantization", "int4", "none", "--lang", "en", "--limit", "2", "--max-tokens", "24", "--json", str(out),
+    assert main(["--quantization", "int4", "none+fp8-head", "--lang", "en", "--limit", "2", "--max-tokens", "24", "--json", str(out),
                  "--no-progress"]) == 0  # fmt: skip
-    assert len(cores) == 2
+    assert heads == [("int4", "none"), ("none", "fp8")]  # the second variant's head in e4m3 (emulated on the CPU)
     report = json.loads(out.read_text(encoding="utf-8"))
     questions = [f["question_en"] for f in json.loads(FACTS_FILE.read_text("utf-8"))[:2]]
     printed = capsys.readouterr().out
-    for variant in ("int4", "none"):
+    for variant in ("int4", "none+fp8-head"):
         answers = [a for a in report["answers"] if a["variant"] == variant]
         assert [(a["lang"], a["question"]) for a in answers] == [("en", q) for q in questions]
         for a in answers:

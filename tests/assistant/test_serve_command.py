@@ -186,3 +186,9 @@ def test_kv_cache_dtype_reaches_the_engine_options():
     """--kv-cache-dtype fp8 (an e4m3 KV cache) is passed through to the engine; auto by default."""
     assert parse_config(["serve"])[0].assistant.engine.kv_cache_dtype == "auto"
     assert parse_config(["serve", "--kv-cache-dtype", "fp8"])[0].assistant.engine.kv_cache_dtype == "fp8"
+
+
+def test_lm_head_quantization_reaches_the_engine_options():
+    """--lm-head-quantization fp8 (the output head in e4m3) is passed through to the engine; none by default."""
+    assert parse_config(["serve"])[0].assistant.engine.lm_head_quantization == "none"
+    assert parse_config(["serve", "--lm-head-quantization", "fp8"])[0].assistant.engine.lm_head_quantization == "fp8"
