@@ -117,15 +117,24 @@ def q5_0_blocks(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     return Blocks(q.view(np.int8).reshape(rows, cols), _f16(b[:, 0:2]).reshape(rows, cols // GROUP), None)
 
 
+def _q6_k_slabs(b: np.ndarray):
+    """(first block, slab, gguf's own float32 values [n, 256]) for each slab of SLAB_BLOCKS Q6_K
+    super-blocks of ``b`` [blocks, 210]: gguf's ``dequantize_blocks`` on many blocks a call rather
+    than ``dequantize``'s 16 rows at a time (each block is computed alone, so the values are the
+    same; a 1.5B model's head is 57k calls less), a slab's temporaries staying in cache."""
+    for s in range(0, len(b), SLAB_BLOCKS):
+        slab = b[s : s + SLAB_BLOCKS]
+        yield s, slab, GGUF_Q6_K.dequantize_blocks(slab)
+
+
 def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     """Q6_K (210 bytes a super-block: 4+2 bit q, 16 int8 scales, fp16 d) requantized to Q8_0: per
     group of 32, d' = (the larger-magnitude of its two 16-weight scales) / 4 (module docstring)."""
     b = raw.reshape(rows * (cols // QK_K), 210)
     q = np.empty((len(b), QK_K // GROUP, GROUP), np.int8)
     d = np.empty((len(b), QK_K // GROUP, 1), np.float32)
-    for s in range(0, len(b), SLAB_BLOCKS):  # a slab at a time: its temporaries stay in cache
-        slab = b[s : s + SLAB_BLOCKS]
-        w = GGUF_Q6_K.dequantize_blocks(slab).reshape(-1, QK_K // GROUP, GROUP)  # gguf's own float32 values
+    for s, slab, values in _q6_k_slabs(b):
+        w = values.reshape(-1, QK_K // GROUP, GROUP)
         scales = _f16(slab[:, 208:210])[:, None] * slab[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
         pairs = scales.reshape(-1, QK_K // GROUP, 2)
         big = np.take_along_axis(pairs, np.abs(pairs).argmax(axis=-1, keepdims=True), axis=-1)  # [n, 8, 1]
@@ -137,13 +146,12 @@ def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> Blocks:
 
 
 def q6_k_values(raw: np.ndarray) -> np.ndarray:
-    """Q6_K blocks (any shape of whole 210-byte blocks) as gguf's own float32 values, flat: its
-    ``dequantize_blocks`` on slabs of blocks rather than ``dequantize``'s 16 rows at a time (each
-    block is computed alone, so the values are the same; a 1.5B model's head is 57k calls less)."""
+    """Q6_K blocks (any shape of whole 210-byte blocks) as gguf's own float32 values, flat
+    (computed a slab at a time: :func:`_q6_k_slabs`)."""
     b = raw.reshape(-1, 210)
     out = np.empty((len(b), QK_K), np.float32)
-    for s in range(0, len(b), SLAB_BLOCKS):
-        out[s : s + SLAB_BLOCKS] = GGUF_Q6_K.dequantize_blocks(b[s : s + SLAB_BLOCKS])
+    for s, slab, values in _q6_k_slabs(b):
+        out[s : s + len(slab)] = values
     return out.reshape(-1)
 
 
