@@ -95,9 +95,9 @@ class LoadedModel:
         for setting in ("quantization", "lm_head_quantization"):
             if getattr(config, setting) == "fp8":
                 check_fp8_hardware(device, setting)
-        if config.quantization == "fp8" and device.type == "cpu":
-            log.warning("quantization='fp8' on the CPU emulates the GPU's FP8 arithmetic (weights and each token's activations "
-                        "rounded to e4m3, products in float32): it shows what FP8 costs in answers, and is slower than 'none'")
+                if device.type == "cpu":
+                    log.warning(f"{setting}='fp8' on the CPU emulates the GPU's FP8 arithmetic (weights and each token's activations "
+                                "rounded to e4m3, products in float32): it shows what FP8 costs in answers, and is slower than 'none'")
         # int4: each matrix is repacked once, for its dense copy, its int4 parts and the native step's copy
         blocks = BlockCache(gguf_tensors(config.model)) if cpu_int4 else None
         model, model_config = load_model(config, device, dtype, blocks)

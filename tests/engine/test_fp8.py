@@ -159,16 +159,19 @@ def test_an_fp8_lm_head_is_e4m3_and_the_ceiling_counts_it(model_dir, request):
     assert len(LLM(path, loaded=rounded, num_kv_blocks=16).generate([ids], params)[0].token_ids) == 6
 
 
-def test_a_head_format_is_checked_and_the_cpus_int4_keeps_its_own_head(tiny_qwen2_dir, llm_gguf_path):
+def test_a_head_format_is_checked_and_the_cpus_int4_keeps_its_own_head(tiny_qwen2_dir, llm_gguf_path, caplog):
     """An unknown head format, a float32 model (the quantized head runs bf16 activations) and the
     CPU's int4 path (whose head is the GGUF's own int4 already) are refused with the reason; an
-    FP8 head on dense bf16 layers loads (the CPU emulates it)."""
+    FP8 head on dense bf16 layers loads, with a warning that the CPU emulates it."""
     with pytest.raises(ConfigError, match="lm_head_quantization must be 'none', 'fp8' or 'int4', got 'int8'"):
         EngineConfig(model=str(tiny_qwen2_dir), lm_head_quantization="int8").validate()
     with pytest.raises(ConfigError, match="lm_head_quantization='fp8' runs bf16 activations; dtype 'float32'"):
         EngineConfig(model=str(tiny_qwen2_dir), lm_head_quantization="fp8", dtype="float32").validate()
     with pytest.raises(ConfigError, match="already runs the GGUF's own head as int4"):
         LoadedModel.load(EngineConfig(model=str(llm_gguf_path), device="cpu", quantization="int4", lm_head_quantization="fp8"))
-    loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", lm_head_quantization="fp8"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine"):
+        loaded = LoadedModel.load(EngineConfig(model=str(tiny_qwen2_dir), device="cpu", lm_head_quantization="fp8"))
+    assert "lm_head_quantization='fp8' on the CPU emulates" in caplog.text
     assert isinstance(loaded.model.lm_head, Fp8Linear) and loaded.dtype == torch.bfloat16
     assert not any(isinstance(m, Fp8Linear) for m in loaded.model.layers.modules())
