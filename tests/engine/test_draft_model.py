@@ -162,8 +162,8 @@ def test_sampled_and_aborted_requests_release_their_mirrors(smollm, smollm_int4,
 
 
 def test_unsupported_draft_models_are_refused_at_start(smollm, llm_gguf_path, tiny_llama_dir, qwen_0_5b_gguf, monkeypatch):
-    """Another tokenizer is refused: a GGUF's from its tokenizer alone, before its weights load
-    (the 0.5B Qwen's took 10 s on a 2-core CPU only to be refused), a directory without one by its
+    """Another tokenizer is refused: a GGUF's from its tokenizer alone, before its weights or the
+    target's load (the 0.5B Qwen's took 10 s on a 2-core CPU only to be refused), a directory without one by its
     vocabulary's size; a missing path or a draft without draft decoding, at once."""
     import engine.engine_builder as builder
 
@@ -172,6 +172,9 @@ def test_unsupported_draft_models_are_refused_at_start(smollm, llm_gguf_path, ti
     monkeypatch.setattr(builder.LoadedModel, "load", lambda config: loads.append(config.model) or load(config))
     with pytest.raises(ConfigError, match="another tokenizer"):  # Qwen's vocabulary against SmolLM2's
         LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="draft", draft_model=str(qwen_0_5b_gguf))
+    assert loads == []
+    with pytest.raises(ConfigError, match="another tokenizer"):  # the same before the target's own weights load
+        LLM(str(llm_gguf_path), num_kv_blocks=128, speculative="draft", draft_model=str(qwen_0_5b_gguf))
     assert loads == []
     with pytest.raises(ConfigError, match="another tokenizer"):  # a vocabulary of 301 against SmolLM2's
         LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="draft", draft_model=str(tiny_llama_dir))
