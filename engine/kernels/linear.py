@@ -81,7 +81,10 @@ def fp8_decode_tile(n: int, k: int, block_k: int) -> GemvConfig:
     where a sweep of FP8 tiles found faster ones (H200, 2026-12-03 18:20 UTC, unsplit, weights
     rotating through more than L2, engine/bench/experiments/fp8_gemv_sweep.py): down_proj 32 x 512
     at 6 stages 25.7 us against 39.3 with the borrowed 64 x 256; q|k|v 64 x 512 at 3 stages 13.5
-    against 14.0. gate|up's borrowed tile was the sweep's fastest (31.5 us, 3.7 TB/s). A
+    against 14.0; its 96 programs left 36 SMs idle (Nsight Compute, H100), so its rows are spread
+    over 128 programs: the 8B's FP8 batch-1 graph replay 2.849 ms against 2.951 (H200, 2026-12-06,
+    three rounds, engine/bench/experiments/fp8_bs1_tile_ab.py; more programs for o_proj or
+    down_proj were 5-26% slower). gate|up's borrowed tile was the sweep's fastest (31.5 us, 3.7 TB/s). A
     vocabulary-sized head (``EngineConfig.lm_head_quantization="fp8"``) takes 128 x 256 at 3 stages:
     the 8B's [128,256 x 4,096] head in 175.4 us, at the copy bandwidth, against 206.8 with the
     borrowed tile (H100, 2026-12-06, engine/bench/experiments/lm_head_gemv_sweep.py)."""
@@ -91,8 +94,8 @@ def fp8_decode_tile(n: int, k: int, block_k: int) -> GemvConfig:
         return replace(decode_tile(n, k), block_k=block_k)
     if n == 4096 and k > 8192:
         return GemvConfig("dot", 32, 512, 4, 6)
-    if 4096 < n <= 16384 and k % 512 == 0:
-        return GemvConfig("dot", 64, 512, 4, 3)
+    if 4096 < n <= 16384 and k % 512 == 0:  # rows spread over 128 programs, as bf16's q|k|v: see the docstring
+        return GemvConfig("dot", 64, 512, 4, 3, columns=spread(n, 64, 128))
     return replace(decode_tile(n, k), block_k=block_k)
 
 
