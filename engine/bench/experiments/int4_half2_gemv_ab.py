@@ -23,6 +23,13 @@ against the dequantized weight, and the Triton kernel in Triton's interpreter wi
 then times tiles against tinygemm, one CUDA graph over weight copies larger than L2.
 Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_half2_gemv_ab.py``
 (``TRITON_INTERPRET=1 ... --check`` on the CPU).
+
+Before any GPU run (2026-12-06, this 2-core CPU): ``--check`` passed (packing and fp16 word sums
+7.9e-4 relative error against the dequantized weight; the plain kernel 2e-7), and the asm kernel
+compiled for sm_90 through Triton's ptxas (``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))``): 32 rows x 64 words, per-step sums, 79 registers; with late
+sums 166; 64 x 128 with late sums spills (255 registers, 664-byte stack). Its SASS still holds
+one shuffle per ~2 words (the group sums across lanes), which may cost what the pairs save.
 """
 import itertools
 import sys
@@ -108,53 +115,68 @@ def _word_products_asm(w, xa, xb, xc, xd):
 
 
 @triton.jit
-def int4_half2_gemv_kernel(QW, XP, XF, XS, S, MN, Y, N, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                           GROUP_W: tl.constexpr, USE_ASM: tl.constexpr):
+def int4_half2_gemv_kernel(QW, XP, XF, XS, XW, S, MN, Y, N, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                           GROUP_W: tl.constexpr, USE_ASM: tl.constexpr, REDUCE_LATE: tl.constexpr):
     """y [N] (float32) = W @ x for one row x. QW [N, K/8] int32 words, XP [K/8, 4] int32 fp16 pairs,
     XF [K] float32 (x as fp16 values; only without USE_ASM, the interpreter's plain product), XS
-    [K/GROUP] float32 group sums, S / MN [N, K/GROUP] fp16 scales and minimums. GROUP_W words a group;
-    BLOCK_W words (a multiple of GROUP_W) a loop step; N a multiple of BLOCK_N."""
+    [K/GROUP] and XW [K/8] float32 sums of x by group and by word, S / MN [N, K/GROUP] fp16 scales
+    and minimums. GROUP_W words a group; BLOCK_W words (a multiple of GROUP_W) a loop step; N a
+    multiple of BLOCK_N. REDUCE_LATE: each word's product is scaled where it lies (its group's
+    scale and minimum loaded per word, from L1) and the words are summed once after the loop, so
+    the loop has no cross-lane reduction; otherwise each step sums its words by group first."""
     GROUPS: tl.constexpr = BLOCK_W // GROUP_W
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.arange(0, BLOCK_W)
     kw = K // 8
     kg = kw // GROUP_W
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_words = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     for w0 in range(0, kw, BLOCK_W):
         w = tl.load(QW + rows[:, None].to(tl.int64) * kw + w0 + words[None, :], eviction_policy="evict_first")
-        if USE_ASM:
-            pairs = XP + (w0 + words) * 4
-            xa = tl.broadcast_to(tl.load(pairs)[None, :], (BLOCK_N, BLOCK_W))
-            xb = tl.broadcast_to(tl.load(pairs + 1)[None, :], (BLOCK_N, BLOCK_W))
-            xc = tl.broadcast_to(tl.load(pairs + 2)[None, :], (BLOCK_N, BLOCK_W))
-            xd = tl.broadcast_to(tl.load(pairs + 3)[None, :], (BLOCK_N, BLOCK_W))
-            part = _word_products_asm(w, xa, xb, xc, xd)
+        if USE_ASM:  # one 16-byte load of a word's four pairs, split into the four operands
+            x4 = tl.reshape(tl.load(XP + (w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :]), (BLOCK_W, 2, 2))
+            x_ac, x_bd = tl.split(x4)
+            xa, xc = tl.split(x_ac)
+            xb, xd = tl.split(x_bd)
+            part = _word_products_asm(w, tl.broadcast_to(xa[None, :], (BLOCK_N, BLOCK_W)), tl.broadcast_to(xb[None, :], (BLOCK_N, BLOCK_W)),
+                                      tl.broadcast_to(xc[None, :], (BLOCK_N, BLOCK_W)), tl.broadcast_to(xd[None, :], (BLOCK_N, BLOCK_W)))
         else:
             part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
             for j in tl.static_range(8):
                 q = ((w >> (4 * j)) & 0xF).to(tl.float32)
                 part += q * tl.load(XF + (w0 + words) * 8 + j)[None, :]
-        by_group = tl.sum(tl.reshape(part, (BLOCK_N, GROUPS, GROUP_W)), axis=2)
-        g = w0 // GROUP_W + tl.arange(0, GROUPS)
-        scale = tl.load(S + rows[:, None] * kg + g[None, :]).to(tl.float32)
-        low = tl.load(MN + rows[:, None] * kg + g[None, :]).to(tl.float32)
-        acc += tl.sum(scale * by_group + low * tl.load(XS + g)[None, :], axis=1)
+        if REDUCE_LATE:
+            gw = (w0 + words) // GROUP_W
+            scale = tl.load(S + rows[:, None] * kg + gw[None, :]).to(tl.float32)
+            low = tl.load(MN + rows[:, None] * kg + gw[None, :]).to(tl.float32)
+            acc_words += scale * part + low * tl.load(XW + w0 + words)[None, :]
+        else:
+            by_group = tl.sum(tl.reshape(part, (BLOCK_N, GROUPS, GROUP_W)), axis=2)
+            g = w0 // GROUP_W + tl.arange(0, GROUPS)
+            scale = tl.load(S + rows[:, None] * kg + g[None, :]).to(tl.float32)
+            low = tl.load(MN + rows[:, None] * kg + g[None, :]).to(tl.float32)
+            acc += tl.sum(scale * by_group + low * tl.load(XS + g)[None, :], axis=1)
+    if REDUCE_LATE:
+        acc = tl.sum(acc_words, axis=1)
     tl.store(Y + rows, acc)
 
 
-def int4_half2_gemv(words, pairs, xf, sums, scales, mins, block_n=64, block_w=128, num_warps=4, num_stages=3, use_asm=True):
+def int4_half2_gemv(words, pairs, xf, sums, word_sums, scales, mins, block_n=64, block_w=128, num_warps=4, num_stages=3,
+                    use_asm=True, reduce_late=False):
     """Launch :func:`int4_half2_gemv_kernel` for one row; float32 [N]."""
     n, kw = words.shape
     y = torch.empty(n, dtype=torch.float32, device=words.device)
-    int4_half2_gemv_kernel[(n // block_n,)](words, pairs, xf, sums, scales, mins, y, n, kw * 8, BLOCK_N=block_n, BLOCK_W=block_w,
-                                            GROUP_W=GROUP // 8, USE_ASM=use_asm, num_warps=num_warps, num_stages=num_stages)
+    int4_half2_gemv_kernel[(n // block_n,)](words, pairs, xf, sums, word_sums, scales, mins, y, n, kw * 8, BLOCK_N=block_n,
+                                            BLOCK_W=block_w, GROUP_W=GROUP // 8, USE_ASM=use_asm, REDUCE_LATE=reduce_late,
+                                            num_warps=num_warps, num_stages=num_stages)
     return y
 
 
 def operands(w: torch.Tensor, x: torch.Tensor):
-    """(words, pairs, x as float32 fp16 values, group sums, scales, mins) for weight w [N, K] and one row x [K]."""
+    """(words, pairs, x as float32 fp16 values, group sums, word sums, scales, mins) for weight w [N, K] and one row x [K]."""
     qweight, scales, mins = quantize_groups(w)
-    return pack_words(qweight), x_pairs(x), x.to(torch.float16).float().contiguous(), x_group_sums(x), scales, mins
+    xf = x.to(torch.float16).float().contiguous()
+    return pack_words(qweight), x_pairs(x), xf, x_group_sums(x), xf.reshape(-1, 8).sum(dim=1), scales, mins
 
 
 def reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +190,7 @@ def check(device: torch.device, use_asm: bool) -> None:
     n, k = 128, 1024
     w = torch.randn(n, k, device=device) * torch.logspace(-2, 0, n, device=device)[:, None]  # row scales far apart
     x = torch.randn(k, device=device) * 3
-    words, pairs, xf, sums, scales, mins = operands(w, x)
+    words, pairs, xf, sums, word_sums, scales, mins = operands(w, x)
     want = reference(w, x)
     qx = word_products_reference(words.cpu(), x.cpu())
     grouped = qx.reshape(n, -1, GROUP // 8).sum(dim=2)
@@ -176,10 +198,11 @@ def check(device: torch.device, use_asm: bool) -> None:
     err = ((emulated - want.cpu()).norm() / want.norm().cpu()).item()
     print(f"packing and fp16 word sums (emulated) against the dequantized weight: relative error {err:.2e}", flush=True)
     assert err < 2e-3, err
-    for block_n, block_w in ((32, 64), (64, 128)):
-        y = int4_half2_gemv(words, pairs, xf, sums, scales, mins, block_n, block_w, use_asm=use_asm)
+    for (block_n, block_w), late in itertools.product(((32, 64), (64, 128)), (False, True)):
+        y = int4_half2_gemv(words, pairs, xf, sums, word_sums, scales, mins, block_n, block_w, use_asm=use_asm, reduce_late=late)
         err = ((y - want).norm() / want.norm()).item()
-        print(f"kernel ({'asm' if use_asm else 'plain'} word products, {block_n} x {block_w} words): relative error {err:.2e}", flush=True)
+        print(f"kernel ({'asm' if use_asm else 'plain'} word products, {block_n} x {block_w} words, "
+              f"{'late' if late else 'per step'} reduction): relative error {err:.2e}", flush=True)
         assert err < 2e-3, err
 
 
@@ -208,12 +231,12 @@ def main() -> None:
             linear.add_tinygemm()
             tiny.append(linear)
         rows = [(time_rotating(lambda i: tiny[i].tinygemm(x[None, :]), copies) * 1e6, "tinygemm")]
-        for block_n, block_w, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)):
+        for block_n, block_w, warps, stages, late in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3), (False, True)):
             if n % block_n:
                 continue
-            label = f"half2 {block_n} rows x {block_w} words, {warps} warps, {stages} stages"
+            label = f"half2 {block_n} rows x {block_w} words, {warps} warps, {stages} stages, {'late' if late else 'per-step'} sums"
             try:
-                us = time_rotating(lambda i: int4_half2_gemv(*ops[i], block_n, block_w, warps, stages), copies) * 1e6
+                us = time_rotating(lambda i: int4_half2_gemv(*ops[i], block_n, block_w, warps, stages, reduce_late=late), copies) * 1e6
             except Exception as e:  # out of registers or shared memory: not a candidate
                 print(f"    {label}: {type(e).__name__}", flush=True)
                 continue
