@@ -43,8 +43,9 @@ class EngineOptions:
     lm_head_quantization: str = "none"
     """fp8 / int4: the output head in its own format (engine.EngineConfig.lm_head_quantization), on
     CUDA with fp8 or bf16 layers. On the 8B shape an e4m3 head made batch-1 decode 5% faster over
-    FP8 layers and 7% over int4 ones (H100, docs/performance.md) and cost 2-2.5 points of
-    next-token agreement on the 1.5B; none (default): bf16, like the embeddings."""
+    FP8 layers and 7% over int4 ones on an H100, 2.7% over FP8 layers on an H200
+    (docs/performance.md); on the 1.5B it cost 2-2.5 points of next-token agreement and no fact
+    on the handbook eval; none (default): bf16, like the embeddings."""
     kv_cache_dtype: str = "auto"
     """fp8: the KV cache in e4m3 with a scale per token and head (engine.EngineConfig.kv_cache_dtype),
     ~1.94x the tokens in the same memory; auto: the model's dtype."""
