@@ -81,8 +81,7 @@ class EngineOptions:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The command-line options of :class:`EngineOptions`' weight, cache and speculation choices
     (--quantization, --lm-head-quantization, --kv-cache-dtype, --speculative-decoding, --draft-model),
-    one wording for the
-    text CLI and the server."""
+    one wording for the text CLI and the server."""
     parser.add_argument(
         "--quantization", choices=("auto", "none", "int4", "fp8"), default="auto",
         help="int4: the GGUF's own 4-bit weights with bf16 activations (CPU); fp8: e4m3 layer weights (a GPU with FP8 "

@@ -53,8 +53,8 @@ def build_engine(
     other GPU work of the process that holds it too (a speech model's batches) never runs during
     a capture (a capture fails when another thread touches the GPU the wrong way meanwhile)."""
     config.validate()
-    vocabulary_checked = loaded is None and draft_loaded is None and _refuse_other_draft_tokenizer(config)
-    loaded = loaded or LoadedModel.load(config)
+    tokenizers = _draft_tokenizers(config) if loaded is None and draft_loaded is None else None
+    loaded = loaded or LoadedModel.load(config, tokenizer=tokenizers and tokenizers[0])
     device, mc = loaded.device, loaded.model_config
     memory = MemoryLedger(str(device))
     memory.record("weights", tensor_bytes(loaded.model))
@@ -64,7 +64,7 @@ def build_engine(
     if config.speculative != "off" and config.num_speculative_tokens >= max_model_len:
         raise ConfigError(f"num_speculative_tokens={config.num_speculative_tokens} leaves no room in a {max_model_len}-token context")
     # the draft engine first: on CUDA its memory is then in use when the target's KV cache is sized
-    proposer = _proposer(config, loaded, draft_loaded, max_model_len, memory, capture_lock, vocabulary_checked)
+    proposer = _proposer(config, loaded, draft_loaded, max_model_len, memory, capture_lock, tokenizers and tokenizers[1])
     backend = select_backend(config.attention_backend, device)
     check_kv_cache_dtype(config, device, backend.name)
     spec = KVCacheSpec.for_model(mc, config.block_size, FP8_DTYPE if config.kv_cache_dtype == "fp8" else loaded.dtype)
@@ -113,27 +113,30 @@ def build_engine(
     return core
 
 
-def _refuse_other_draft_tokenizer(config: EngineConfig) -> bool:
-    """With ``speculative="draft"``, compare the target's and the draft's tokenizers before any
-    weights load (a 1.5B target takes seconds to load only to be refused): raise the one-line
-    refusal if they differ; True when they were compared (both have one, real weights)."""
+def _draft_tokenizers(config: EngineConfig) -> tuple[Tokenizer, Tokenizer] | None:
+    """With ``speculative="draft"``, the target's and the draft's tokenizers, loaded and compared
+    before any weights (a 1.5B target takes seconds to load only to be refused): the one-line
+    refusal if they differ; None where they cannot be compared yet (one has none, or dummy weights,
+    whose borrowed tokenizer is padded at load)."""
     if config.speculative != "draft" or config.load_format == "dummy":
-        return False  # dummy weights pad their borrowed tokenizer at load: compared after it
+        return None
     draft = replace(config, model=config.draft_model, tokenizer=None)
     if not (config.tokenizer or has_tokenizer(config)) or not has_tokenizer(draft):
-        return False
+        return None
     target = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
-    if not same_vocabulary(target, Tokenizer.load(config.draft_model, config.cache_dir)):
+    draft_tokenizer = Tokenizer.load(config.draft_model, config.cache_dir)
+    if not same_vocabulary(target, draft_tokenizer):
         raise other_tokenizer_error(config.draft_model)
-    return True
+    return target, draft_tokenizer
 
 
 def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedModel | None, max_model_len: int,
-              memory: MemoryLedger, capture_lock: AbstractContextManager | None, vocabulary_checked: bool = False) -> Proposer | None:
+              memory: MemoryLedger, capture_lock: AbstractContextManager | None,
+              draft_tokenizer: Tokenizer | None = None) -> Proposer | None:
     """The drafts' source for ``config.speculative``: n-gram lookup, or a draft model's engine
     (built here, its weights and KV cache entered in ``memory``), refused unless it reads and
-    writes the target's tokens (``vocabulary_checked``: :func:`_refuse_other_draft_tokenizer`
-    compared them already)."""
+    writes the target's tokens (``draft_tokenizer``: the draft's, compared with the target's
+    already by :func:`_draft_tokenizers`)."""
     if config.speculative == "ngram":
         answers = AnswerCache(config.speculative_answer_cache_tokens) if config.speculative_answer_cache_tokens else None
         return NgramProposer(config.num_speculative_tokens, answers=answers)
@@ -147,11 +150,14 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
         kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len,
         row_cuda_graphs="on" if config.row_cuda_graphs == "auto" else config.row_cuda_graphs,
     )
-    checked = vocabulary_checked or (draft_loaded is None and loaded.tokenizer is not None and has_tokenizer(draft_config))
-    if checked and not vocabulary_checked:  # its tokenizer alone first: a draft of another vocabulary is refused before its weights load
-        if not same_vocabulary(loaded.tokenizer, Tokenizer.load(config.draft_model, config.cache_dir)):
+    checked = draft_tokenizer is not None
+    if not checked and draft_loaded is None and loaded.tokenizer is not None and has_tokenizer(draft_config):
+        # its tokenizer alone first: a draft of another vocabulary is refused before its weights load
+        draft_tokenizer = Tokenizer.load(config.draft_model, config.cache_dir)
+        if not same_vocabulary(loaded.tokenizer, draft_tokenizer):
             raise other_tokenizer_error(config.draft_model)
-    draft_loaded = draft_loaded or LoadedModel.load(draft_config)
+        checked = True
+    draft_loaded = draft_loaded or LoadedModel.load(draft_config, tokenizer=draft_tokenizer)
     if not checked:
         check_draft_vocabulary(loaded, draft_loaded, config.draft_model)
     if draft_loaded.model_config.max_position_embeddings < max_model_len:

@@ -81,7 +81,9 @@ class LoadedModel:
     native_weights: NativeWeights | None = None  # int4 on the CPU: the GGUF's blocks for engine/native_decode.py
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "LoadedModel":
+    def load(cls, config: EngineConfig, tokenizer: Tokenizer | None = None) -> "LoadedModel":
+        """The model ``config`` names, on its device; ``tokenizer``: the config's own when the caller
+        has loaded it already (build_engine compares a draft's with the target's before any weights)."""
         config.validate()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, config.quantization if config.quantization != "none" else config.lm_head_quantization)
@@ -131,13 +133,12 @@ class LoadedModel:
                 raise ConfigError(f"quantization='int4': {e}") from e
             if config.native_decode_step != "off":
                 native = NativeWeights.from_gguf(blocks, model_config)
-        tokenizer = None
-        if config.tokenizer or has_tokenizer(config):
+        if tokenizer is None and (config.tokenizer or has_tokenizer(config)):
             tokenizer = Tokenizer.load(config.tokenizer or config.model, config.cache_dir)
-            if config.load_format == "dummy" and tokenizer.vocab_size < model_config.vocab_size:
-                # Random weights sample every id of the model's vocabulary: give the ones the
-                # borrowed tokenizer lacks a text, so each streamed token is seen by clients.
-                tokenizer.pad_vocab(model_config.vocab_size)
+        if tokenizer is not None and config.load_format == "dummy" and tokenizer.vocab_size < model_config.vocab_size:
+            # Random weights sample every id of the model's vocabulary: give the ones the
+            # borrowed tokenizer lacks a text, so each streamed token is seen by clients.
+            tokenizer.pad_vocab(model_config.vocab_size)
         return cls(model, model_config, tokenizer, device, dtype, native)
 
     def ensure_native_weights(self, config: EngineConfig) -> NativeWeights:

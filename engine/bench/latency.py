@@ -5,7 +5,9 @@ each part of the decode path changed (CUDA), and against HF ``generate()``.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +19,8 @@ from engine.engine_core import EngineCore
 from engine.fp8 import Fp8Linear
 from engine.kernels.gemv_policy import FP8_MATHS, INT4_KERNELS, PROJECTIONS, GemvPolicy
 from engine.w4a16 import W4A16Linear
+
+T = TypeVar("T")
 
 
 def bench_latency(core: EngineCore, hf: torch.nn.Module | None, sizes: Sizes, rng: random.Random, bw: float,
@@ -111,26 +115,34 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False
     return variants
 
 
+def with_batch1_graph(core: EngineCore, gemv: GemvPolicy, run: Callable[[], T]) -> tuple[T, float]:
+    """``run()`` with the batch-1 CUDA graph captured again under ``gemv`` (the prefix cache
+    emptied first, so a prompt is computed again), and that graph's replay milliseconds after it,
+    with the context ``run`` left; the engine's own graphs are put back. For A/Bs of the decode
+    path in one process (kernel tiles patched by the caller are captured too)."""
+    from engine.cuda_graph import CudaGraphRunner
+
+    runner, graphs = core.runner, core.runner.graphs
+    other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
+                            core.device, gemv)
+    try:
+        runner.graphs = other
+        core.block_manager.reset_prefix_cache()
+        result = run()
+        return result, replay_ms(other.graphs[1])
+    finally:
+        runner.graphs = graphs
+
+
 def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: float, gpu_ms: float, results: dict) -> list[Row]:
     """The batch-1 graph captured again for each variant of the decode path (GemvPolicy): its
     replay time and the engine's decode speed with it, against the configured path."""
-    from engine.cuda_graph import CudaGraphRunner
-
-    runner, graphs, path = core.runner, core.runner.graphs, core.runner.gemv
+    path = core.runner.gemv
     rows, by_variant = [], {}
     fp8 = any(isinstance(m, Fp8Linear) for m in core.model.modules())
     int4 = any(isinstance(m, W4A16Linear) for m in core.model.modules())
     for name, variant in decode_path_variants(path, fp8, int4).items():
-        try:
-            other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
-                                    core.device, variant)
-            runner.graphs = other
-            core.block_manager.reset_prefix_cache()
-            _, other_tpot = engine_decode(core, prompt, sizes.decode_tokens)
-            other_ms = replay_ms(other.graphs[1])  # like the other replay: with the decoded request's context
-        finally:
-            runner.graphs = graphs
-        del other
+        (_, other_tpot), other_ms = with_batch1_graph(core, variant, lambda: engine_decode(core, prompt, sizes.decode_tokens))
         by_variant[name] = {"tok_s": 1 / other_tpot, "graph_ms": other_ms}
         rows += [Row(f"decode batch 1 ({path_name(path, fp8, int4)})", 1 / tpot, "tok/s", name, 1 / other_tpot),
                  Row("  graph replay", gpu_ms, "ms", name, other_ms, False)]

@@ -169,7 +169,7 @@ def test_unsupported_draft_models_are_refused_at_start(smollm, llm_gguf_path, ti
 
     loads = []
     load = builder.LoadedModel.load
-    monkeypatch.setattr(builder.LoadedModel, "load", lambda config: loads.append(config.model) or load(config))
+    monkeypatch.setattr(builder.LoadedModel, "load", lambda config, **kw: loads.append(config.model) or load(config, **kw))
     with pytest.raises(ConfigError, match="another tokenizer"):  # Qwen's vocabulary against SmolLM2's
         LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="draft", draft_model=str(qwen_0_5b_gguf))
     assert loads == []

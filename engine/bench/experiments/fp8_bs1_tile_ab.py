@@ -4,7 +4,9 @@ weights, FP8 layers and an e4m3 head. Nsight Compute on the H100 (same day) show
 128 programs of 4 warps each (6% occupancy): this A/B gives each projection more programs than
 SMs (``GemvConfig.columns``: fewer weight rows a program, the tile unchanged, or a narrower tile),
 the batch-1 graph recaptured per variant in one process, three rounds interleaved, greedy tokens
-checked equal to the first variant's. ``engine.model.llama.fp8_decode_tile`` is patched.
+checked equal to the first variant's (``engine.bench.latency.with_batch1_graph``;
+``engine.model.llama.fp8_decode_tile`` is patched). Its H200 output was made before that helper
+was factored out of the bench (same steps).
 Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_bs1_tile_ab.py``.
 """
 import random
@@ -14,9 +16,8 @@ import torch
 import engine.model.llama as llama
 from engine import EngineConfig, build_engine
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
-from engine.bench.timing import replay_ms
+from engine.bench.latency import with_batch1_graph
 from engine.bench.workload import random_prompt, run_to_completion
-from engine.cuda_graph import CudaGraphRunner
 from engine.kernels.linear import GemvConfig
 from engine.sampling import SamplingParams
 
@@ -47,23 +48,15 @@ variants = {
 }
 default_tile = llama.fp8_decode_tile
 decode(8)
-runner, graphs = core.runner, core.runner.graphs
 first = None
 for rnd in range(3):
     for name, tiles in variants.items():
         chosen = {SHAPES[p]: tile for p, tile in tiles.items()}
         llama.fp8_decode_tile = lambda n, k, block_k, chosen=chosen: chosen.get((n, k)) or default_tile(n, k, block_k)
-        other = CudaGraphRunner(core.model, runner.backend, runner.kv_layers, [1], graphs.block_tables.shape[1], len(graphs.tokens),
-                                core.device, runner.gemv)
         try:
-            runner.graphs = other
-            core.block_manager.reset_prefix_cache()
-            tpot, tokens = decode(128)
-            ms = replay_ms(other.graphs[1])
+            (tpot, tokens), ms = with_batch1_graph(core, core.runner.gemv, lambda: decode(128))
         finally:
-            runner.graphs = graphs
             llama.fp8_decode_tile = default_tile
-        del other
         torch.cuda.synchronize()
         first = first or tokens
         same = "same tokens" if tokens == first else "TOKENS DIFFER"
