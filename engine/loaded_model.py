@@ -48,7 +48,7 @@ def check_fp8_hardware(device: torch.device, setting: str = "quantization") -> N
 
 def quantize_lm_head(model: torch.nn.Module, fmt: str) -> None:
     """``model``'s head in ``fmt`` (EngineConfig.lm_head_quantization: "fp8" or "int4"), an int4 one
-    on CUDA also laid out for tinygemm (the batch-1 GEMV)."""
+    on CUDA also laid out for tinygemm and the pairs GEMV (the batch-1 GEMVs)."""
     try:
         if fmt == "fp8":
             quantize_lm_head_fp8(model)
@@ -59,6 +59,7 @@ def quantize_lm_head(model: torch.nn.Module, fmt: str) -> None:
     if next(model.lm_head.parameters()).is_cuda:
         if fmt == "int4":
             model.lm_head.add_tinygemm()
+            model.lm_head.add_pairs()
         torch.cuda.empty_cache()  # an untied head's bf16 weight
 
 
@@ -120,8 +121,12 @@ class LoadedModel:
             except ValueError as e:
                 raise ConfigError(f"quantization='int4': {e}") from e
             int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]
-            laid_out = sum(m.add_tinygemm() for m in int4)  # batch-1 decode may run PyTorch's kernel (GemvPolicy.int4_kernel)
-            log.info("int4: %d of %d projections also laid out for aten._weight_int4pack_mm", laid_out, len(int4))
+            # batch-1 decode runs PyTorch's kernel or the pairs GEMV (GemvPolicy.int4_kernel), each on its own layout
+            laid_out = sum(m.add_tinygemm() for m in int4)
+            paired = sum(m.add_pairs(interleave=name.endswith("gate_up_proj"))
+                         for name, m in model.named_modules() if isinstance(m, W4A16Linear))
+            log.info("int4: of %d projections, %d also laid out for aten._weight_int4pack_mm, %d for the pairs GEMV",
+                     len(int4), laid_out, paired)
             torch.cuda.empty_cache()
         if config.lm_head_quantization != "none":
             quantize_lm_head(model, config.lm_head_quantization)

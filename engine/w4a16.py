@@ -118,6 +118,8 @@ class W4A16Linear(nn.Module):
         self.in_features, self.out_features = qweight.shape[1] * 2, qweight.shape[0]
         self.tinygemm_weight: nn.Parameter | None = None  # with the scales and zeros below: after add_tinygemm
         self.tinygemm_scales_zeros: nn.Parameter | None = None
+        self.pairs_words: nn.Parameter | None = None  # after add_pairs (the scales and minimums are shared)
+        self.pairs_interleaved = False
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group: int = GROUP) -> "W4A16Linear":
@@ -127,27 +129,48 @@ class W4A16Linear(nn.Module):
         return cls(*quantize_groups(linear.weight.detach(), group), group, None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
-                prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
-        """Any number of rows; tinygemm where the weight has its layout and ``kernel`` is "tinygemm"
-        (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
+                prefetch_k: int = 0, kernel: str = "auto", gated: bool = False) -> torch.Tensor:
+        """Any number of rows; one row through the "pairs" GEMV where ``kernel`` is "pairs" and the
+        weight has that layout (:meth:`add_pairs`); tinygemm where the weight has its layout and
+        ``kernel`` is "tinygemm" (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
         its float32 reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials
-        [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py)."""
+        [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py) or the pairs GEMV.
+        ``gated`` (a gate|up weight): silu(gate) * up [..., out / 2], in the pairs GEMV's epilogue
+        where its layout is interleaved (:meth:`add_pairs`), else by a kernel after."""
+        from engine.kernels import silu_and_mul
+        from engine.kernels.int4_pairs_gemv import int4_pairs_gemv
+
+        rows = x.reshape(-1, x.shape[-1])
+        if gated and split_k > 1:
+            raise ValueError("W4A16Linear: a gated projection is not split")
+        if kernel == "pairs" and self.has_pairs and rows.shape[0] == 1:
+            fused = gated and self.pairs_interleaved
+            y = int4_pairs_gemv(rows, self.pairs_words, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k,
+                                pdl=pdl, prefetch_k=prefetch_k, interleaved=self.pairs_interleaved, gated=fused)
+            if split_k > 1:
+                return y
+            y = y if fused or not gated else silu_and_mul(y, pdl=pdl)
+            return y.reshape(*x.shape[:-1], -1)
+        y = self._multiply(rows, out_dtype, split_k, pdl, prefetch_k, kernel)
+        if split_k > 1:
+            return y
+        y = silu_and_mul(y, pdl=pdl) if gated else y
+        return y.reshape(*x.shape[:-1], -1)
+
+    def _multiply(self, rows: torch.Tensor, out_dtype: torch.dtype | None, split_k: int, pdl: bool, prefetch_k: int,
+                  kernel: str) -> torch.Tensor:
+        """rows [M, K] @ W^T (+ bias) through tinygemm, the Triton kernel or its reference (see :meth:`forward`)."""
         from engine.kernels.int4_linear import int4_linear
         from engine.kernels.triton_utils import runs_triton
 
-        rows = x.reshape(-1, x.shape[-1])
         if self.has_tinygemm and split_k == 1 and (kernel == "tinygemm" or (kernel == "auto" and rows.shape[0] <= TINYGEMM_MAX_ROWS)):
-            return self.tinygemm(rows, out_dtype).reshape(*x.shape[:-1], self.out_features)
+            return self.tinygemm(rows, out_dtype)
         if runs_triton(rows):
-            y = int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,
-                            prefetch_k=prefetch_k)
-            if split_k > 1:
-                return y
-        else:
-            if split_k > 1:
-                raise ValueError("W4A16Linear: split-K partials come from the Triton kernel (CUDA, or TRITON_INTERPRET=1)")
-            y = int4_linear_ref(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,
+                               prefetch_k=prefetch_k)
+        if split_k > 1:
+            raise ValueError("W4A16Linear: split-K partials come from the Triton kernel (CUDA, or TRITON_INTERPRET=1)")
+        return int4_linear_ref(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype)
 
     def add_tinygemm(self) -> bool:
         """Lay the groups out for ``aten._weight_int4pack_mm`` as well (CUDA; :func:`tinygemm_operands`),
@@ -163,6 +186,27 @@ class W4A16Linear(nn.Module):
     @property
     def has_tinygemm(self) -> bool:
         return self.tinygemm_weight is not None
+
+    def add_pairs(self, interleave: bool = False) -> bool:
+        """Lay the groups out as the "pairs" GEMV's int32 words as well (engine/kernels/int4_pairs_gemv.py,
+        one-row steps; the scales and minimums are shared); ``interleave`` for a gate|up weight
+        (SwiGLU in the GEMV, ``forward(gated=True)``). False where the shape does not fit."""
+        from engine.kernels.int4_pairs_gemv import pack_pairs, pairs_fit
+
+        if not pairs_fit(self.out_features, self.in_features, self.group):
+            return False
+        self.pairs_words = nn.Parameter(pack_pairs(self.qweight, self.group, interleave), requires_grad=False)
+        self.pairs_interleaved = interleave
+        return True
+
+    @property
+    def has_pairs(self) -> bool:
+        return self.pairs_words is not None
+
+    def other_layouts(self) -> list[torch.Tensor]:
+        """The tensors that lay the same groups out again for another kernel (tinygemm's, the pairs
+        GEMV's): a step reads one layout, so byte counts of a step skip these."""
+        return [t for t in (self.tinygemm_weight, self.tinygemm_scales_zeros, self.pairs_words) if t is not None]
 
     def tinygemm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [rows, K] @ W^T (+ bias) through ``aten._weight_int4pack_mm`` (after :meth:`add_tinygemm`);

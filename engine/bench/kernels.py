@@ -215,13 +215,11 @@ def projection_sites(names: list[str], layers: int) -> list[str]:
 
 def projection_read_bytes(module: torch.nn.Module) -> int:
     """Bytes a one-row step reads of a projection: its weight with scales, zeros and bias; an int4
-    weight laid out twice (engine/w4a16.py's groups and tinygemm's) counts once."""
+    weight laid out more than once (engine/w4a16.py's groups, tinygemm's, the pairs GEMV's) counts once."""
     from engine.memory import storage_bytes
     from engine.w4a16 import W4A16Linear
 
-    skip = set()
-    if isinstance(module, W4A16Linear) and module.has_tinygemm:
-        skip = {t.untyped_storage().data_ptr() for t in (module.tinygemm_weight, module.tinygemm_scales_zeros)}
+    skip = {t.untyped_storage().data_ptr() for t in module.other_layouts()} if isinstance(module, W4A16Linear) else set()
     return storage_bytes(t for t in [*module.parameters(), *module.buffers()] if t.untyped_storage().data_ptr() not in skip)
 
 

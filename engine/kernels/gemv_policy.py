@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 FP8_MATHS = ("bf16", "fp16", "fp8")  # how the GEMV multiplies an FP8 weight (GemvPolicy.fp8_math; the kernel's FP8_MATH is the index)
-INT4_KERNELS = ("triton", "tinygemm")  # which kernel multiplies an int4 weight at batch 1 (GemvPolicy.int4_kernel)
+INT4_KERNELS = ("triton", "tinygemm", "pairs")  # which kernel multiplies an int4 weight at batch 1 (GemvPolicy.int4_kernel)
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,14 @@ class GemvPolicy:
     engine/bench/experiments/bs1_prefetch_ab.py --sum) and 1.31 against 1.30 in the bench's A/B
     rows of the next (H200, 2026-12-04): within noise."""
 
-    int4_kernel: str = "tinygemm"
+    int4_kernel: str = "pairs"
     """For int4 weights (engine/w4a16.py): "tinygemm" runs PyTorch's ``aten._weight_int4pack_mm``
     where the weight has that layout too (W4A16Linear.add_tinygemm); "triton" runs this engine's
     kernel (engine/kernels/int4_linear.py, split-K partials for o_proj and down_proj, PDL). 8B shape,
     batch 1, H200 (2026-12-03 18:13 UTC): 360.8 against 187.6 tok/s; alone, tinygemm reads the 8B's
-    projections at 1.3-1.9 TB/s, the Triton kernel at 0.6-1.0 (engine/bench/experiments/int4_kernel_ab.py)."""
+    projections at 1.3-1.9 TB/s, the Triton kernel at 0.6-1.0 (engine/bench/experiments/int4_kernel_ab.py).
+    "pairs": the two-weights-an-instruction GEMV (engine/kernels/int4_pairs_gemv.py) where the
+    weight has that layout (W4A16Linear.add_pairs), split-K for o_proj and down_proj."""
 
     def __post_init__(self) -> None:
         if self.int4_kernel not in INT4_KERNELS:

@@ -25,6 +25,7 @@ from engine.kernels import add_rms_norm, rms_norm, silu_and_mul
 from engine.kernels.gemv_policy import GemvPolicy
 from engine.fp8 import weight_scale
 from engine.kernels.int4_linear import int4_split_k
+from engine.kernels.int4_pairs_gemv import pairs_split_k
 from engine.kernels.linear import decode_linear, fp8_decode_tile, prefetch_columns, sum_tile, usable_split_k
 from engine.kv_cache import LayerKV
 from engine.model.rope import RotaryEmbedding
@@ -199,15 +200,20 @@ def _gemv(
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
-    int4 :class:`~engine.w4a16.W4A16Linear` runs its own kernel (its own split-K, SwiGLU after it),
-    or PyTorch's tinygemm where the policy says so and the weight has that layout."""
+    int4 :class:`~engine.w4a16.W4A16Linear` runs the kernel the policy names where the weight has
+    its layout (the pairs GEMV for one row only, SwiGLU in its epilogue; else tinygemm, else the
+    Triton kernel, SwiGLU after it)."""
     if isinstance(linear, W4A16Linear):
-        # Triton: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
-        triton = gemv.int4_kernel == "triton" or not linear.has_tinygemm
-        split = int4_split_k(x.shape[0], linear.out_features, linear.in_features, linear.group) if triton and name in ("o", "down") else 1
-        y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
-                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)), kernel=gemv.int4_kernel)
-        return silu_and_mul(y, pdl=gemv.pdl) if gated else y
+        # Triton and pairs: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
+        pairs = gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1
+        triton = not pairs and (gemv.int4_kernel == "triton" or not linear.has_tinygemm)
+        split = 1
+        if name in ("o", "down") and (pairs or triton):
+            shape = (linear.out_features, linear.in_features, linear.group)
+            split = pairs_split_k(*shape) if pairs else int4_split_k(x.shape[0], *shape)
+        return linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
+                      prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)),
+                      kernel="pairs" if pairs else "triton" if triton else "tinygemm", gated=gated)
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
     if name in gemv.sum_tiles and scale is None and not gated and x.shape[0] == 1:

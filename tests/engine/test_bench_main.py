@@ -154,7 +154,7 @@ def test_a_step_at_copy_bandwidth_caps_only_the_projections_slower_than_their_by
 
 def test_a_projection_counts_the_bytes_a_one_row_step_reads():
     """projection_read_bytes: weight and bias of a bf16 projection; an int4 one's groups, scales
-    and mins once, also when tinygemm's layout of the same groups sits beside them."""
+    and mins once, also when tinygemm's and the pairs GEMV's layouts of the same groups sit beside them."""
     import torch
 
     from engine.bench.kernels import projection_read_bytes
@@ -169,6 +169,7 @@ def test_a_projection_counts_the_bytes_a_one_row_step_reads():
     int4.tinygemm_weight = torch.nn.Parameter(torch.zeros(64 * 256 // 8, dtype=torch.int32), requires_grad=False)
     int4.tinygemm_scales_zeros = torch.nn.Parameter(torch.zeros(2, 64, 2, dtype=torch.bfloat16), requires_grad=False)
     assert projection_read_bytes(int4) == groups
+    assert int4.add_pairs() and projection_read_bytes(int4) == groups  # the pairs GEMV's words: the same groups again
 
 
 def test_throughput_bounds_count_flops_and_bytes_by_hand():

@@ -648,6 +648,60 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     assert int4_split_k(1, 4096, 14336, 128) == 4 and int4_split_k(1, 1536, 8960, 128) == 2 and int4_split_k(70, 4096, 14336, 128) == 1
 
 
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
+    """The int4 "pairs" GEMV (engine/kernels/int4_pairs_gemv.py) against x @ the dequantized weight,
+    x rounded to bf16 as the kernel reads it: groups of 32 and 128, steps of 16-128 words, a bias,
+    float32 out, a weight prefetched before the PDL wait, split-K partials (2, 3 and 4 slices) that
+    sum to the product, a gate|up weight interleaved (outputs in the weight's order) and gated
+    (SwiGLU in the epilogue). Scales and minimums far apart across the weight, so a group read with
+    another's numbers fails. On CUDA the PTX products sum a word in bf16 (1e-2); the interpreter
+    runs their float32 twin."""
+    import torch.nn.functional as F
+
+    from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
+    from engine.w4a16 import int4_linear_ref, quantize_groups
+
+    tol = 1e-2 if DEVICE.type == "cuda" else 1e-4
+    for k, n, group in ((384, 96, 128), (256, 64, 32), (3072, 32, 128)):
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE) * 3
+        w = torch.randn(n, k, device=DEVICE) * torch.logspace(-2, 0, k, device=DEVICE)[None, :] + torch.randn(n, 1, device=DEVICE)
+        q, scales, mins = quantize_groups(w, group)
+        words = pack_pairs(q, group)
+        ref = int4_linear_ref(x.to(torch.bfloat16).float(), q, scales, mins, group, out_dtype=torch.float32)
+        got = int4_pairs_gemv(x, words, scales, mins, group, pdl=pdl)
+        assert got.shape == (1, n) and got.dtype == x.dtype and rel(got, ref) < max(tol, TOL), (k, n, group)
+        b = torch.randn(n, device=DEVICE, dtype=DTYPE)
+        got = int4_pairs_gemv(x, words, scales, mins, group, b, torch.float32, pdl=pdl, prefetch_k=k)
+        assert got.dtype == torch.float32 and rel(got, ref + b.float()) < tol, (k, n, group)
+        for split in (2, 3, 4):
+            if (k // 8) % (split * group // 8) == 0:
+                parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split)
+                assert parts.shape == (split, 1, n) and parts.dtype == torch.float32 and rel(parts.sum(0), ref) < tol, (k, split)
+        mixed = pack_pairs(q, group, interleave=True)
+        got = int4_pairs_gemv(x, mixed, scales, mins, group, b, torch.float32, pdl=pdl, interleaved=True)
+        assert rel(got, ref + b.float()) < tol, (k, n, group)
+        gate, up = ref.chunk(2, dim=-1)
+        got = int4_pairs_gemv(x, mixed, scales, mins, group, out_dtype=torch.float32, pdl=pdl, interleaved=True, gated=True)
+        assert got.shape == (1, n // 2) and rel(got, F.silu(gate) * up) < tol, (k, n, group)
+
+
+def test_the_pairs_gemv_refuses_what_it_cannot_compute():
+    """Several rows, a gated call on a plain layout, or split slices of part groups: one clear error."""
+    from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
+    from engine.w4a16 import quantize_groups
+
+    q, scales, mins = quantize_groups(torch.randn(32, 256, device=DEVICE), 128)
+    words = pack_pairs(q, 128)
+    x = torch.randn(2, 256, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="int4_pairs_gemv"):
+        int4_pairs_gemv(x, words, scales, mins, 128)
+    with pytest.raises(ValueError, match="gated True"):
+        int4_pairs_gemv(x[:1], words, scales, mins, 128, gated=True)
+    with pytest.raises(ValueError, match="whole groups"):
+        int4_pairs_gemv(x[:1], words, scales, mins, 128, split_k=4)
+
+
 def test_int4_groups_hold_each_weight_within_half_a_step():
     """quantize_groups: every weight within half its group's step (+ fp16 rounding of the scale
     and minimum) of the original; a constant group is exact; the layout is a group's first half in
@@ -799,16 +853,16 @@ def test_rows_rounded_to_e4m3_by_one_kernel_match_the_torch_rule():
         quantize_rows_triton(x.t(), FP8_MAX)
 
 
-# PyTorch's tinygemm int4 kernel is CUDA-only: in the interpreter only this engine's kernel runs
-INT4_KERNELS = ["triton", "tinygemm"] if DEVICE.type == "cuda" else ["triton"]
+# PyTorch's tinygemm int4 kernel is CUDA-only: in the interpreter only this engine's kernels run
+INT4_KERNELS = ["triton", "pairs", "tinygemm"] if DEVICE.type == "cuda" else ["triton", "pairs"]
 
 
 @pytest.mark.parametrize("kernel", INT4_KERNELS)
 def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, kernel):
     """The W4A16 wiring (engine/w4a16.py): a Qwen2 (q|k|v bias) whose layer projections are
     group-wise int4 - a 20-token prompt through the prefill tile, then batch-1 steps through the
-    decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel)
-    or through tinygemm - decodes like a plain model holding the dequantized weights (scored
+    decode tile (o_proj and down_proj split-K where their K allows, SwiGLU after the gate|up kernel),
+    the pairs GEMV (SwiGLU in its epilogue) or tinygemm - decodes like a plain model holding the dequantized weights (scored
     teacher-forced; the Triton kernel multiplies in fp16, tinygemm with bf16 scales)."""
     from engine import LLM, SamplingParams, build_engine
     from engine.fp8 import PROJECTIONS
@@ -826,6 +880,9 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
                 plain.get_submodule(path).weight.copy_(quantized.get_submodule(path).dequantized())
     prompt = [(7 * i + 3) % 300 for i in range(20)]
     params = SamplingParams(temperature=0, max_tokens=decoded_tokens(5), ignore_eos=True, logprobs=0)
+    if kernel == "pairs":  # the gate|up weight interleaved: SwiGLU in the GEMV
+        assert all(m.add_pairs(interleave=name.endswith("gate_up_proj")) for name, m in int4.model.named_modules()
+                   if isinstance(m, W4A16Linear))
     if kernel == "tinygemm":
         assert all(m.add_tinygemm() for m in int4.model.modules() if isinstance(m, W4A16Linear))
         proj = int4.model.layers[0].mlp.gate_up_proj  # steps of a few rows take tinygemm too, more take the Triton kernel

@@ -97,8 +97,74 @@ def test_tinygemm_takes_only_the_shapes_its_layout_has():
     assert not linear.add_tinygemm() and not linear.has_tinygemm
 
 
+def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
+    """pack_pairs: word i holds inputs 8i..8i+7, input 8i + 2p + h in bits 16h + 4p (checked bit by
+    bit for one word), unpack_pairs reads the groups back, also interleaved (gate|up rows i and
+    N/2 + i as rows 2i and 2i + 1); W4A16Linear.add_pairs takes only shapes the kernel tiles."""
+    from engine.kernels.int4_pairs_gemv import pack_pairs, unpack_pairs
+
+    torch.manual_seed(0)
+    for group in (32, 128):
+        q, scales, mins = quantize_groups(torch.randn(32, 256), group)
+        values = unpack_groups(q, group)
+        words = pack_pairs(q, group)
+        assert words.shape == (32, 32) and words.dtype == torch.int32
+        assert torch.equal(unpack_pairs(words), values)
+        word = int(words[3, 5]) & 0xFFFFFFFF
+        assert all((word >> (16 * (j % 2) + 4 * (j // 2))) & 0xF == int(values[3, 40 + j]) for j in range(8))
+        mixed = pack_pairs(q, group, interleave=True)
+        assert torch.equal(mixed[0], words[0]) and torch.equal(mixed[1], words[16]) and torch.equal(mixed[2], words[1])
+        assert torch.equal(unpack_pairs(mixed, interleave=True), values)
+    assert not W4A16Linear(*quantize_groups(torch.randn(24, 256)), 128, None).add_pairs()  # rows in tiles of 16
+    linear = W4A16Linear(*quantize_groups(torch.randn(32, 256)), 128, None)
+    assert linear.add_pairs(interleave=True) and linear.has_pairs and linear.pairs_interleaved
+    assert linear.other_layouts() == [linear.pairs_words]
+
+
+def test_the_pairs_gemv_splits_k_and_steps_through_whole_groups():
+    """pairs_split_k: the 8B's o_proj 4 slices and down_proj 2 (whole 128-word steps), the 1.5B's
+    o_proj 3 and down_proj 5 (enough programs, whole groups); pairs_tile: the largest step of
+    whole groups that divides a slice, and an error where slices would cut a group."""
+    from engine.kernels.int4_pairs_gemv import pairs_split_k, pairs_tile
+
+    assert (pairs_split_k(4096, 4096, 128), pairs_split_k(4096, 14336, 128)) == (4, 2)
+    assert (pairs_split_k(1536, 1536, 128), pairs_split_k(1536, 8960, 128)) == (3, 5)
+    assert pairs_split_k(896, 896, 128) == 1
+    assert pairs_tile(4096, 128).block_w == 128 and pairs_tile(14336, 128, 4).block_w == 64
+    assert pairs_tile(8960, 128, 5).block_w == 32 and pairs_tile(256, 32, 4).block_w == 8
+    with pytest.raises(ValueError, match="whole groups"):
+        pairs_tile(256, 128, 4)
+
+
+def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, monkeypatch):
+    """Triton's interpreter runs the pairs GEMV's float32 twin of its PTX; here the kernel with the
+    PTX products (and PDL, a prefetch, the gated epilogue) compiles for sm_90 through ptxas (no GPU
+    needed): nibble pairs made bf16 pairs by LOP3 and multiplied by bf16x2 FMAs, no per-weight
+    conversion to float."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels._int4_pairs_triton import int4_pairs_gemv_kernel as kernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
+    types = {"XP": "*i32", "QW": "*i32", "S": "*fp16", "MN": "*fp16", "Y": "*bf16", "B": "*i32"}
+    for gated in (False, True):
+        constexprs = {"GROUP": 128, "BLOCK_N": 16, "BLOCK_W": 128, "SPLIT_K": 1, "HAS_BIAS": False, "USE_PDL": True,
+                      "PREFETCH_W": 128, "USE_ASM": True, "INTERLEAVED": gated, "GATED": gated}
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(kernel.fn).parameters}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": 3})
+        ptx = compiled.asm["ptx"]
+        assert compiled.asm["cubin"] and "fma.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx and "lop3.b32" in ptx
+        assert "griddepcontrol.wait" in ptx and "prefetch.global.L2" in ptx
+
+
 def test_a_policy_names_a_known_int4_kernel():
     GemvPolicy(int4_kernel="tinygemm")
+    GemvPolicy(int4_kernel="pairs")
     with pytest.raises(ValueError, match="int4_kernel"):
         GemvPolicy(int4_kernel="marlin")
 
