@@ -195,7 +195,7 @@ class W4A16Linear(nn.Module):
 
         if not pairs_fit(self.out_features, self.in_features, self.group):
             return False
-        self.pairs_words = nn.Parameter(pack_pairs(self.qweight, self.group, interleave), requires_grad=False)
+        self.pairs_words = nn.Parameter(pack_pairs(unpack_groups(self.qweight, self.group), interleave), requires_grad=False)
         self.pairs_interleaved = interleave
         return True
 

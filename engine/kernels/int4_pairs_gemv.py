@@ -5,7 +5,7 @@ bf16's time; PyTorch's tinygemm reads the 8B's projections at 0.43-0.68 of the c
 and a kernel that widens one nibble at a time is bound by its CUDA-core instructions, not by
 DRAM. This kernel (engine/kernels/_int4_pairs_triton.py) widens two nibbles into a bf16 pair with
 one LOP3 and multiplies pairs with bf16x2 FMAs. It needs its own layout of the weight,
-:func:`pack_pairs` (made once at load, engine/w4a16.py ``W4A16Linear.add_pairs``), and takes x as
+:func:`pack_pairs` (made once at load by engine/w4a16.py's ``W4A16Linear.add_pairs``), and takes x as
 it lies (bf16). o_proj and down_proj (few rows, long K) split K for more programs; their float32
 partials are summed by the next residual add + RMSNorm.
 """
@@ -30,15 +30,13 @@ class PairsTile:
     num_stages: int = 3
 
 
-def pack_pairs(qweight: torch.Tensor, group: int, interleave: bool = False) -> torch.Tensor:
-    """engine/w4a16.py's packed groups (uint8 [N, K/2]: a group's first half in the low nibbles of
-    its bytes, its second half in the high ones) as the kernel's int32 words [N, K/8]: input
-    8i + 2p + h in bits 16h + 4p of word i, so that each masked nibble pair meets the bf16 pair of
-    x that lies beside it in memory. ``interleave`` (a gate|up weight): rows i and N/2 + i become
-    rows 2i and 2i + 1, so one program computes both halves of its SwiGLU outputs."""
-    from engine.w4a16 import unpack_groups
-
-    q = unpack_groups(qweight, group).to(torch.int32)  # [N, K] in input order
+def pack_pairs(values: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """A weight's 4-bit values (uint8 [N, K] in input order, 0..15: engine/w4a16.py ``unpack_groups``)
+    as the kernel's int32 words [N, K/8]: input 8i + 2p + h in bits 16h + 4p of word i, so that
+    each masked nibble pair meets the bf16 pair of x that lies beside it in memory. ``interleave``
+    (a gate|up weight): rows i and N/2 + i become rows 2i and 2i + 1, so one program computes both
+    halves of its SwiGLU outputs."""
+    q = values.to(torch.int32)
     words = torch.zeros((q.shape[0], q.shape[1] // 8), dtype=torch.int32, device=q.device)
     for j in range(8):  # input 8i + j: p = j // 2, h = j % 2
         words |= q[:, j::8] << (16 * (j % 2) + 4 * (j // 2))  # the top nibble's shift wraps into the sign bit, as meant

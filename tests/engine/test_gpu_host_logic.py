@@ -126,7 +126,7 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
     from dataclasses import fields
 
     from engine.bench.latency import decode_path_variants
-    from engine.kernels.gemv_policy import GemvPolicy
+    from engine.kernels.gemv_policy import INT4_KERNELS, GemvPolicy
 
     path = GemvPolicy(max_rows=1, pdl=True)
     variants = decode_path_variants(path)
@@ -148,7 +148,7 @@ def test_the_bench_varies_one_part_of_the_decode_path_at_a_time():
                 changed = [f.name for f in fields(GemvPolicy) if getattr(variant, f.name) != getattr(path, f.name)]
                 assert len(changed) <= 2, (name, changed)
         kinds = {v.int4_kernel for v in quantized.values()}
-        assert (kinds == {"tinygemm", "triton"}) == int4
+        assert kinds == (set(INT4_KERNELS) if int4 else {path.int4_kernel})
         assert ({v.fp8_down_split_k for v in quantized.values()} == {1, 2}) == fp8
 
 
@@ -159,7 +159,7 @@ def test_the_decode_path_label_names_only_the_weights_own_choices():
     path = GemvPolicy(max_rows=1, pdl=True)
     assert "FP8" not in path_name(path) and "int4" not in path_name(path)
     assert "FP8 math fp16 K 256" in path_name(path, fp8=True) and "down GEMV split-K 1" in path_name(path, fp8=True)
-    assert "int4 tinygemm" in path_name(path, int4=True) and "down GEMV split-K 2" in path_name(path, int4=True)
+    assert "int4 pairs" in path_name(path, int4=True) and "down GEMV split-K 2" in path_name(path, int4=True)
 
 
 def test_late_release_names_known_projections():

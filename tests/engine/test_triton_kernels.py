@@ -660,14 +660,14 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
     import torch.nn.functional as F
 
     from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
-    from engine.w4a16 import int4_linear_ref, quantize_groups
+    from engine.w4a16 import int4_linear_ref, quantize_groups, unpack_groups
 
     tol = 1e-2 if DEVICE.type == "cuda" else 1e-4
     for k, n, group in ((384, 96, 128), (256, 64, 32), (3072, 32, 128)):
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE) * 3
         w = torch.randn(n, k, device=DEVICE) * torch.logspace(-2, 0, k, device=DEVICE)[None, :] + torch.randn(n, 1, device=DEVICE)
         q, scales, mins = quantize_groups(w, group)
-        words = pack_pairs(q, group)
+        words = pack_pairs(unpack_groups(q, group))
         ref = int4_linear_ref(x.to(torch.bfloat16).float(), q, scales, mins, group, out_dtype=torch.float32)
         got = int4_pairs_gemv(x, words, scales, mins, group, pdl=pdl)
         assert got.shape == (1, n) and got.dtype == x.dtype and rel(got, ref) < max(tol, TOL), (k, n, group)
@@ -678,7 +678,7 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
             if (k // 8) % (split * group // 8) == 0:
                 parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split)
                 assert parts.shape == (split, 1, n) and parts.dtype == torch.float32 and rel(parts.sum(0), ref) < tol, (k, split)
-        mixed = pack_pairs(q, group, interleave=True)
+        mixed = pack_pairs(unpack_groups(q, group), interleave=True)
         got = int4_pairs_gemv(x, mixed, scales, mins, group, b, torch.float32, pdl=pdl, interleaved=True)
         assert rel(got, ref + b.float()) < tol, (k, n, group)
         gate, up = ref.chunk(2, dim=-1)
@@ -689,10 +689,10 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
 def test_the_pairs_gemv_refuses_what_it_cannot_compute():
     """Several rows, a gated call on a plain layout, or split slices of part groups: one clear error."""
     from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
-    from engine.w4a16 import quantize_groups
+    from engine.w4a16 import quantize_groups, unpack_groups
 
     q, scales, mins = quantize_groups(torch.randn(32, 256, device=DEVICE), 128)
-    words = pack_pairs(q, 128)
+    words = pack_pairs(unpack_groups(q, 128))
     x = torch.randn(2, 256, device=DEVICE, dtype=DTYPE)
     with pytest.raises(ValueError, match="int4_pairs_gemv"):
         int4_pairs_gemv(x, words, scales, mins, 128)

@@ -99,7 +99,7 @@ def test_tinygemm_takes_only_the_shapes_its_layout_has():
 
 def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
     """pack_pairs: word i holds inputs 8i..8i+7, input 8i + 2p + h in bits 16h + 4p (checked bit by
-    bit for one word), unpack_pairs reads the groups back, also interleaved (gate|up rows i and
+    bit for one word), unpack_pairs reads the values back, also interleaved (gate|up rows i and
     N/2 + i as rows 2i and 2i + 1); W4A16Linear.add_pairs takes only shapes the kernel tiles."""
     from engine.kernels.int4_pairs_gemv import pack_pairs, unpack_pairs
 
@@ -107,12 +107,12 @@ def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
     for group in (32, 128):
         q, scales, mins = quantize_groups(torch.randn(32, 256), group)
         values = unpack_groups(q, group)
-        words = pack_pairs(q, group)
+        words = pack_pairs(values)
         assert words.shape == (32, 32) and words.dtype == torch.int32
         assert torch.equal(unpack_pairs(words), values)
         word = int(words[3, 5]) & 0xFFFFFFFF
         assert all((word >> (16 * (j % 2) + 4 * (j // 2))) & 0xF == int(values[3, 40 + j]) for j in range(8))
-        mixed = pack_pairs(q, group, interleave=True)
+        mixed = pack_pairs(values, interleave=True)
         assert torch.equal(mixed[0], words[0]) and torch.equal(mixed[1], words[16]) and torch.equal(mixed[2], words[1])
         assert torch.equal(unpack_pairs(mixed, interleave=True), values)
     assert not W4A16Linear(*quantize_groups(torch.randn(24, 256)), 128, None).add_pairs()  # rows in tiles of 16

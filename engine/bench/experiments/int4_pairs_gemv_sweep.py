@@ -15,7 +15,7 @@ import torch
 from engine.bench.ceilings import copy_bandwidth
 from engine.bench.kernels import time_rotating
 from engine.kernels.int4_pairs_gemv import PairsTile, int4_pairs_gemv, pack_pairs, pairs_split_k, pairs_tile
-from engine.w4a16 import GROUP, W4A16Linear, dequantize_groups, quantize_groups
+from engine.w4a16 import GROUP, W4A16Linear, dequantize_groups, quantize_groups, unpack_groups
 
 device = torch.device("cuda")
 torch.manual_seed(0)
@@ -26,7 +26,7 @@ for n, k, group, split, bias in [(256, 4096, 128, 1, False), (512, 14336, 128, 2
     x = (torch.randn(1, k, device=device) * 3).to(torch.bfloat16)
     b = torch.randn(n, device=device) if bias else None
     want = x.float() @ dequantize_groups(qw, s, mn, group).t() + (b if bias else 0)
-    y = int4_pairs_gemv(x, pack_pairs(qw, group), s, mn, group, b, torch.float32 if split == 1 else None, split_k=split)
+    y = int4_pairs_gemv(x, pack_pairs(unpack_groups(qw, group)), s, mn, group, b, torch.float32 if split == 1 else None, split_k=split)
     y = y.sum(dim=0) if split > 1 else y
     err = ((y - want).norm() / want.norm()).item()
     print(f"check [{n} x {k}] group {group} split {split}{' bias' if bias else ''}: relative error {err:.2e} (bf16 word sums)", flush=True)
