@@ -123,8 +123,7 @@ class LoadedModel:
             int4 = [m for m in model.modules() if isinstance(m, W4A16Linear)]
             # batch-1 decode runs PyTorch's kernel or the pairs GEMV (GemvPolicy.int4_kernel), each on its own layout
             laid_out = sum(m.add_tinygemm() for m in int4)
-            paired = sum(m.add_pairs(interleave=name.endswith("gate_up_proj"))
-                         for name, m in model.named_modules() if isinstance(m, W4A16Linear))
+            paired = sum(m.add_pairs() for m in int4)
             log.info("int4: of %d projections, %d also laid out for aten._weight_int4pack_mm, %d for the pairs GEMV",
                      len(int4), laid_out, paired)
             torch.cuda.empty_cache()

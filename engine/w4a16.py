@@ -119,7 +119,6 @@ class W4A16Linear(nn.Module):
         self.tinygemm_weight: nn.Parameter | None = None  # with the scales and zeros below: after add_tinygemm
         self.tinygemm_scales_zeros: nn.Parameter | None = None
         self.pairs_words: nn.Parameter | None = None  # after add_pairs (the scales and minimums are shared)
-        self.pairs_interleaved = False
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group: int = GROUP) -> "W4A16Linear":
@@ -129,33 +128,21 @@ class W4A16Linear(nn.Module):
         return cls(*quantize_groups(linear.weight.detach(), group), group, None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
-                prefetch_k: int = 0, kernel: str = "auto", gated: bool = False) -> torch.Tensor:
+                prefetch_k: int = 0, kernel: str = "auto") -> torch.Tensor:
         """Any number of rows; one row through the "pairs" GEMV where ``kernel`` is "pairs" and the
         weight has that layout (:meth:`add_pairs`); tinygemm where the weight has its layout and
         ``kernel`` is "tinygemm" (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
         its float32 reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials
-        [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py) or the pairs GEMV.
-        ``gated`` (a gate|up weight): silu(gate) * up [..., out / 2], in the pairs GEMV's epilogue
-        where its layout is interleaved (:meth:`add_pairs`), else by a kernel after."""
-        from engine.kernels import silu_and_mul
+        [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py) or the pairs GEMV."""
         from engine.kernels.int4_pairs_gemv import int4_pairs_gemv
 
         rows = x.reshape(-1, x.shape[-1])
-        if gated and split_k > 1:
-            raise ValueError("W4A16Linear: a gated projection is not split")
         if kernel == "pairs" and self.has_pairs and rows.shape[0] == 1:
-            fused = gated and self.pairs_interleaved
             y = int4_pairs_gemv(rows, self.pairs_words, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k,
-                                pdl=pdl, prefetch_k=prefetch_k, interleaved=self.pairs_interleaved, gated=fused)
-            if split_k > 1:
-                return y
-            y = y if fused or not gated else silu_and_mul(y, pdl=pdl)
-            return y.reshape(*x.shape[:-1], -1)
-        y = self._multiply(rows, out_dtype, split_k, pdl, prefetch_k, kernel)
-        if split_k > 1:
-            return y
-        y = silu_and_mul(y, pdl=pdl) if gated else y
-        return y.reshape(*x.shape[:-1], -1)
+                                pdl=pdl, prefetch_k=prefetch_k)
+        else:
+            y = self._multiply(rows, out_dtype, split_k, pdl, prefetch_k, kernel)
+        return y if split_k > 1 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _multiply(self, rows: torch.Tensor, out_dtype: torch.dtype | None, split_k: int, pdl: bool, prefetch_k: int,
                   kernel: str) -> torch.Tensor:
@@ -187,16 +174,14 @@ class W4A16Linear(nn.Module):
     def has_tinygemm(self) -> bool:
         return self.tinygemm_weight is not None
 
-    def add_pairs(self, interleave: bool = False) -> bool:
+    def add_pairs(self) -> bool:
         """Lay the groups out as the "pairs" GEMV's int32 words as well (engine/kernels/int4_pairs_gemv.py,
-        one-row steps; the scales and minimums are shared); ``interleave`` for a gate|up weight
-        (SwiGLU in the GEMV, ``forward(gated=True)``). False where the shape does not fit."""
+        one-row steps; the scales and minimums are shared); False where the shape does not fit."""
         from engine.kernels.int4_pairs_gemv import pack_pairs, pairs_fit
 
         if not pairs_fit(self.out_features, self.in_features, self.group):
             return False
-        self.pairs_words = nn.Parameter(pack_pairs(unpack_groups(self.qweight, self.group), interleave), requires_grad=False)
-        self.pairs_interleaved = interleave
+        self.pairs_words = nn.Parameter(pack_pairs(unpack_groups(self.qweight, self.group)), requires_grad=False)
         return True
 
     @property

@@ -102,18 +102,13 @@ def _word_products_plain(w, xa, xb, xc, xd):
 def int4_pairs_gemv_kernel(
     XP, QW, S, MN, Y, B, N, K, stride_ys,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True, INTERLEAVED: tl.constexpr = False,
-    GATED: tl.constexpr = False,
+    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True,
 ):
     """Y = W @ x for one row x, given as int32 bf16 pairs XP [K/2]. QW [N, K/8] int32 words (module
     doc), S and MN [N, K/GROUP] fp16 scales and minimums. The caller checks: N a multiple of
     BLOCK_N, each K slice (K / 8 / SPLIT_K words) a multiple of BLOCK_W, itself of GROUP / 8.
     HAS_BIAS (SPLIT_K 1): B [N] added in float32. PREFETCH_W (with USE_PDL): words of each row's
-    slice requested into L2 before the wait. USE_ASM False: the interpreter's float32 products.
-    INTERLEAVED: QW's rows 2i and 2i + 1 are the weight's rows i and N/2 + i (a gate|up weight,
-    ``pack_pairs(interleave=True)``); S, MN, B and Y keep the weight's order, so each program's
-    rows hold both halves of its outputs. GATED (with it, SPLIT_K 1): Y [N/2] = silu(gate) * up,
-    SwiGLU in the epilogue instead of a kernel after."""
+    slice requested into L2 before the wait. USE_ASM False: the interpreter's float32 products."""
     GW: tl.constexpr = GROUP // 8  # words a group
     GROUPS: tl.constexpr = BLOCK_W // GW
     pid_n = tl.program_id(0)
@@ -123,13 +118,9 @@ def int4_pairs_gemv_kernel(
     w_first = pid_k * w_len
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n.to(tl.int64)
-    if INTERLEAVED:
-        weight_rows = offs_n // 2 + (offs_n % 2) * (N // 2)  # the weight's row of each of QW's
-    else:
-        weight_rows = offs_n
     words = tl.arange(0, BLOCK_W)
     w_ptrs = QW + rows[:, None] * kw + w_first + words[None, :]
-    g_offs = weight_rows.to(tl.int64) * (K // GROUP) + w_first // GW
+    g_offs = rows * (K // GROUP) + w_first // GW
     if USE_PDL and PREFETCH_W > 0:  # the slice's first words into L2 while the kernel before runs (32 words a line)
         prefetch_rows_l2(QW + rows[:, None] * kw + w_first, w_len, PREFETCH_W, 32)
     pdl_wait(USE_PDL)
@@ -154,10 +145,5 @@ def int4_pairs_gemv_kernel(
         low = tl.load(MN + g_offs[:, None] + g[None, :]).to(tl.float32) + 8.0 * scale  # the centred nibbles' minimum
         acc += tl.sum(scale * by_group + low * x_groups[None, :], axis=1)
     if HAS_BIAS:
-        acc += tl.load(B + weight_rows).to(tl.float32)
-    if GATED:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-        out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(Y + out, (gate * tl.sigmoid(gate) * up).to(Y.dtype.element_ty))
-    else:
-        tl.store(Y + pid_k * stride_ys + weight_rows, acc.to(Y.dtype.element_ty))
+        acc += tl.load(B + offs_n).to(tl.float32)
+    tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty))

@@ -30,27 +30,21 @@ class PairsTile:
     num_stages: int = 3
 
 
-def pack_pairs(values: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+def pack_pairs(values: torch.Tensor) -> torch.Tensor:
     """A weight's 4-bit values (uint8 [N, K] in input order, 0..15: engine/w4a16.py ``unpack_groups``)
     as the kernel's int32 words [N, K/8]: input 8i + 2p + h in bits 16h + 4p of word i, so that
-    each masked nibble pair meets the bf16 pair of x that lies beside it in memory. ``interleave``
-    (a gate|up weight): rows i and N/2 + i become rows 2i and 2i + 1, so one program computes both
-    halves of its SwiGLU outputs."""
+    each masked nibble pair meets the bf16 pair of x that lies beside it in memory."""
     q = values.to(torch.int32)
     words = torch.zeros((q.shape[0], q.shape[1] // 8), dtype=torch.int32, device=q.device)
     for j in range(8):  # input 8i + j: p = j // 2, h = j % 2
         words |= q[:, j::8] << (16 * (j % 2) + 4 * (j // 2))  # the top nibble's shift wraps into the sign bit, as meant
-    if interleave:
-        words = words.reshape(2, -1, words.shape[1]).transpose(0, 1).reshape(words.shape)
     return words
 
 
-def unpack_pairs(words: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """The 4-bit values of :func:`pack_pairs`'s words in input order and the weight's row order,
-    uint8 [N, K] (tests)."""
+def unpack_pairs(words: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values of :func:`pack_pairs`'s words in input order, uint8 [N, K] (tests)."""
     shifts = torch.tensor([16 * (j % 2) + 4 * (j // 2) for j in range(8)], dtype=torch.int32, device=words.device)
-    q = ((words[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1).to(torch.uint8)
-    return q.reshape(-1, 2, q.shape[1]).transpose(0, 1).reshape(q.shape) if interleave else q
+    return ((words[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def pairs_fit(n: int, k: int, group: int) -> bool:
@@ -89,17 +83,14 @@ def pairs_split_k(n: int, k: int, group: int) -> int:
 def int4_pairs_gemv(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, split_k: int = 1, pdl: bool = False,
-    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None, interleaved: bool = False,
-    gated: bool = False,
+    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ W^T (+ bias) -> [1, N] in ``out_dtype`` (default x's), W as :func:`pack_pairs`'s
     ``words`` [N, K/8] with ``scales`` and ``mins`` [N, K/group] fp16. x is read as bf16 (cast if
     it is not). ``split_k`` > 1: float32 partials [split_k, 1, N] (no bias, no ``out_dtype``) for
     the next residual add + RMSNorm. ``pdl``: programmatic dependent launch (Hopper+);
     ``prefetch_k`` (with it): inputs of each row's slice requested into L2 before the wait.
-    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones).
-    ``interleaved``: ``words`` packed with ``interleave=True`` (a gate|up weight); ``gated`` (with
-    it, unsplit): -> [1, N/2] = silu(gate) * up, SwiGLU in the GEMV's epilogue."""
+    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones)."""
     from engine.kernels._int4_pairs_triton import int4_pairs_gemv_kernel
     from engine.kernels.triton_utils import launch_options
 
@@ -110,21 +101,19 @@ def int4_pairs_gemv(
             or split_k < 1 or (k // 8) % (split_k * tile.block_w) or tile.block_w % (group // 8)
             or scales.shape != (n, k // group) or mins.shape != scales.shape or not words.is_contiguous()
             or not scales.is_contiguous() or not mins.is_contiguous()
-            or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)
-            or (gated and (not interleaved or split_k > 1))):
+            or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)):
         raise ValueError(f"int4_pairs_gemv: x {tuple(x.shape)} words {tuple(words.shape)} {words.dtype} scales {tuple(scales.shape)} "
                          f"mins {tuple(mins.shape)} group {group} split_k {split_k} bias {None if bias is None else tuple(bias.shape)} "
-                         f"out_dtype {out_dtype} interleaved {interleaved} gated {gated} do not fit {tile}")
+                         f"out_dtype {out_dtype} do not fit {tile}")
     pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)
     if split_k > 1:
         y = torch.empty((split_k, 1, n), dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty((1, n // 2 if gated else n), dtype=out_dtype or x.dtype, device=x.device)
+        y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     int4_pairs_gemv_kernel[(n // tile.block_n, split_k)](
         pairs, words, scales, mins, y, words if bias is None else bias, n, k, y.stride(0) if split_k > 1 else 0,
         GROUP=group, BLOCK_N=tile.block_n, BLOCK_W=tile.block_w, SPLIT_K=split_k, HAS_BIAS=bias is not None, USE_PDL=pdl,
-        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm, INTERLEAVED=interleaved,
-        GATED=gated,
+        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return y

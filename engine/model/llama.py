@@ -201,8 +201,8 @@ def _gemv(
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs the kernel the policy names where the weight has
-    its layout (the pairs GEMV for one row only, SwiGLU in its epilogue; else tinygemm, else the
-    Triton kernel, SwiGLU after it)."""
+    its layout (the pairs GEMV for one row only; else tinygemm, else the Triton kernel), SwiGLU
+    after it (in the pairs GEMV's epilogue it cost 0.16 ms a step: docs/performance.md)."""
     if isinstance(linear, W4A16Linear):
         # Triton and pairs: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
         pairs = gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1
@@ -211,9 +211,10 @@ def _gemv(
         if name in ("o", "down") and (pairs or triton):
             shape = (linear.out_features, linear.in_features, linear.group)
             split = pairs_split_k(*shape) if pairs else int4_split_k(x.shape[0], *shape)
-        return linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
-                      prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)),
-                      kernel="pairs" if pairs else "triton" if triton else "tinygemm", gated=gated)
+        y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
+                   prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)),
+                   kernel="pairs" if pairs else "triton" if triton else "tinygemm")
+        return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None
     if name in gemv.sum_tiles and scale is None and not gated and x.shape[0] == 1:

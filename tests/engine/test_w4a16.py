@@ -99,8 +99,8 @@ def test_tinygemm_takes_only_the_shapes_its_layout_has():
 
 def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
     """pack_pairs: word i holds inputs 8i..8i+7, input 8i + 2p + h in bits 16h + 4p (checked bit by
-    bit for one word), unpack_pairs reads the values back, also interleaved (gate|up rows i and
-    N/2 + i as rows 2i and 2i + 1); W4A16Linear.add_pairs takes only shapes the kernel tiles."""
+    bit for one word), unpack_pairs reads the values back; W4A16Linear.add_pairs takes only shapes
+    the kernel tiles."""
     from engine.kernels.int4_pairs_gemv import pack_pairs, unpack_pairs
 
     torch.manual_seed(0)
@@ -112,12 +112,9 @@ def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
         assert torch.equal(unpack_pairs(words), values)
         word = int(words[3, 5]) & 0xFFFFFFFF
         assert all((word >> (16 * (j % 2) + 4 * (j // 2))) & 0xF == int(values[3, 40 + j]) for j in range(8))
-        mixed = pack_pairs(values, interleave=True)
-        assert torch.equal(mixed[0], words[0]) and torch.equal(mixed[1], words[16]) and torch.equal(mixed[2], words[1])
-        assert torch.equal(unpack_pairs(mixed, interleave=True), values)
     assert not W4A16Linear(*quantize_groups(torch.randn(24, 256)), 128, None).add_pairs()  # rows in tiles of 16
     linear = W4A16Linear(*quantize_groups(torch.randn(32, 256)), 128, None)
-    assert linear.add_pairs(interleave=True) and linear.has_pairs and linear.pairs_interleaved
+    assert linear.add_pairs() and linear.has_pairs
     assert linear.other_layouts() == [linear.pairs_words]
 
 
@@ -138,7 +135,7 @@ def test_the_pairs_gemv_splits_k_and_steps_through_whole_groups():
 
 def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, monkeypatch):
     """Triton's interpreter runs the pairs GEMV's float32 twin of its PTX; here the kernel with the
-    PTX products (and PDL, a prefetch, the gated epilogue) compiles for sm_90 through ptxas (no GPU
+    PTX products (and PDL, a prefetch) compiles for sm_90 through ptxas (no GPU
     needed): nibble pairs made bf16 pairs by LOP3 and multiplied by bf16x2 FMAs, no per-weight
     conversion to float."""
     import inspect
@@ -151,9 +148,9 @@ def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, 
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     types = {"XP": "*i32", "QW": "*i32", "S": "*fp16", "MN": "*fp16", "Y": "*bf16", "B": "*i32"}
-    for gated in (False, True):
-        constexprs = {"GROUP": 128, "BLOCK_N": 16, "BLOCK_W": 128, "SPLIT_K": 1, "HAS_BIAS": False, "USE_PDL": True,
-                      "PREFETCH_W": 128, "USE_ASM": True, "INTERLEAVED": gated, "GATED": gated}
+    for split in (1, 2):
+        constexprs = {"GROUP": 128, "BLOCK_N": 16, "BLOCK_W": 128, "SPLIT_K": split, "HAS_BIAS": False, "USE_PDL": True,
+                      "PREFETCH_W": 128, "USE_ASM": True}
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(kernel.fn).parameters}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4, "num_stages": 3})
