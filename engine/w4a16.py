@@ -7,11 +7,13 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
   with an fp16 scale and minimum (w ~ q * scale + min, q in 0..15: GGUF's Q4_1 rule, asymmetric so
   that a group's range is used whole), two weights a byte: a group's first half in the low nibbles
   of its ``group / 2`` bytes, its second half in the high ones (as GGUF's 32-weight blocks);
-- on CUDA, steps of up to TINYGEMM_MAX_ROWS rows (decode of a few requests) run PyTorch's own int4
-  kernel (``aten._weight_int4pack_mm``, "tinygemm", the one gpt-fast uses; at batch 1 as
-  GemvPolicy.int4_kernel says): :meth:`W4A16Linear.add_tinygemm` lays the same groups out for it
-  once at load, with a bf16 scale and zero a group (the fp16 scale and minimum rounded to 8
-  mantissa bits, as on the CPU path);
+- on CUDA, one-row steps (batch-1 decode) run the "pairs" GEMV (engine/kernels/int4_pairs_gemv.py,
+  two weights an instruction) where GemvPolicy.int4_kernel says so (the default):
+  :meth:`W4A16Linear.add_pairs` lays the groups out as its int32 words once at load;
+- steps of up to TINYGEMM_MAX_ROWS rows (decode of a few requests) run PyTorch's own int4
+  kernel (``aten._weight_int4pack_mm``, "tinygemm", the one gpt-fast uses):
+  :meth:`W4A16Linear.add_tinygemm` lays the same groups out for it once at load, with a bf16
+  scale and zero a group (the fp16 scale and minimum rounded to 8 mantissa bits, as on the CPU path);
 - larger steps (prefill, bigger batches) multiply through this engine's Triton kernel
   (engine/kernels/int4_linear.py), which widens the nibbles to fp16 in registers, with the
   activations cast to fp16 (bf16 out). tinygemm is 2.3x faster at one row and slower from 8.
