@@ -91,6 +91,14 @@ class GemvPolicy:
     steps of more rows fall back to tinygemm. 8B shape, batch 1, H100 (2026-12-06 04:51 UTC): 433.62
     against tinygemm's 372.62 tok/s with an e4m3 head, 446.79 against 377.38 with an int4 head."""
 
+    pairs_min_bytes: int = 8 << 20
+    """With ``int4_kernel`` "pairs": only weights of at least this many bytes of nibbles take the
+    pairs GEMV, smaller ones tinygemm. H100, batch 1, each kernel alone (2026-12-06,
+    engine/bench/experiments/int4_pairs_gemv_sweep.py): pairs won on every 8B projection (8 MiB
+    o_proj 6.1 against 6.8 us up to 56 MiB gate|up 23.8 against 35.1) and on the 1.5B's 13 MiB
+    gate|up (10.0 against 11.3); tinygemm won on the 1.5B's q|k|v, o_proj and down_proj (1.5, 1.1
+    and 6.6 MiB: 3.6 against 4.4 us, 3.5 against 3.9, 8.6 against 22 unsplit)."""
+
     def __post_init__(self) -> None:
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"GemvPolicy.int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")

@@ -205,7 +205,8 @@ def _gemv(
     after it (in the pairs GEMV's epilogue it cost 0.16 ms a step: docs/performance.md)."""
     if isinstance(linear, W4A16Linear):
         # Triton and pairs: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
-        pairs = gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1
+        pairs = (gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1
+                 and linear.qweight.numel() >= gemv.pairs_min_bytes)
         triton = not pairs and (gemv.int4_kernel == "triton" or not linear.has_tinygemm)
         split = 1
         if name in ("o", "down") and (pairs or triton):

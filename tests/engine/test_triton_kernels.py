@@ -508,6 +508,36 @@ def test_the_policy_puts_named_one_row_projections_on_the_cuda_core_gemv(monkeyp
         GemvPolicy(sum_tiles=("q_proj",))
 
 
+def test_the_policy_gives_the_pairs_gemv_one_row_of_a_large_enough_int4_weight(monkeypatch):
+    """The model's _gemv runs the pairs GEMV for a one-row step of an int4 weight with that layout
+    and at least GemvPolicy.pairs_min_bytes of nibbles (o_proj and down_proj split by
+    pairs_split_k), else the Triton kernel here (tinygemm on CUDA): a smaller weight, more rows, or
+    another policy. The kernels run for real; a wrapper records which one each call took."""
+    import engine.model.llama as llama
+    from engine.kernels.gemv_policy import GemvPolicy
+    from engine.w4a16 import W4A16Linear, quantize_groups
+
+    seen = []
+    forward = W4A16Linear.forward
+
+    def recorded(self, x, **kw):
+        seen.append((kw["kernel"], kw["split_k"]))
+        return forward(self, x, **kw)
+
+    monkeypatch.setattr(W4A16Linear, "forward", recorded)
+    linear = W4A16Linear(*quantize_groups(torch.randn(32, 4096, device=DEVICE)), 128, None)
+    assert linear.add_pairs()
+    x = torch.randn(1, 4096, device=DEVICE, dtype=DTYPE)
+    small, large = GemvPolicy(max_rows=4), GemvPolicy(max_rows=4, pairs_min_bytes=32 * 2048)  # the weight: 64 KiB of nibbles
+    tinygemm = "tinygemm" if DEVICE.type == "cuda" and linear.add_tinygemm() else "triton"  # the interpreter: the Triton kernel
+    llama._gemv(small, "qkv", x, linear)
+    llama._gemv(large, "qkv", x, linear)
+    llama._gemv(large, "o", x, linear)
+    llama._gemv(large, "qkv", x.expand(2, -1), linear)
+    llama._gemv(GemvPolicy(max_rows=4, int4_kernel="tinygemm", pairs_min_bytes=0), "qkv", x, linear)
+    assert seen == [(tinygemm, 1), ("pairs", 1), ("pairs", 4), (tinygemm, 1), (tinygemm, 1)]
+
+
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""
@@ -879,7 +909,8 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
         for rows in (3, 9):
             x = torch.randn(rows, proj.in_features, device=DEVICE, dtype=DTYPE)
             assert rel(proj(x), int4_linear_ref(x, proj.qweight, proj.scales, proj.mins, proj.group, out_dtype=torch.float32)) < 2e-2
-    got = LLM(core=build_engine(config, int4, gemv=GemvPolicy(max_rows=1, int4_kernel=kernel))).generate([prompt], params)[0]
+    gemv = GemvPolicy(max_rows=1, int4_kernel=kernel, pairs_min_bytes=0)  # a tiny model's weights: all below the default
+    got = LLM(core=build_engine(config, int4, gemv=gemv)).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
 
 
