@@ -1,5 +1,7 @@
-"""One-off (written 2026-12-06, NOT YET RUN on a GPU): a batch-1 int4 GEMV that widens nibbles
-two at a time, against PyTorch's tinygemm, on the Llama-3.1-8B projection shapes.
+"""One-off (2026-12-06): a batch-1 int4 GEMV that widens nibbles two at a time (fp16 pairs),
+against PyTorch's tinygemm, on the Llama-3.1-8B projection shapes. Its H100 run
+(docs/results/2026-12-06-h100-int4-half2-gemv-ab.txt) led to the engine's bf16 version,
+engine/kernels/int4_pairs_gemv.py (fp16 word sums overflow for large inputs).
 
 Why: tinygemm reads the 8B's int4 projections at 0.43-0.68 of the copy bandwidth whatever its
 layout (docs/results/2026-12-06-h100-tinygemm-layout-sweep.txt), and this engine's earlier
@@ -24,7 +26,7 @@ then times tiles against tinygemm, one CUDA graph over weight copies larger than
 Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/int4_half2_gemv_ab.py``
 (``TRITON_INTERPRET=1 ... --check`` on the CPU).
 
-Before any GPU run (2026-12-06, this 2-core CPU): ``--check`` passed (packing and fp16 word sums
+Before its GPU run (2026-12-06, a 2-core CPU): ``--check`` passed (packing and fp16 word sums
 7.9e-4 relative error against the dequantized weight; the plain kernel 2e-7), and the asm kernel
 compiled for sm_90 through Triton's ptxas (``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))``): 32 rows x 64 words, per-step sums, 79 registers; with late
