@@ -81,6 +81,8 @@ def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False
     if int4:
         for kernel in sorted(set(INT4_KERNELS) - {path.int4_kernel}):
             variants[f"same, int4 kernel {kernel}"] = replace(path, int4_kernel=kernel)
+        if path.int4_kernel == "pairs" and path.fused_swiglu and path.pairs_swiglu_in_down:
+            variants["same, SwiGLU kernel after gate|up"] = replace(path, pairs_swiglu_in_down=False)
         if path.pdl:
             variants["same, PDL off"] = replace(path, pdl=False)
             variants["same, L2 prefetch 0 MiB a weight"] = replace(path, prefetch_bytes=0)
@@ -152,14 +154,17 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
 
 def path_name(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> str:
     """A short name of the decode path's parts, for the A/B rows (the FP8 and int4 choices only
-    for a model with such weights)."""
+    for a model with such weights; an int4 model's o_proj and down_proj split K by their shape)."""
     if not path.max_rows:
         return "cuBLAS"
     fp8_math = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
     down_split = path.fp8_down_split_k if fp8 else path.down_split_k
-    parts = ["GEMVs", f"int4 {path.int4_kernel}" if int4 else "", "SwiGLU in gate|up" if path.fused_swiglu else "",
-             fp8_math if fp8 else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 else "",
-             f"down GEMV split-K {down_split}" if path.gemv_down else "",
+    swiglu = "SwiGLU in gate|up" if path.fused_swiglu else ""
+    if int4 and path.fused_swiglu:
+        swiglu = "SwiGLU in down_proj's GEMV" if path.int4_kernel == "pairs" and path.pairs_swiglu_in_down else "SwiGLU after gate|up"
+    parts = ["GEMVs", f"int4 {path.int4_kernel}" if int4 else "", swiglu,
+             fp8_math if fp8 else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 and not int4 else "",
+             f"down GEMV split-K {down_split}" if path.gemv_down and not int4 else "",
              "PDL" if path.pdl else "", f"L2 prefetch {path.prefetch_bytes >> 20} MiB" if path.pdl and path.prefetch_bytes else "",
              " ".join(f"{name} {size / (1 << 20):g} MiB" for name, size in path.prefetch_by_projection) if path.pdl else "",
              f"late release {'+'.join(path.late_release)}" if path.pdl and path.late_release else ""]

@@ -20,6 +20,10 @@ GGUF's Q4_1 rule, as engine/w4a16.py). bf16, not fp16, so that no input of any s
 65,504 for 4 x 15 x |x|, a few layers' down_proj inputs of real models reach the thousands).
 With SPLIT_K > 1 the programs of grid axis 1 store float32 partials [SPLIT_K, N] for the next
 residual add + RMSNorm to sum, as the other decode GEMVs.
+
+SWIGLU (down_proj's GEMV): x is gate|up's output [2K] and each program makes its own slice of
+silu(gate) * up in float32 as the SwiGLU kernel does (engine/kernels/_activation_triton.py), then bf16,
+so a decode step needs no SwiGLU kernel between gate|up and down_proj.
 """
 
 import triton
@@ -82,6 +86,19 @@ def _pair_hi(p):
 
 
 @triton.jit
+def _swiglu_pairs(X, cols, K):
+    """silu(gate) * up at inputs ``cols`` [W, 8] of x = gate|up [2K] (any float dtype), in float32
+    as the SwiGLU kernel computes it, rounded to bf16 as the kernel reads any x: the int32 pairs
+    [W, 4] the products read (low half first)."""
+    gate = tl.load(X + cols).to(tl.float32)
+    up = tl.load(X + K + cols).to(tl.float32)
+    h = (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16).to(tl.float32)
+    bits = (h.to(tl.int32, bitcast=True) >> 16) & 0xFFFF  # the bf16's bits (a widened bf16's low half is zero)
+    lo, hi = tl.split(tl.reshape(bits, (cols.shape[0], 4, 2)))
+    return lo | (hi << 16)
+
+
+@triton.jit
 def _centred(w, shift):
     """The nibble at ``shift`` of each word, less 8, as float32."""
     return ((w >> shift) & 0xF).to(tl.float32) - 8.0
@@ -102,9 +119,10 @@ def _word_products_plain(w, xa, xb, xc, xd):
 def int4_pairs_gemv_kernel(
     XP, QW, S, MN, Y, B, N, K, stride_ys,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True,
+    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True, SWIGLU: tl.constexpr = False,
 ):
-    """Y = W @ x for one row x, given as int32 bf16 pairs XP [K/2]. QW [N, K/8] int32 words (module
+    """Y = W @ x for one row x, given as int32 bf16 pairs XP [K/2] (SWIGLU: gate|up's bf16 [2K],
+    x = silu(gate) * up). QW [N, K/8] int32 words (module
     doc), S and MN [N, K/GROUP] fp16 scales and minimums. The caller checks: N a multiple of
     BLOCK_N, each K slice (K / 8 / SPLIT_K words) a multiple of BLOCK_W, itself of GROUP / 8.
     HAS_BIAS (SPLIT_K 1): B [N] added in float32. PREFETCH_W (with USE_PDL): words of each row's
@@ -127,7 +145,10 @@ def int4_pairs_gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(0, w_len, BLOCK_W):
         w = tl.load(w_ptrs + w0, eviction_policy="evict_first")
-        x4 = tl.load(XP + (w_first + w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :])  # a word's four pairs: one 16-byte load
+        if SWIGLU:
+            x4 = _swiglu_pairs(XP, (w_first + w0 + words)[:, None] * 8 + tl.arange(0, 8)[None, :], K)
+        else:
+            x4 = tl.load(XP + (w_first + w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :])  # a word's four pairs: one 16-byte load
         x_ac, x_bd = tl.split(tl.reshape(x4, (BLOCK_W, 2, 2)))
         xa, xc = tl.split(x_ac)
         xb, xd = tl.split(x_bd)

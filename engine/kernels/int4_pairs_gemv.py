@@ -7,7 +7,8 @@ DRAM. This kernel (engine/kernels/_int4_pairs_triton.py) widens two nibbles into
 one LOP3 and multiplies pairs with bf16x2 FMAs. It needs its own layout of the weight,
 :func:`pack_pairs` (made once at load by engine/w4a16.py's ``W4A16Linear.add_pairs``), and takes x as
 it lies (bf16). o_proj and down_proj (few rows, long K) split K for more programs; their float32
-partials are summed by the next residual add + RMSNorm.
+partials are summed by the next residual add + RMSNorm. down_proj's GEMV can take gate|up's output
+and apply SwiGLU to its slice of it as it reads it (``swiglu=True``): no SwiGLU kernel a layer.
 """
 
 from __future__ import annotations
@@ -83,29 +84,30 @@ def pairs_split_k(n: int, k: int, group: int) -> int:
 def int4_pairs_gemv(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, split_k: int = 1, pdl: bool = False,
-    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None,
+    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None, swiglu: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ W^T (+ bias) -> [1, N] in ``out_dtype`` (default x's), W as :func:`pack_pairs`'s
     ``words`` [N, K/8] with ``scales`` and ``mins`` [N, K/group] fp16. x is read as bf16 (cast if
     it is not). ``split_k`` > 1: float32 partials [split_k, 1, N] (no bias, no ``out_dtype``) for
     the next residual add + RMSNorm. ``pdl``: programmatic dependent launch (Hopper+);
     ``prefetch_k`` (with it): inputs of each row's slice requested into L2 before the wait.
-    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones)."""
+    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones).
+    ``swiglu``: x is gate|up's output [1, 2K] (any float dtype) and the product is silu(gate) * up @ W^T,
+    SwiGLU computed in float32 and rounded to bf16, as its own kernel's output would be read."""
     from engine.kernels._int4_pairs_triton import int4_pairs_gemv_kernel
     from engine.kernels.triton_utils import launch_options
 
-    m, k = x.shape
-    n = words.shape[0]
+    (m, width), (n, k) = x.shape, (words.shape[0], words.shape[1] * 8)
     tile = tile or pairs_tile(k, group, split_k)
-    if (m != 1 or words.shape != (n, k // 8) or words.dtype != torch.int32 or not pairs_fit(n, k, group) or n % tile.block_n
+    if (m != 1 or width != (2 * k if swiglu else k) or words.dtype != torch.int32 or not pairs_fit(n, k, group) or n % tile.block_n
             or split_k < 1 or (k // 8) % (split_k * tile.block_w) or tile.block_w % (group // 8)
             or scales.shape != (n, k // group) or mins.shape != scales.shape or not words.is_contiguous()
             or not scales.is_contiguous() or not mins.is_contiguous()
             or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)):
         raise ValueError(f"int4_pairs_gemv: x {tuple(x.shape)} words {tuple(words.shape)} {words.dtype} scales {tuple(scales.shape)} "
                          f"mins {tuple(mins.shape)} group {group} split_k {split_k} bias {None if bias is None else tuple(bias.shape)} "
-                         f"out_dtype {out_dtype} do not fit {tile}")
-    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)
+                         f"out_dtype {out_dtype} swiglu {swiglu} do not fit {tile}")
+    pairs = x.contiguous() if swiglu else x.to(torch.bfloat16).contiguous().view(torch.int32)  # gate|up as it is: SwiGLU rounds
     if split_k > 1:
         y = torch.empty((split_k, 1, n), dtype=torch.float32, device=x.device)
     else:
@@ -113,7 +115,7 @@ def int4_pairs_gemv(
     int4_pairs_gemv_kernel[(n // tile.block_n, split_k)](
         pairs, words, scales, mins, y, words if bias is None else bias, n, k, y.stride(0) if split_k > 1 else 0,
         GROUP=group, BLOCK_N=tile.block_n, BLOCK_W=tile.block_w, SPLIT_K=split_k, HAS_BIAS=bias is not None, USE_PDL=pdl,
-        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm,
+        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm, SWIGLU=swiglu,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return y

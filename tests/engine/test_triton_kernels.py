@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -538,6 +539,33 @@ def test_the_policy_gives_the_pairs_gemv_one_row_of_a_large_enough_int4_weight(m
     assert seen == [(tinygemm, 1), ("pairs", 1), ("pairs", 4), (tinygemm, 1), (tinygemm, 1)]
 
 
+def test_swiglu_moves_into_down_projs_gemv_only_where_both_mlp_projections_take_the_pairs_gemv():
+    """GemvPolicy.pairs_swiglu_in_down: a one-row step of an MLP whose gate|up and down_proj both
+    take the pairs GEMV; not with the flag off, with SwiGLU not fused, for two rows, for a dense
+    down_proj, or for weights below pairs_min_bytes."""
+    import torch.nn as nn
+
+    import engine.model.llama as llama
+    from engine.kernels.gemv_policy import GemvPolicy
+    from engine.config import ModelConfig
+    from engine.w4a16 import W4A16Linear
+
+    config = ModelConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=64, head_dim=64)
+    mlp = llama.LlamaMLP(config)
+    dense_down = mlp.down_proj
+    mlp.gate_up_proj, mlp.down_proj = W4A16Linear.from_linear(mlp.gate_up_proj), W4A16Linear.from_linear(mlp.down_proj)
+    assert mlp.gate_up_proj.add_pairs() and mlp.down_proj.add_pairs()
+    x, policy = torch.zeros(1, 256), GemvPolicy(max_rows=4, pairs_min_bytes=0)
+    assert llama._swiglu_in_down(policy, mlp, x)
+    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4, pairs_min_bytes=0, pairs_swiglu_in_down=False), mlp, x)
+    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4, pairs_min_bytes=0, fused_swiglu=False), mlp, x)
+    assert not llama._swiglu_in_down(policy, mlp, torch.zeros(2, 256))
+    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4), mlp, x)  # 64 KiB of nibbles: below the default 8 MiB
+    mlp.down_proj = dense_down
+    assert not llama._swiglu_in_down(policy, mlp, x)
+
+
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
     """prefetch_columns: the whole K slice when the weight fits the budget, a share of it when not,
     per split-K slice, and none below one 128-byte line a row (an FP8 weight's lines hold 128 columns)."""
@@ -705,6 +733,28 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
             if (k // 8) % (split * group // 8) == 0:
                 parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split)
                 assert parts.shape == (split, 1, n) and parts.dtype == torch.float32 and rel(parts.sum(0), ref) < tol, (k, split)
+
+
+@pytest.mark.parametrize("pdl", PDL_CASES)
+def test_the_pairs_gemv_applies_swiglu_to_its_input_as_the_swiglu_kernel_would(pdl):
+    """swiglu=True (down_proj's GEMV reading gate|up's raw output): the same result, bit for bit, as
+    the SwiGLU kernel's bf16 output fed to the GEMV, unsplit and over 2 and 4 K slices; gate|up of
+    another width than 2K is refused."""
+    from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
+    from engine.w4a16 import quantize_groups, unpack_groups
+
+    k, n, group = 1024, 48, 128
+    gate_up = (torch.randn(1, 2 * k, device=DEVICE) * 4).to(torch.bfloat16)
+    q, scales, mins = quantize_groups(torch.randn(n, k, device=DEVICE), group)
+    words = pack_pairs(unpack_groups(q, group))
+    h = silu_and_mul_triton(gate_up)
+    assert h.dtype == torch.bfloat16
+    for split in (1, 2, 4):
+        want = int4_pairs_gemv(h, words, scales, mins, group, split_k=split, pdl=pdl)
+        got = int4_pairs_gemv(gate_up, words, scales, mins, group, split_k=split, pdl=pdl, swiglu=True)
+        assert got.shape == want.shape and torch.equal(got, want), split
+    with pytest.raises(ValueError, match="swiglu True"):
+        int4_pairs_gemv(gate_up[:, :-16], words, scales, mins, group, swiglu=True)
 
 
 def test_the_pairs_gemv_refuses_what_it_cannot_compute():
@@ -912,6 +962,13 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
     gemv = GemvPolicy(max_rows=1, int4_kernel=kernel, pairs_min_bytes=0)  # a tiny model's weights: all below the default
     got = LLM(core=build_engine(config, int4, gemv=gemv)).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
+    if kernel == "pairs":  # SwiGLU inside down_proj's GEMV (the default) or as its own kernel after gate|up
+        apart = LLM(core=build_engine(config, int4, gemv=replace(gemv, pairs_swiglu_in_down=False))).generate([prompt], params)[0]
+        assert apart.token_ids == got.token_ids
+        # CUDA: the SwiGLU kernel's arithmetic, bit for bit; the CPU's SwiGLU is torch's silu (an ulp apart in float32)
+        tol = 0 if DEVICE.type == "cuda" else 1e-3
+        assert [lp[t] for lp, t in zip(apart.logprobs, apart.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(got.logprobs, got.token_ids)], abs=tol)
 
 
 def assert_decodes_like(got, dense_core, prompt: list[int], tol: float) -> None:
