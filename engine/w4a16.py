@@ -130,22 +130,19 @@ class W4A16Linear(nn.Module):
         return cls(*quantize_groups(linear.weight.detach(), group), group, None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None, split_k: int = 1, pdl: bool = False,
-                prefetch_k: int = 0, kernel: str = "auto", swiglu: bool = False) -> torch.Tensor:
+                prefetch_k: int = 0, kernel: str = "auto", late_release: bool = False) -> torch.Tensor:
         """Any number of rows; one row through the "pairs" GEMV where ``kernel`` is "pairs" and the
         weight has that layout (:meth:`add_pairs`); tinygemm where the weight has its layout and
         ``kernel`` is "tinygemm" (any rows) or "auto" (up to TINYGEMM_MAX_ROWS rows), else the Triton kernel where it runs,
         its float32 reference elsewhere. ``split_k`` > 1 (x of two dims): float32 partials
         [split_k, rows, out] from the Triton kernel (engine/kernels/int4_linear.py) or the pairs GEMV.
-        ``swiglu`` (the pairs GEMV only): x is gate|up's output and the layer multiplies silu(gate) * up."""
+        ``late_release`` (the pairs GEMV, with ``pdl``): the next kernel launches after its K loop."""
         from engine.kernels.int4_pairs_gemv import int4_pairs_gemv
 
         rows = x.reshape(-1, x.shape[-1])
-        pairs = kernel == "pairs" and self.has_pairs and rows.shape[0] == 1
-        if swiglu and not pairs:
-            raise ValueError("W4A16Linear: SwiGLU on the input is the pairs GEMV's (one row, kernel='pairs', add_pairs())")
-        if pairs:
+        if kernel == "pairs" and self.has_pairs and rows.shape[0] == 1:
             y = int4_pairs_gemv(rows, self.pairs_words, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k,
-                                pdl=pdl, prefetch_k=prefetch_k, swiglu=swiglu)
+                                pdl=pdl, prefetch_k=prefetch_k, late_release=late_release)
         else:
             y = self._multiply(rows, out_dtype, split_k, pdl, prefetch_k, kernel)
         return y if split_k > 1 else y.reshape(*x.shape[:-1], self.out_features)

@@ -75,17 +75,19 @@ def hf_decode(hf: torch.nn.Module, prompt: list[int], tokens: int, device: torch
 def decode_path_variants(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> dict[str, GemvPolicy]:
     """What each part of the batch-1 decode path buys: the path with one part changed (``fp8``:
     the model has FP8 weights, so also how the GEMV multiplies them and its tiles' K; ``int4``: it
-    has int4 weights, so the other int4 kernel, PDL and the L2 prefetch, and none of the bf16
-    GEMV's tiling choices, which do not reach an int4 projection)."""
+    has int4 weights, so the other int4 kernel, PDL, the L2 prefetch and (pairs GEMV) where each
+    GEMV lets the next kernel launch, and none of the bf16 GEMV's tiling choices, which do not
+    reach an int4 projection)."""
     variants = {"cuBLAS projections, separate SwiGLU": replace(path, max_rows=0)}
     if int4:
         for kernel in sorted(set(INT4_KERNELS) - {path.int4_kernel}):
             variants[f"same, int4 kernel {kernel}"] = replace(path, int4_kernel=kernel)
-        if path.int4_kernel == "pairs" and path.fused_swiglu and path.pairs_swiglu_in_down:
-            variants["same, SwiGLU kernel after gate|up"] = replace(path, pairs_swiglu_in_down=False)
         if path.pdl:
             variants["same, PDL off"] = replace(path, pdl=False)
             variants["same, L2 prefetch 0 MiB a weight"] = replace(path, prefetch_bytes=0)
+            if path.int4_kernel == "pairs":  # the pairs GEMV releases the next kernel after its wait or after its K loop
+                for late in sorted({(), ("gate_up",), ("gate_up", "down"), ("qkv", "o", "gate_up", "down")} - {path.late_release}):
+                    variants[f"same, late PDL release: {'+'.join(late) or 'none'}"] = replace(path, late_release=late)
         return variants
     if fp8:
         for math in sorted(set(FP8_MATHS) - {path.fp8_math}):
@@ -154,14 +156,13 @@ def decode_path_ab(core: EngineCore, prompt: list[int], sizes: Sizes, tpot: floa
 
 def path_name(path: GemvPolicy, fp8: bool = False, int4: bool = False) -> str:
     """A short name of the decode path's parts, for the A/B rows (the FP8 and int4 choices only
-    for a model with such weights; an int4 model's o_proj and down_proj split K by their shape)."""
+    for a model with such weights; an int4 model runs SwiGLU after gate|up, and its o_proj and
+    down_proj split K by their shape, not by the bf16 GEMV's numbers)."""
     if not path.max_rows:
         return "cuBLAS"
     fp8_math = f"FP8 math {path.fp8_math}" + (f" K {path.fp8_block_k}" if path.fp8_block_k else "")
     down_split = path.fp8_down_split_k if fp8 else path.down_split_k
-    swiglu = "SwiGLU in gate|up" if path.fused_swiglu else ""
-    if int4 and path.fused_swiglu:
-        swiglu = "SwiGLU in down_proj's GEMV" if path.int4_kernel == "pairs" and path.pairs_swiglu_in_down else "SwiGLU after gate|up"
+    swiglu = ("SwiGLU after gate|up" if int4 else "SwiGLU in gate|up") if path.fused_swiglu else ""
     parts = ["GEMVs", f"int4 {path.int4_kernel}" if int4 else "", swiglu,
              fp8_math if fp8 else "", f"o_proj split-K {path.o_split_k}" if path.o_split_k > 1 and not int4 else "",
              f"down GEMV split-K {down_split}" if path.gemv_down and not int4 else "",

@@ -20,16 +20,12 @@ GGUF's Q4_1 rule, as engine/w4a16.py). bf16, not fp16, so that no input of any s
 65,504 for 4 x 15 x |x|, a few layers' down_proj inputs of real models reach the thousands).
 With SPLIT_K > 1 the programs of grid axis 1 store float32 partials [SPLIT_K, N] for the next
 residual add + RMSNorm to sum, as the other decode GEMVs.
-
-SWIGLU (down_proj's GEMV): x is gate|up's output [2K] and each program makes its own slice of
-silu(gate) * up in float32 as the SwiGLU kernel does (engine/kernels/_activation_triton.py), then bf16,
-so a decode step needs no SwiGLU kernel between gate|up and down_proj.
 """
 
 import triton
 import triton.language as tl
 
-from engine.kernels._pdl_triton import pdl_wait, prefetch_rows_l2
+from engine.kernels._pdl_triton import pdl_release, pdl_wait, prefetch_rows_l2
 
 
 @triton.jit
@@ -86,19 +82,6 @@ def _pair_hi(p):
 
 
 @triton.jit
-def _swiglu_pairs(X, cols, K):
-    """silu(gate) * up at inputs ``cols`` [W, 8] of x = gate|up [2K] (any float dtype), in float32
-    as the SwiGLU kernel computes it, rounded to bf16 as the kernel reads any x: the int32 pairs
-    [W, 4] the products read (low half first)."""
-    gate = tl.load(X + cols).to(tl.float32)
-    up = tl.load(X + K + cols).to(tl.float32)
-    h = (gate / (1.0 + tl.exp(-gate)) * up).to(tl.bfloat16).to(tl.float32)
-    bits = (h.to(tl.int32, bitcast=True) >> 16) & 0xFFFF  # the bf16's bits (a widened bf16's low half is zero)
-    lo, hi = tl.split(tl.reshape(bits, (cols.shape[0], 4, 2)))
-    return lo | (hi << 16)
-
-
-@triton.jit
 def _centred(w, shift):
     """The nibble at ``shift`` of each word, less 8, as float32."""
     return ((w >> shift) & 0xF).to(tl.float32) - 8.0
@@ -119,14 +102,15 @@ def _word_products_plain(w, xa, xb, xc, xd):
 def int4_pairs_gemv_kernel(
     XP, QW, S, MN, Y, B, N, K, stride_ys,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True, SWIGLU: tl.constexpr = False,
+    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr = 0, USE_ASM: tl.constexpr = True, LATE_RELEASE: tl.constexpr = False,
 ):
-    """Y = W @ x for one row x, given as int32 bf16 pairs XP [K/2] (SWIGLU: gate|up's bf16 [2K],
-    x = silu(gate) * up). QW [N, K/8] int32 words (module
+    """Y = W @ x for one row x, given as int32 bf16 pairs XP [K/2]. QW [N, K/8] int32 words (module
     doc), S and MN [N, K/GROUP] fp16 scales and minimums. The caller checks: N a multiple of
     BLOCK_N, each K slice (K / 8 / SPLIT_K words) a multiple of BLOCK_W, itself of GROUP / 8.
     HAS_BIAS (SPLIT_K 1): B [N] added in float32. PREFETCH_W (with USE_PDL): words of each row's
-    slice requested into L2 before the wait. USE_ASM False: the interpreter's float32 products."""
+    slice requested into L2 before the wait. LATE_RELEASE (with USE_PDL): the next kernel may launch
+    only after this program's K loop, not right after its wait. USE_ASM False: the interpreter's
+    float32 products."""
     GW: tl.constexpr = GROUP // 8  # words a group
     GROUPS: tl.constexpr = BLOCK_W // GW
     pid_n = tl.program_id(0)
@@ -141,14 +125,11 @@ def int4_pairs_gemv_kernel(
     g_offs = rows * (K // GROUP) + w_first // GW
     if USE_PDL and PREFETCH_W > 0:  # the slice's first words into L2 while the kernel before runs (32 words a line)
         prefetch_rows_l2(QW + rows[:, None] * kw + w_first, w_len, PREFETCH_W, 32)
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL, RELEASE=not LATE_RELEASE)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for w0 in range(0, w_len, BLOCK_W):
         w = tl.load(w_ptrs + w0, eviction_policy="evict_first")
-        if SWIGLU:
-            x4 = _swiglu_pairs(XP, (w_first + w0 + words)[:, None] * 8 + tl.arange(0, 8)[None, :], K)
-        else:
-            x4 = tl.load(XP + (w_first + w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :])  # a word's four pairs: one 16-byte load
+        x4 = tl.load(XP + (w_first + w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :])  # a word's four pairs: one 16-byte load
         x_ac, x_bd = tl.split(tl.reshape(x4, (BLOCK_W, 2, 2)))
         xa, xc = tl.split(x_ac)
         xb, xd = tl.split(x_bd)
@@ -165,6 +146,8 @@ def int4_pairs_gemv_kernel(
         scale = tl.load(S + g_offs[:, None] + g[None, :]).to(tl.float32)
         low = tl.load(MN + g_offs[:, None] + g[None, :]).to(tl.float32) + 8.0 * scale  # the centred nibbles' minimum
         acc += tl.sum(scale * by_group + low * x_groups[None, :], axis=1)
+    if LATE_RELEASE:
+        pdl_release(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(B + offs_n).to(tl.float32)
     tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty))

@@ -99,12 +99,6 @@ class GemvPolicy:
     gate|up (10.0 against 11.3); tinygemm won on the 1.5B's q|k|v, o_proj and down_proj (1.5, 1.1
     and 6.6 MiB: 3.6 against 4.4 us, 3.5 against 3.9, 8.6 against 22 unsplit)."""
 
-    pairs_swiglu_in_down: bool = True
-    """With ``fused_swiglu``, where both gate|up and down_proj take the pairs GEMV: gate|up writes
-    its raw output and down_proj's GEMV applies SwiGLU to its slice as it reads it
-    (engine/kernels/int4_pairs_gemv.py ``swiglu``), one kernel fewer a layer. Measured in the bench's
-    A/B row "same, SwiGLU kernel after gate|up" (docs/performance.md)."""
-
     def __post_init__(self) -> None:
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"GemvPolicy.int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")

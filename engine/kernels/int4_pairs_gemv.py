@@ -7,8 +7,7 @@ DRAM. This kernel (engine/kernels/_int4_pairs_triton.py) widens two nibbles into
 one LOP3 and multiplies pairs with bf16x2 FMAs. It needs its own layout of the weight,
 :func:`pack_pairs` (made once at load by engine/w4a16.py's ``W4A16Linear.add_pairs``), and takes x as
 it lies (bf16). o_proj and down_proj (few rows, long K) split K for more programs; their float32
-partials are summed by the next residual add + RMSNorm. down_proj's GEMV can take gate|up's output
-and apply SwiGLU to its slice of it as it reads it (``swiglu=True``): no SwiGLU kernel a layer.
+partials are summed by the next residual add + RMSNorm.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 
 TARGET_PROGRAMS = 264  # about two waves on 132 SMs
 BLOCK_WORDS = (128, 64, 32, 16, 8, 4)  # words (8 inputs each) a loop step: the largest that divides the slice
+SPLIT_STEP_WORDS = 64  # pairs_split_k's 4 or 2 slices: each a whole number of steps of this many words
 
 
 @dataclass(frozen=True)
@@ -55,25 +55,28 @@ def pairs_fit(n: int, k: int, group: int) -> bool:
 
 
 def pairs_tile(k: int, group: int, split_k: int = 1) -> PairsTile:
-    """The tile for a weight of ``k`` inputs over ``split_k`` slices: 16 rows, 4 warps, 3 stages and
-    the largest of BLOCK_WORDS words a step that divides the slice (whole groups a step)."""
+    """The tile for a weight of ``k`` inputs over ``split_k`` slices: 16 rows, 3 stages, the largest
+    of BLOCK_WORDS words a step that divides the slice (whole groups a step), and 16 words a thread:
+    4 warps for 128-word steps, 2 for 64 (the 8B's down_proj in 4 slices: graph replay 2.218 ms
+    against 2.255 with 128-word steps, 4 warps, 2 slices; H100, 2026-12-06); smaller steps 4."""
     slice_words, group_words = k // 8 // split_k, group // 8
     block_w = next(b for b in BLOCK_WORDS if slice_words % b == 0 and b % group_words == 0) if slice_words % group_words == 0 else 0
     if not block_w:
         raise ValueError(f"int4 pairs GEMV: {k} inputs in {split_k} slices do not split into whole groups of {group}")
-    return PairsTile(block_w=block_w)
+    return PairsTile(block_w=block_w, num_warps=2 if block_w == 64 else 4)
 
 
 def pairs_split_k(n: int, k: int, group: int) -> int:
     """K slices for o_proj or down_proj (few rows, so few programs unsplit). The most of 4, 2 that
-    leaves slices of whole 128-word steps: the 8B's o_proj 4 (6.0 us against 6.6 split 2), down_proj 2
-    (17.5 us; 17.2 with split 4 and 32-row tiles), H100, 2026-12-06,
-    engine/bench/experiments/int4_pairs_gemv_sweep.py. Otherwise (the small models' shapes: the
+    leaves slices of whole 64-word steps: the 8B's o_proj 4 (6.0 us against 6.6 split 2, alone) and
+    down_proj 4 (64-word steps, 2 warps: 16.6-17.0 us alone against 17.5-18.7 split 2 with
+    128-word steps, and 2.218 against 2.255 ms a batch-1 step in the decode graph), H100,
+    2026-12-06, engine/bench/experiments/int4_pairs_gemv_sweep.py. Otherwise (the small models' shapes: the
     1.5B's down_proj took 22 us unsplit against tinygemm's 8.6) the fewest slices, up to 8, that
     give TARGET_PROGRAMS programs in slices of whole groups and steps of at least 32 words."""
     words, group_words, programs = k // 8, group // 8, n // PairsTile.block_n
     for split in (4, 2):
-        if words % (split * BLOCK_WORDS[0]) == 0:
+        if words % (split * SPLIT_STEP_WORDS) == 0:
             return split
     for split in range(max(2, -(-TARGET_PROGRAMS // programs)), 9):
         if words % split == 0 and (words // split) % group_words == 0 and (words // split) % 32 == 0:
@@ -84,30 +87,30 @@ def pairs_split_k(n: int, k: int, group: int) -> int:
 def int4_pairs_gemv(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *, split_k: int = 1, pdl: bool = False,
-    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None, swiglu: bool = False,
+    prefetch_k: int = 0, tile: PairsTile | None = None, use_asm: bool | None = None, late_release: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ W^T (+ bias) -> [1, N] in ``out_dtype`` (default x's), W as :func:`pack_pairs`'s
     ``words`` [N, K/8] with ``scales`` and ``mins`` [N, K/group] fp16. x is read as bf16 (cast if
     it is not). ``split_k`` > 1: float32 partials [split_k, 1, N] (no bias, no ``out_dtype``) for
     the next residual add + RMSNorm. ``pdl``: programmatic dependent launch (Hopper+);
-    ``prefetch_k`` (with it): inputs of each row's slice requested into L2 before the wait.
-    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones).
-    ``swiglu``: x is gate|up's output [1, 2K] (any float dtype) and the product is silu(gate) * up @ W^T,
-    SwiGLU computed in float32 and rounded to bf16, as its own kernel's output would be read."""
+    ``prefetch_k`` (with it): inputs of each row's slice requested into L2 before the wait;
+    ``late_release`` (with it): the next kernel launches after the K loop (GemvPolicy.late_release).
+    ``use_asm``: the PTX products (default: on CUDA; Triton's interpreter runs the float32 ones)."""
     from engine.kernels._int4_pairs_triton import int4_pairs_gemv_kernel
     from engine.kernels.triton_utils import launch_options
 
-    (m, width), (n, k) = x.shape, (words.shape[0], words.shape[1] * 8)
+    m, k = x.shape
+    n = words.shape[0]
     tile = tile or pairs_tile(k, group, split_k)
-    if (m != 1 or width != (2 * k if swiglu else k) or words.dtype != torch.int32 or not pairs_fit(n, k, group) or n % tile.block_n
+    if (m != 1 or words.shape != (n, k // 8) or words.dtype != torch.int32 or not pairs_fit(n, k, group) or n % tile.block_n
             or split_k < 1 or (k // 8) % (split_k * tile.block_w) or tile.block_w % (group // 8)
             or scales.shape != (n, k // group) or mins.shape != scales.shape or not words.is_contiguous()
             or not scales.is_contiguous() or not mins.is_contiguous()
             or (bias is not None and (bias.shape != (n,) or split_k > 1)) or (split_k > 1 and out_dtype is not None)):
         raise ValueError(f"int4_pairs_gemv: x {tuple(x.shape)} words {tuple(words.shape)} {words.dtype} scales {tuple(scales.shape)} "
                          f"mins {tuple(mins.shape)} group {group} split_k {split_k} bias {None if bias is None else tuple(bias.shape)} "
-                         f"out_dtype {out_dtype} swiglu {swiglu} do not fit {tile}")
-    pairs = x.contiguous() if swiglu else x.to(torch.bfloat16).contiguous().view(torch.int32)  # gate|up as it is: SwiGLU rounds
+                         f"out_dtype {out_dtype} do not fit {tile}")
+    pairs = x.to(torch.bfloat16).contiguous().view(torch.int32)
     if split_k > 1:
         y = torch.empty((split_k, 1, n), dtype=torch.float32, device=x.device)
     else:
@@ -115,7 +118,7 @@ def int4_pairs_gemv(
     int4_pairs_gemv_kernel[(n // tile.block_n, split_k)](
         pairs, words, scales, mins, y, words if bias is None else bias, n, k, y.stride(0) if split_k > 1 else 0,
         GROUP=group, BLOCK_N=tile.block_n, BLOCK_W=tile.block_w, SPLIT_K=split_k, HAS_BIAS=bias is not None, USE_PDL=pdl,
-        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm, SWIGLU=swiglu,
+        PREFETCH_W=prefetch_k // 8 if pdl else 0, USE_ASM=x.is_cuda if use_asm is None else use_asm, LATE_RELEASE=late_release and pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return y

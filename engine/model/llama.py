@@ -151,10 +151,6 @@ class LlamaForCausalLM(nn.Module):
         h = _gemv(gemv, "o", attn, o_proj, split_k=gemv.o_split_k) if _use_gemv(gemv, attn) else o_proj(attn)
         x, residual = layer.post_attention_layernorm(h, residual, pdl)
         mlp = layer.mlp
-        if _use_gemv(gemv, x) and _swiglu_in_down(gemv, mlp, x):  # gate|up raw; down_proj's GEMV applies SwiGLU
-            gate_up = _gemv(gemv, "gate_up", x, mlp.gate_up_proj)
-            down = _gemv(gemv, "down", gate_up, mlp.down_proj, split_k=gemv.down_split_k, swiglu_input=True)
-            return next_norm(down, residual, pdl)
         if _use_gemv(gemv, x) and gemv.fused_swiglu:
             act = _gemv(gemv, "gate_up", x, mlp.gate_up_proj, gated=True)
         else:
@@ -198,32 +194,20 @@ def _proj(gemv: GemvPolicy, name: str, linear: nn.Module, x: torch.Tensor) -> to
     return _gemv(gemv, name, x, linear, bias=linear.bias) if _use_gemv(gemv, x) else linear(x)
 
 
-def _takes_pairs(gemv: GemvPolicy, linear: W4A16Linear, x: torch.Tensor) -> bool:
-    """Whether this int4 projection of one row runs the pairs GEMV (GemvPolicy.int4_kernel, pairs_min_bytes)."""
-    return gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1 and linear.qweight.numel() >= gemv.pairs_min_bytes
-
-
-def _swiglu_in_down(gemv: GemvPolicy, mlp: LlamaMLP, x: torch.Tensor) -> bool:
-    """Whether this step's SwiGLU runs inside down_proj's pairs GEMV (GemvPolicy.pairs_swiglu_in_down):
-    both of the MLP's projections int4 and on the pairs GEMV."""
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    return (gemv.fused_swiglu and gemv.pairs_swiglu_in_down and isinstance(gate_up, W4A16Linear) and isinstance(down, W4A16Linear)
-            and _takes_pairs(gemv, gate_up, x) and _takes_pairs(gemv, down, x))
-
-
 def _gemv(
     gemv: GemvPolicy, name: str, x: torch.Tensor, linear: nn.Module, out_dtype: torch.dtype | None = None, gated: bool = False,
-    split_k: int = 1, bias: torch.Tensor | None = None, swiglu_input: bool = False,
+    split_k: int = 1, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Projection ``name`` (of gemv_policy.PROJECTIONS) of ``linear`` (an nn.Linear, the tied
     embedding, or an FP8 :class:`~engine.fp8.Fp8Linear` with its scales) as the batch-1 GEMV. An
     int4 :class:`~engine.w4a16.W4A16Linear` runs the kernel the policy names where the weight has
     its layout (the pairs GEMV for one row only; else tinygemm, else the Triton kernel), SwiGLU
-    after it (in the pairs GEMV's epilogue it cost 0.16 ms a step: docs/performance.md), or in
-    the next pairs GEMV: ``swiglu_input`` (down_proj's, :func:`_swiglu_in_down`) takes gate|up's raw output."""
+    after it (in the pairs GEMV's epilogue it cost 0.16 ms a step, in down_proj's pairs GEMV as it
+    reads its input 0.21 ms: docs/performance.md)."""
     if isinstance(linear, W4A16Linear):
         # Triton and pairs: o_proj's and down_proj's partials are summed by the norm after, as many slices as fill the SMs
-        pairs = _takes_pairs(gemv, linear, x)
+        pairs = (gemv.int4_kernel == "pairs" and linear.has_pairs and x.shape[0] == 1
+                 and linear.qweight.numel() >= gemv.pairs_min_bytes)
         triton = not pairs and (gemv.int4_kernel == "triton" or not linear.has_tinygemm)
         split = 1
         if name in ("o", "down") and (pairs or triton):
@@ -231,7 +215,7 @@ def _gemv(
             split = pairs_split_k(*shape) if pairs else int4_split_k(x.shape[0], *shape)
         y = linear(x, out_dtype=out_dtype, split_k=split, pdl=gemv.pdl,
                    prefetch_k=2 * prefetch_columns(linear.qweight, split, gemv.prefetch_budget(name)),
-                   kernel="pairs" if pairs else "triton" if triton else "tinygemm", swiglu=swiglu_input)
+                   kernel="pairs" if pairs else "triton" if triton else "tinygemm", late_release=name in gemv.late_release)
         return silu_and_mul(y, pdl=gemv.pdl) if gated else y
     weight, scale = linear.weight, weight_scale(linear)
     config = fp8_decode_tile(*weight.shape, gemv.fp8_block_k) if scale is not None and gemv.fp8_block_k else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -512,7 +511,7 @@ def test_the_policy_puts_named_one_row_projections_on_the_cuda_core_gemv(monkeyp
 def test_the_policy_gives_the_pairs_gemv_one_row_of_a_large_enough_int4_weight(monkeypatch):
     """The model's _gemv runs the pairs GEMV for a one-row step of an int4 weight with that layout
     and at least GemvPolicy.pairs_min_bytes of nibbles (o_proj and down_proj split by
-    pairs_split_k), else the Triton kernel here (tinygemm on CUDA): a smaller weight, more rows, or
+    pairs_split_k; the projections of GemvPolicy.late_release release the next kernel late), else the Triton kernel here (tinygemm on CUDA): a smaller weight, more rows, or
     another policy. The kernels run for real; a wrapper records which one each call took."""
     import engine.model.llama as llama
     from engine.kernels.gemv_policy import GemvPolicy
@@ -522,7 +521,7 @@ def test_the_policy_gives_the_pairs_gemv_one_row_of_a_large_enough_int4_weight(m
     forward = W4A16Linear.forward
 
     def recorded(self, x, **kw):
-        seen.append((kw["kernel"], kw["split_k"]))
+        seen.append((kw["kernel"], kw["split_k"], kw["late_release"]))
         return forward(self, x, **kw)
 
     monkeypatch.setattr(W4A16Linear, "forward", recorded)
@@ -536,34 +535,9 @@ def test_the_policy_gives_the_pairs_gemv_one_row_of_a_large_enough_int4_weight(m
     llama._gemv(large, "o", x, linear)
     llama._gemv(large, "qkv", x.expand(2, -1), linear)
     llama._gemv(GemvPolicy(max_rows=4, int4_kernel="tinygemm", pairs_min_bytes=0), "qkv", x, linear)
-    assert seen == [(tinygemm, 1), ("pairs", 1), ("pairs", 4), (tinygemm, 1), (tinygemm, 1)]
-
-
-def test_swiglu_moves_into_down_projs_gemv_only_where_both_mlp_projections_take_the_pairs_gemv():
-    """GemvPolicy.pairs_swiglu_in_down: a one-row step of an MLP whose gate|up and down_proj both
-    take the pairs GEMV; not with the flag off, with SwiGLU not fused, for two rows, for a dense
-    down_proj, or for weights below pairs_min_bytes."""
-    import torch.nn as nn
-
-    import engine.model.llama as llama
-    from engine.kernels.gemv_policy import GemvPolicy
-    from engine.config import ModelConfig
-    from engine.w4a16 import W4A16Linear
-
-    config = ModelConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=1, vocab_size=64, head_dim=64)
-    mlp = llama.LlamaMLP(config)
-    dense_down = mlp.down_proj
-    mlp.gate_up_proj, mlp.down_proj = W4A16Linear.from_linear(mlp.gate_up_proj), W4A16Linear.from_linear(mlp.down_proj)
-    assert mlp.gate_up_proj.add_pairs() and mlp.down_proj.add_pairs()
-    x, policy = torch.zeros(1, 256), GemvPolicy(max_rows=4, pairs_min_bytes=0)
-    assert llama._swiglu_in_down(policy, mlp, x)
-    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4, pairs_min_bytes=0, pairs_swiglu_in_down=False), mlp, x)
-    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4, pairs_min_bytes=0, fused_swiglu=False), mlp, x)
-    assert not llama._swiglu_in_down(policy, mlp, torch.zeros(2, 256))
-    assert not llama._swiglu_in_down(GemvPolicy(max_rows=4), mlp, x)  # 64 KiB of nibbles: below the default 8 MiB
-    mlp.down_proj = dense_down
-    assert not llama._swiglu_in_down(policy, mlp, x)
+    llama._gemv(large, "gate_up", x, linear)  # named in GemvPolicy.late_release (the default: gate_up)
+    assert seen == [(tinygemm, 1, False), ("pairs", 1, False), ("pairs", 4, False), (tinygemm, 1, False), (tinygemm, 1, False),
+                    ("pairs", 1, True)]
 
 
 def test_the_prefetch_covers_as_much_of_a_weight_as_its_budget():
@@ -710,8 +684,8 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
 def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
     """The int4 "pairs" GEMV (engine/kernels/int4_pairs_gemv.py) against x @ the dequantized weight,
     x rounded to bf16 as the kernel reads it: groups of 32 and 128, steps of 16-128 words, a bias,
-    float32 out, a weight prefetched before the PDL wait, split-K partials (2, 3 and 4 slices) that
-    sum to the product. Scales and minimums far apart across the weight, so a group read with
+    float32 out, a weight prefetched before the PDL wait, split-K partials (2, 3 and 4 slices; 2 with
+    the next kernel released after the K loop) that sum to the product. Scales and minimums far apart across the weight, so a group read with
     another's numbers fails. On CUDA the PTX products sum a word in bf16 (1e-2); the interpreter
     runs their float32 twin."""
     from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
@@ -731,30 +705,9 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
         assert got.dtype == torch.float32 and rel(got, ref + b.float()) < tol, (k, n, group)
         for split in (2, 3, 4):
             if (k // 8) % (split * group // 8) == 0:
-                parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split)
+                parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split,
+                                        late_release=split == 2)
                 assert parts.shape == (split, 1, n) and parts.dtype == torch.float32 and rel(parts.sum(0), ref) < tol, (k, split)
-
-
-@pytest.mark.parametrize("pdl", PDL_CASES)
-def test_the_pairs_gemv_applies_swiglu_to_its_input_as_the_swiglu_kernel_would(pdl):
-    """swiglu=True (down_proj's GEMV reading gate|up's raw output): the same result, bit for bit, as
-    the SwiGLU kernel's bf16 output fed to the GEMV, unsplit and over 2 and 4 K slices; gate|up of
-    another width than 2K is refused."""
-    from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
-    from engine.w4a16 import quantize_groups, unpack_groups
-
-    k, n, group = 1024, 48, 128
-    gate_up = (torch.randn(1, 2 * k, device=DEVICE) * 4).to(torch.bfloat16)
-    q, scales, mins = quantize_groups(torch.randn(n, k, device=DEVICE), group)
-    words = pack_pairs(unpack_groups(q, group))
-    h = silu_and_mul_triton(gate_up)
-    assert h.dtype == torch.bfloat16
-    for split in (1, 2, 4):
-        want = int4_pairs_gemv(h, words, scales, mins, group, split_k=split, pdl=pdl)
-        got = int4_pairs_gemv(gate_up, words, scales, mins, group, split_k=split, pdl=pdl, swiglu=True)
-        assert got.shape == want.shape and torch.equal(got, want), split
-    with pytest.raises(ValueError, match="swiglu True"):
-        int4_pairs_gemv(gate_up[:, :-16], words, scales, mins, group, swiglu=True)
 
 
 def test_the_pairs_gemv_refuses_what_it_cannot_compute():
@@ -962,13 +915,6 @@ def test_an_int4_model_decodes_like_its_dequantized_weights(tiny_qwen2_16_dir, k
     gemv = GemvPolicy(max_rows=1, int4_kernel=kernel, pairs_min_bytes=0)  # a tiny model's weights: all below the default
     got = LLM(core=build_engine(config, int4, gemv=gemv)).generate([prompt], params)[0]
     assert_decodes_like(got, build_engine(config, dense, gemv=GemvPolicy()), prompt, 5e-2 if DTYPE == torch.bfloat16 else 1e-2)
-    if kernel == "pairs":  # SwiGLU inside down_proj's GEMV (the default) or as its own kernel after gate|up
-        apart = LLM(core=build_engine(config, int4, gemv=replace(gemv, pairs_swiglu_in_down=False))).generate([prompt], params)[0]
-        assert apart.token_ids == got.token_ids
-        # CUDA: the SwiGLU kernel's arithmetic, bit for bit; the CPU's SwiGLU is torch's silu (an ulp apart in float32)
-        tol = 0 if DEVICE.type == "cuda" else 1e-3
-        assert [lp[t] for lp, t in zip(apart.logprobs, apart.token_ids)] == pytest.approx(
-            [lp[t] for lp, t in zip(got.logprobs, got.token_ids)], abs=tol)
 
 
 def assert_decodes_like(got, dense_core, prompt: list[int], tol: float) -> None:

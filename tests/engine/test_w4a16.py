@@ -119,15 +119,17 @@ def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
 
 
 def test_the_pairs_gemv_splits_k_and_steps_through_whole_groups():
-    """pairs_split_k: the 8B's o_proj 4 slices and down_proj 2 (whole 128-word steps), the 1.5B's
+    """pairs_split_k: the 8B's o_proj and down_proj 4 slices (whole 64-word steps), the 1.5B's
     o_proj 3 and down_proj 5 (enough programs, whole groups); pairs_tile: the largest step of
-    whole groups that divides a slice, and an error where slices would cut a group."""
+    whole groups that divides a slice, 16 words a thread (4 warps for 128-word steps, 2 for 64),
+    and an error where slices would cut a group."""
     from engine.kernels.int4_pairs_gemv import pairs_split_k, pairs_tile
 
-    assert (pairs_split_k(4096, 4096, 128), pairs_split_k(4096, 14336, 128)) == (4, 2)
+    assert (pairs_split_k(4096, 4096, 128), pairs_split_k(4096, 14336, 128)) == (4, 4)
     assert (pairs_split_k(1536, 1536, 128), pairs_split_k(1536, 8960, 128)) == (3, 5)
     assert pairs_split_k(896, 896, 128) == 1
-    assert pairs_tile(4096, 128).block_w == 128 and pairs_tile(14336, 128, 4).block_w == 64
+    assert (pairs_tile(4096, 128).block_w, pairs_tile(4096, 128).num_warps) == (128, 4)
+    assert (pairs_tile(14336, 128, 4).block_w, pairs_tile(14336, 128, 4).num_warps) == (64, 2)
     assert pairs_tile(8960, 128, 5).block_w == 32 and pairs_tile(256, 32, 4).block_w == 8
     with pytest.raises(ValueError, match="whole groups"):
         pairs_tile(256, 128, 4)
@@ -135,7 +137,7 @@ def test_the_pairs_gemv_splits_k_and_steps_through_whole_groups():
 
 def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, monkeypatch):
     """Triton's interpreter runs the pairs GEMV's float32 twin of its PTX; here the kernel with the
-    PTX products (and PDL, a prefetch) compiles for sm_90 through ptxas (no GPU
+    PTX products (and PDL, a prefetch, the next kernel released early or late) compiles for sm_90 through ptxas (no GPU
     needed): nibble pairs made bf16 pairs by LOP3 and multiplied by bf16x2 FMAs, no per-weight
     conversion to float."""
     import inspect
@@ -150,13 +152,13 @@ def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, 
     types = {"XP": "*i32", "QW": "*i32", "S": "*fp16", "MN": "*fp16", "Y": "*bf16", "B": "*i32"}
     for split in (1, 2):
         constexprs = {"GROUP": 128, "BLOCK_N": 16, "BLOCK_W": 128, "SPLIT_K": split, "HAS_BIAS": False, "USE_PDL": True,
-                      "PREFETCH_W": 128, "USE_ASM": True}
+                      "PREFETCH_W": 128, "USE_ASM": True, "LATE_RELEASE": split == 2}
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(kernel.fn).parameters}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4, "num_stages": 3})
         ptx = compiled.asm["ptx"]
         assert compiled.asm["cubin"] and "fma.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx and "lop3.b32" in ptx
-        assert "griddepcontrol.wait" in ptx and "prefetch.global.L2" in ptx
+        assert "griddepcontrol.wait" in ptx and "prefetch.global.L2" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
 def test_a_policy_names_a_known_int4_kernel():
