@@ -54,11 +54,34 @@ def pairs_fit(n: int, k: int, group: int) -> bool:
     return n % PairsTile.block_n == 0 and group % 8 == 0 and k % group == 0
 
 
-def pairs_tile(k: int, group: int, split_k: int = 1) -> PairsTile:
-    """The tile for a weight of ``k`` inputs over ``split_k`` slices: 16 rows, 3 stages, the largest
-    of BLOCK_WORDS words a step that divides the slice (whole groups a step), and 16 words a thread:
-    4 warps for 128-word steps, 2 for 64 (the 8B's down_proj in 4 slices: graph replay 2.218 ms
-    against 2.255 with 128-word steps, 4 warps, 2 slices; H100, 2026-12-06); smaller steps 4."""
+# The measured best (tile, K slices) of weight shapes (rows, inputs), each kernel alone with PDL
+# launches (H100, 2026-12-06 09:30 UTC, engine/bench/experiments/int4_pairs_gemv_sweep.py): a
+# program that reads its whole slice in one or two steps keeps all of its loads in flight at once,
+# where the general rule's 128-word steps through 3 stages spend a short slice in the pipeline's
+# ramp. Shapes not here take the general rule (pairs_split_k, pairs_tile).
+TUNED_TILES: dict[tuple[int, int], tuple[PairsTile, int]] = {
+    (6144, 4096): (PairsTile(8, 256, 4, 1), 1),  # the 8B's q|k|v: 7.4 us against 9.3 (16 x 128 words, 3 stages)
+    (4096, 4096): (PairsTile(8, 512, 8, 1), 1),  # o_proj: 5.6 against 6.3 (split 4)
+    (28672, 4096): (PairsTile(16, 256, 4, 1), 1),  # gate|up: 22.9 against 23.6
+    (4096, 14336): (PairsTile(16, 128, 4, 1), 7),  # down_proj: 14.5 against 16.5 (16 x 64 words, 2 warps, split 4)
+}
+
+
+def _tuned(n: int, k: int, group: int) -> tuple[PairsTile, int] | None:
+    """TUNED_TILES' entry for this shape where its steps hold whole groups."""
+    tuned = TUNED_TILES.get((n, k))
+    return tuned if tuned and tuned[0].block_w % (group // 8) == 0 else None
+
+
+def pairs_tile(n: int, k: int, group: int, split_k: int = 1) -> PairsTile:
+    """The tile for a weight [n, k] over ``split_k`` slices: TUNED_TILES' where the shape and split
+    are there; else 16 rows, 3 stages, the largest of BLOCK_WORDS words a step that divides the
+    slice (whole groups a step), and 16 words a thread: 4 warps for 128-word steps, 2 for 64 (the
+    8B's down_proj in 4 slices: graph replay 2.218 ms against 2.255 with 128-word steps, 4 warps,
+    2 slices; H100, 2026-12-06); smaller steps 4."""
+    tuned = _tuned(n, k, group)
+    if tuned and tuned[1] == split_k:
+        return tuned[0]
     slice_words, group_words = k // 8 // split_k, group // 8
     block_w = next(b for b in BLOCK_WORDS if slice_words % b == 0 and b % group_words == 0) if slice_words % group_words == 0 else 0
     if not block_w:
@@ -67,13 +90,17 @@ def pairs_tile(k: int, group: int, split_k: int = 1) -> PairsTile:
 
 
 def pairs_split_k(n: int, k: int, group: int) -> int:
-    """K slices for o_proj or down_proj (few rows, so few programs unsplit). The most of 4, 2 that
+    """K slices for o_proj or down_proj (few rows, so few programs unsplit): TUNED_TILES' where the
+    shape is there (the 8B's o_proj 1, down_proj 7). Else the most of 4, 2 that
     leaves slices of whole 64-word steps: the 8B's o_proj 4 (6.0 us against 6.6 split 2, alone) and
     down_proj 4 (64-word steps, 2 warps: 16.6-17.0 us alone against 17.5-18.7 split 2 with
     128-word steps, and 2.218 against 2.255 ms a batch-1 step in the decode graph), H100,
     2026-12-06, engine/bench/experiments/int4_pairs_gemv_sweep.py. Otherwise (the small models' shapes: the
     1.5B's down_proj took 22 us unsplit against tinygemm's 8.6) the fewest slices, up to 8, that
     give TARGET_PROGRAMS programs in slices of whole groups and steps of at least 32 words."""
+    tuned = _tuned(n, k, group)
+    if tuned:
+        return tuned[1]
     words, group_words, programs = k // 8, group // 8, n // PairsTile.block_n
     for split in (4, 2):
         if words % (split * SPLIT_STEP_WORDS) == 0:
@@ -101,7 +128,7 @@ def int4_pairs_gemv(
 
     m, k = x.shape
     n = words.shape[0]
-    tile = tile or pairs_tile(k, group, split_k)
+    tile = tile or pairs_tile(n, k, group, split_k)
     if (m != 1 or words.shape != (n, k // 8) or words.dtype != torch.int32 or not pairs_fit(n, k, group) or n % tile.block_n
             or split_k < 1 or (k // 8) % (split_k * tile.block_w) or tile.block_w % (group // 8)
             or scales.shape != (n, k // group) or mins.shape != scales.shape or not words.is_contiguous()

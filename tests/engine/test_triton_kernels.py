@@ -685,10 +685,11 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
     """The int4 "pairs" GEMV (engine/kernels/int4_pairs_gemv.py) against x @ the dequantized weight,
     x rounded to bf16 as the kernel reads it: groups of 32 and 128, steps of 16-128 words, a bias,
     float32 out, a weight prefetched before the PDL wait, split-K partials (2, 3 and 4 slices; 2 with
-    the next kernel released after the K loop) that sum to the product. Scales and minimums far apart across the weight, so a group read with
+    the next kernel released after the K loop) that sum to the product; the measured tiles of
+    TUNED_TILES on small shapes. Scales and minimums far apart across the weight, so a group read with
     another's numbers fails. On CUDA the PTX products sum a word in bf16 (1e-2); the interpreter
     runs their float32 twin."""
-    from engine.kernels.int4_pairs_gemv import int4_pairs_gemv, pack_pairs
+    from engine.kernels.int4_pairs_gemv import TUNED_TILES, int4_pairs_gemv, pack_pairs
     from engine.w4a16 import int4_linear_ref, quantize_groups, unpack_groups
 
     tol = 1e-2 if DEVICE.type == "cuda" else 1e-4
@@ -708,6 +709,13 @@ def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
                 parts = int4_pairs_gemv(x, words, scales, mins, group, split_k=split, pdl=pdl, prefetch_k=k // split,
                                         late_release=split == 2)
                 assert parts.shape == (split, 1, n) and parts.dtype == torch.float32 and rel(parts.sum(0), ref) < tol, (k, split)
+    for tile, split in TUNED_TILES.values():  # the measured tiles (8-row programs, 256- and 512-word steps, one stage) on small shapes
+        k, n = 8 * tile.block_w * split * 2, 2 * tile.block_n  # two steps a slice, two programs of rows
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        q, scales, mins = quantize_groups(torch.randn(n, k, device=DEVICE), 128)
+        ref = int4_linear_ref(x.to(torch.bfloat16).float(), q, scales, mins, 128, out_dtype=torch.float32)
+        got = int4_pairs_gemv(x, pack_pairs(unpack_groups(q, 128)), scales, mins, 128, split_k=split, pdl=pdl, tile=tile)
+        assert rel(got.sum(0) if split > 1 else got, ref) < max(tol, TOL), tile
 
 
 def test_the_pairs_gemv_refuses_what_it_cannot_compute():

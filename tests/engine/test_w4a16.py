@@ -119,20 +119,26 @@ def test_the_pairs_layout_holds_the_same_nibbles_in_the_kernels_order():
 
 
 def test_the_pairs_gemv_splits_k_and_steps_through_whole_groups():
-    """pairs_split_k: the 8B's o_proj and down_proj 4 slices (whole 64-word steps), the 1.5B's
-    o_proj 3 and down_proj 5 (enough programs, whole groups); pairs_tile: the largest step of
-    whole groups that divides a slice, 16 words a thread (4 warps for 128-word steps, 2 for 64),
-    and an error where slices would cut a group."""
-    from engine.kernels.int4_pairs_gemv import pairs_split_k, pairs_tile
+    """The 8B's shapes take their measured tiles (TUNED_TILES: o_proj unsplit, down_proj 7 slices,
+    q|k|v 8 rows of 256-word steps), other shapes the general rule - pairs_split_k: 4 slices for a
+    weight of 4096 rows and 4096 or 14336 inputs (whole 64-word steps), the 1.5B's o_proj 3 and
+    down_proj 5 (enough programs, whole groups); pairs_tile: the largest step of whole groups that
+    divides a slice, 16 words a thread (4 warps for 128-word steps, 2 for 64) - and an error where
+    slices would cut a group. A tuned shape asked for another split takes the general rule."""
+    from engine.kernels.int4_pairs_gemv import TUNED_TILES, PairsTile, pairs_split_k, pairs_tile
 
-    assert (pairs_split_k(4096, 4096, 128), pairs_split_k(4096, 14336, 128)) == (4, 4)
+    assert (pairs_split_k(4096, 4096, 128), pairs_split_k(4096, 14336, 128)) == (1, 7)
+    assert pairs_tile(6144, 4096, 128) == PairsTile(8, 256, 4, 1) == TUNED_TILES[(6144, 4096)][0]
+    assert pairs_tile(4096, 14336, 128, 7) == PairsTile(16, 128, 4, 1)
+    assert (pairs_split_k(2048, 4096, 128), pairs_split_k(2048, 14336, 128)) == (4, 4)  # the general rule
     assert (pairs_split_k(1536, 1536, 128), pairs_split_k(1536, 8960, 128)) == (3, 5)
     assert pairs_split_k(896, 896, 128) == 1
-    assert (pairs_tile(4096, 128).block_w, pairs_tile(4096, 128).num_warps) == (128, 4)
-    assert (pairs_tile(14336, 128, 4).block_w, pairs_tile(14336, 128, 4).num_warps) == (64, 2)
-    assert pairs_tile(8960, 128, 5).block_w == 32 and pairs_tile(256, 32, 4).block_w == 8
+    assert (pairs_tile(2048, 4096, 128).block_w, pairs_tile(2048, 4096, 128).num_warps) == (128, 4)
+    assert (pairs_tile(2048, 14336, 128, 4).block_w, pairs_tile(2048, 14336, 128, 4).num_warps) == (64, 2)
+    assert pairs_tile(4096, 14336, 128, 4) == PairsTile(16, 64, 2, 3)  # the tuned shape, another split
+    assert pairs_tile(1536, 8960, 128, 5).block_w == 32 and pairs_tile(64, 256, 32, 4).block_w == 8
     with pytest.raises(ValueError, match="whole groups"):
-        pairs_tile(256, 128, 4)
+        pairs_tile(64, 256, 128, 4)
 
 
 def test_the_pairs_gemv_compiles_for_hopper_with_bf16_pair_arithmetic(tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ for name, (n, k, splits) in shapes.items():
         linears.append(linear)
     rows = [(time_rotating(lambda i: linears[i].tinygemm(x), copies) * 1e6, "tinygemm")]
     default_split = pairs_split_k(n, k, GROUP) if splits else 1
-    default = pairs_tile(k, GROUP, default_split)
+    default = pairs_tile(n, k, GROUP, default_split)
     candidates = list(itertools.product(args.rows, args.words, args.warps, args.stages, args.splits if splits else (1,)))
     if (default.block_n, default.block_w, default.num_warps, default.num_stages, default_split) not in candidates:
         candidates.append((default.block_n, default.block_w, default.num_warps, default.num_stages, default_split))
