@@ -40,6 +40,7 @@ from engine.gguf_file import GGUFFile, GGUFTensor, unpermute_rows
 INT4_MAX_ROWS = 8  # at or below this many rows the int4 kernel beats dense bf16 on AMX CPUs
 PREPACK_ROWS = 32  # the row count oneDNN lays a dense weight out for: a question after the cached documents
 BF16_MATMUL_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of hardware bf16 matmuls
+PREPACK_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))  # oneDNN's bf16 reorder: either set
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -68,9 +69,12 @@ def int4_max_rows(flags: frozenset[str] | None) -> int:
     return INT4_MAX_ROWS if bf16_matmuls(flags) else sys.maxsize
 
 
-def can_prepack() -> bool:
-    """Whether this torch has oneDNN's prepacked bf16 linear (``mkldnn._linear_pointwise``)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def can_prepack(flags: frozenset[str] | None) -> bool:
+    """Whether this torch has oneDNN's prepacked bf16 linear (``mkldnn._linear_pointwise``) and a
+    CPU with ``flags`` (:func:`cpu_flags`; unknown flags count as yes) that oneDNN lays a bf16
+    weight out for: AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU refuses the reorder)."""
+    cpu_ok = flags is None or any(needed <= flags for needed in PREPACK_FLAGS)
+    return cpu_ok and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class PackedInt4(nn.Module):
@@ -111,6 +115,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.segments = nn.ModuleList(nn.ModuleList(parts) for parts in segments)
         if prepack and dense.dtype == torch.bfloat16:  # one copy only: the plain one is dropped
+            if not can_prepack(cpu_flags()):
+                raise ValueError("Int4Linear: prepack=True needs oneDNN's bf16 layout, which this CPU or torch lacks "
+                                 "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT; see can_prepack); build it with prepack=False")
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, PREPACK_ROWS), persistent=False)
             self.register_parameter("weight", None)
         else:
@@ -205,10 +212,10 @@ def quantize_from_gguf(model: nn.Module, blocks: BlockCache, max_rows: int | Non
     """Swap the model's projections (and LM head) for :class:`Int4Linear` built from the GGUF's
     own blocks (``blocks``: of the file the model's dense weights came from);
     ``max_rows`` None: :func:`int4_max_rows` of this CPU. ``prepack`` None: the layers' dense
-    copies in oneDNN's layout wherever they are used (a row limit) and torch has it. The head
+    copies in oneDNN's layout wherever they are used (a row limit) and torch and the CPU have it. The head
     (run on one row a request) keeps its plain copy, which is the embedding table when tied."""
     max_rows = int4_max_rows(cpu_flags()) if max_rows is None else max_rows
-    prepack = (max_rows != sys.maxsize and can_prepack()) if prepack is None else prepack
+    prepack = (max_rows != sys.maxsize and can_prepack(cpu_flags())) if prepack is None else prepack
     cfg = model.config
     tensors = blocks.tensors
 

@@ -21,6 +21,8 @@ from engine.memory import tensor_bytes
 from engine.quantization import (
     INT4_MAX_ROWS,
     Int4Linear,
+    can_prepack,
+    cpu_flags,
     fuse_rows,
     gguf_int4_parts,
     gguf_tensors,
@@ -120,16 +122,28 @@ def test_int4_linear_uses_dense_weights_for_many_rows():
     assert layer(big).abs().sum() == 0  # dense path
 
 
+def test_prepacking_asks_the_cpu_for_onednns_bf16_layout():
+    """can_prepack: AVX-512 BW/VL/DQ or AVX-NE-CONVERT (or flags unknown); an AVX2-only CPU, no."""
+    assert can_prepack(frozenset({"avx2", "avx512bw", "avx512vl", "avx512dq"})) == can_prepack(None)
+    assert can_prepack(frozenset({"avx2", "avx_ne_convert"})) == can_prepack(None)
+    assert not can_prepack(frozenset({"avx2", "fma", "avx512bw"}))
+
+
 def test_a_prepacked_dense_copy_is_the_dense_weight_in_onednn_layout():
     """Prepacked, the dense path multiplies by oneDNN's blocked copy (the plain one is dropped):
     the same products as ``F.linear`` on the plain weight (bias included), the weight given back
-    exactly, its bytes in the memory ledger; few rows still take the int4 kernel."""
+    exactly, its bytes in the memory ledger; few rows still take the int4 kernel. On a CPU oneDNN
+    cannot lay bf16 out for (no AVX-512 BW/VL/DQ, no AVX-NE-CONVERT), asking for it is one clear error."""
     rng = np.random.default_rng(3)
     w = rng.standard_normal((48, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, Q.Q4_1)
     blocks = q4_1_blocks(raw, 48, 64)
     exact = torch.from_numpy(blocks.dequantize()).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
+    if not can_prepack(cpu_flags()):
+        with pytest.raises(ValueError, match="prepack=True needs oneDNN's bf16 layout"):
+            Int4Linear([pack(int4_parts(blocks))], exact, bias, max_rows=4, prepack=True)
+        return
     layer = Int4Linear([pack(int4_parts(blocks))], exact, bias, max_rows=4, prepack=True)
     assert layer.weight is None and layer.packed.is_mkldnn
     assert torch.equal(layer.dense_weight(), exact)
@@ -145,9 +159,14 @@ def test_a_prepacked_dense_copy_is_the_dense_weight_in_onednn_layout():
 
 def test_the_embedded_model_prepacked_gives_the_plain_model_s_answer(llm_gguf_path):
     """The whole model with its layers' dense copies prepacked: a 40-token prefill (dense path) and
-    the greedy answer after it match the plain copies' (same weights, same products)."""
+    the greedy answer after it match the plain copies' (same weights, same products). A CPU oneDNN
+    cannot lay bf16 out for refuses prepacking with one clear error."""
     path = str(llm_gguf_path)
     loaded = LoadedModel.load(EngineConfig(model=path, quantization="int4", max_model_len=512))
+    if not can_prepack(cpu_flags()):
+        with pytest.raises(ValueError, match="prepack=True needs oneDNN's bf16 layout"):
+            quantize_from_gguf(loaded.model, BlockCache(gguf_tensors(path)), prepack=True)
+        return
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow, "
                                                     "and say which one comes first when you read it from the top."}])  # fmt: skip
     assert len(prompt) > INT4_MAX_ROWS
