@@ -100,8 +100,8 @@ def test_mel_features_equal_faster_whispers(question_clips) -> None:
     for n_mels in (80, 128):
         np.testing.assert_allclose(mel_filters(n_mels), FeatureExtractor(feature_size=n_mels).mel_filters, atol=1e-6)
     clips = [audio16k(question_clips[0]), audio16k(question_clips[1])[:12345], np.zeros(1000, np.float32)]
-    for clip, ours in zip(clips, LogMel(80, torch.device("cpu")).features(clips)):
-        np.testing.assert_allclose(ours.numpy(), FeatureExtractor()(clip), atol=1e-5)
+    for clip, ours in zip(clips, LogMel(80, torch.device("cpu")).features(clips)):  # FFTs sum in their own order: 2e-5
+        np.testing.assert_allclose(ours.numpy(), FeatureExtractor()(clip), atol=2e-5)
 
 
 def test_transcripts_equal_faster_whisper_float32_in_a_batch_and_one_by_one(
