@@ -115,10 +115,12 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.segments = nn.ModuleList(nn.ModuleList(parts) for parts in segments)
         if prepack and dense.dtype == torch.bfloat16:  # one copy only: the plain one is dropped
-            if not can_prepack(cpu_flags()):
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(dense, PREPACK_ROWS)
+            except (RuntimeError, AttributeError) as e:  # oneDNN's own refusal (an AVX2-only CPU), or a torch without it
                 raise ValueError("Int4Linear: prepack=True needs oneDNN's bf16 layout, which this CPU or torch lacks "
-                                 "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT; see can_prepack); build it with prepack=False")
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, PREPACK_ROWS), persistent=False)
+                                 f"(AVX-512 BW/VL/DQ or AVX-NE-CONVERT; see can_prepack); build it with prepack=False ({e})") from e
+            self.register_buffer("packed", packed, persistent=False)
             self.register_parameter("weight", None)
         else:
             self.register_buffer("packed", None, persistent=False)
