@@ -11,7 +11,11 @@ from engine.kernels.triton_utils import launch_options
 from engine.kv_cache import LayerKV
 from engine.transfer import to_device
 
-DECODE_TILE = 64  # context tokens per decode iteration (a multiple of the page size or a divisor)
+# Context tokens per decode iteration (a multiple of the page size or a divisor). 128 against 64,
+# kernel alone on the 8B's shape (engine/bench/experiments/fp8_kv_decode_ab.py, H100, 2026-12-06):
+# bf16 cache 10-12% faster from 32 requests up (512 x 1,200 tokens: 856 against 971 us), the
+# same at batch 1; an FP8 cache 1.3-1.4x faster (818 against 1,155 us), its loads too narrow at 64.
+DECODE_TILE = 128
 # Split slices come in steps of this many tokens, and a slice this short is one tile of it: at
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
@@ -43,6 +47,11 @@ class PrefillConfig:
 
 
 PREFILL = PrefillConfig()
+# An FP8 cache's tiles are widened to float16 in registers before each dot: narrower query tiles
+# in fewer stages (engine/bench/experiments/prefill_tiles_by_cache.py, H100, 2026-12-06): fresh
+# 27 x 600-token prompts 771 against 2,239 us with PREFILL's shape, 8 x 2,048 1,436 against
+# 3,274, 480 queries after 31,520 tokens 1,205 against 2,218 (bf16's best stays PREFILL's).
+PREFILL_FP8 = PrefillConfig(64, 128, 4, 2)
 TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200: enough splits to fill the GPU
 MAX_SPLITS = 32  # split counts are runtime values padded to this: no recompiles as contexts grow
 
@@ -108,6 +117,7 @@ class NewTokens:
 def decode_attention(
     q: torch.Tensor, kv_cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
@@ -143,7 +153,7 @@ def decode_attention(
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
         KV_PRELOAD=new is not None and DECODE_KV_PRELOAD,
-        num_warps=4, **launch_options(pdl),
+        num_warps=num_warps, **launch_options(pdl),
     )
     if splits == 1:
         return out
@@ -181,20 +191,24 @@ def prefill_splits(num_programs: int, max_context: int) -> int:
 
 def prefill_attention(
     q: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-    config: PrefillConfig = PREFILL,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """Attention for the prefill requests of the batch (those after the decodes)."""
+    """Attention for the prefill requests of the batch (those after the decodes); ``config`` the
+    tile shape, by default PREFILL_FP8 for an FP8 cache and PREFILL otherwise."""
     from engine.attention._triton_kernels import combine_launch, prefill_launch
+
+    config = config or (PREFILL_FP8 if kv_cache.quantized else PREFILL)
 
     k_cache, v_cache = kv_cache.k, kv_cache.v
     k_scale, v_scale, stride_sb, stride_ss, stride_sh = scale_args(kv_cache)
     t, hq, dim = q.shape
     hkv = k_cache.shape[2]
-    tiles = meta.scratch.get("prefill_tiles")
+    key = ("prefill_tiles", config.block_m)
+    tiles = meta.scratch.get(key)
     if tiles is None:
         reqs, starts = prefill_tiles(meta.query_lens_host, meta.seq_lens_host, meta.num_decodes, config.block_m, hq // hkv)
         tiles = (to_device(reqs, torch.int32, q.device), to_device(starts, torch.int32, q.device))
-        meta.scratch["prefill_tiles"] = tiles
+        meta.scratch[key] = tiles
     tile_req, tile_start = tiles
     if tile_req.numel() == 0:
         return out

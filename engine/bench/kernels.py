@@ -384,7 +384,7 @@ def time_rotating(fn, copies: int, repeat: int = 10) -> float:
 
 
 DECODE_TILE_CASES = [(1, 575), (1, 2047), (1, 8191), (1, 32000), (4, 2047), (16, 2047), (32, 2047), (64, 1023), (256, 799)]
-DECODE_TILE_VARIANTS = [(64, 64), (32, 32), (64, 32), (64, 16)]  # (tile, small tile: a short split's one tile)
+DECODE_TILE_VARIANTS = [(128, 32), (64, 64), (64, 32), (64, 16)]  # (tile, small tile: a short split's one tile)
 
 
 def sweep_decode_tiles(device: torch.device, bw: float) -> None:

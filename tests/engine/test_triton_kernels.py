@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from engine.attention.backend import AttentionMetadata  # noqa: E402
 from engine.attention.torch_ref import paged_attention_reference, rotate, write_kv  # noqa: E402
-from engine.attention.triton_paged import PREFILL, PrefillConfig, decode_attention, prefill_attention, rope_and_store  # noqa: E402
+from engine.attention.triton_paged import PREFILL, PREFILL_FP8, PrefillConfig, decode_attention, prefill_attention, rope_and_store  # noqa: E402
 from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from engine.kernels.gemv_policy import GemvPolicy  # noqa: E402
 from engine.kernels.norm import add_rms_norm_ref, add_rms_norm_triton  # noqa: E402
@@ -232,7 +232,8 @@ def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():
     assert rel(out, paged_attention_reference(q, cache, meta, dim**-0.5)) < TOL, f"seed {seed}"
 
 
-PREFILL_TILES = [PREFILL, PrefillConfig(16, 16, 4, 1)]  # the default, and small tiles
+# The cache's default (PREFILL, or PREFILL_FP8 for an FP8 cache), the other default, small tiles
+PREFILL_TILES = [None, PREFILL, PREFILL_FP8, PrefillConfig(16, 16, 4, 1)]
 
 
 def prefill_in_each_tile_shape(q, cache, meta, decoded: torch.Tensor, scale: float):
@@ -240,7 +241,7 @@ def prefill_in_each_tile_shape(q, cache, meta, decoded: torch.Tensor, scale: flo
     decode rows' output, NaN elsewhere) by prefill_attention with those tiles."""
     for tiles in PREFILL_TILES:
         out = decoded.clone()
-        meta.scratch.pop("prefill_tiles", None)  # the request tiles of the shape before
+        meta.scratch.clear()  # the request tiles of the shape before
         yield tiles, prefill_attention(q, cache, meta, scale, out, tiles)
 
 

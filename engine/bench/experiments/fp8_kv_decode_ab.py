@@ -1,0 +1,86 @@
+"""One-off (2026-12-06): decode attention over an FP8 (e4m3) KV cache against the same context
+in bf16, kernel alone, on the 8B's attention shape (32 query heads, 8 KV heads, head_dim 128,
+16-token pages). In the 1,000-request throughput run an FP8 cache made decode steps slower, not
+faster (34.8 against 27.3 ms), though it halves the bytes each step reads. Variants: the context
+tile (tokens a loop step) and warps a program, for either cache. (A first run also had q rounded to
+e4m3 for q.K on FP8 tensor cores: no faster than widening K to float16, seven times the error.)
+Each case's caches in copies past the L2, timed in one CUDA graph
+(``engine.bench.kernels.time_rotating``); every variant checked against the reference attention
+over the dequantized cache.
+Run from the repository root on a GPU: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_kv_decode_ab.py``.
+"""
+import torch
+
+from engine.attention.torch_ref import paged_attention_reference
+from engine.attention.triton_paged import decode_attention
+from engine.bench.ceilings import copy_bandwidth
+from engine.bench.kernels import D, attention_cost, make_batch, time_rotating
+from engine.kv_cache import LayerKV, quantize
+
+CASES = [(1, 575), (1, 4095), (32, 2047), (256, 799), (512, 600), (512, 1200)]
+device = torch.device("cuda")
+bw = copy_bandwidth(device)
+print(torch.cuda.get_device_name(), f"copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
+for batch, ctx in CASES:
+    _, nbytes = attention_cost([1] * batch, [ctx] * batch)
+    fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2  # K/V halved, a float32 scale a (token, head) row
+    copies = max(1, -(-200_000_000 // nbytes))
+    made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
+    fp8 = []
+    for q, cache, meta in made:
+        (kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
+        fp8.append((q, LayerKV(kq, vq, ks, vs), meta))
+    line = f"batch {batch:4d} x {ctx:5d}:"
+    variants = [(f"bf16 t{t} w{w}", made, t, w) for t, w in ((64, 4), (128, 4), (128, 8))] \
+        + [(f"fp8 t{t} w{w}", fp8, t, w) for t, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))]
+    for name, cases, tile, warps in variants:
+        outs = [torch.empty_like(q) for q, _, _ in cases]
+
+        def fn(i, cases=cases, outs=outs, tile=tile, warps=warps):
+            q, cache, meta = cases[i]
+            decode_attention(q, cache, meta.block_tables, meta.seq_lens, D**-0.5, outs[i], tile_n=tile, num_warps=warps)
+
+        try:
+            fn(0)
+            q, cache, meta = cases[0]
+            ref = paged_attention_reference(q, cache.dequantized(torch.bfloat16) if cache.quantized else cache, meta, D**-0.5)
+            err = ((outs[0].float() - ref.float()).norm() / ref.float().norm()).item()
+            t = time_rotating(fn, copies)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+            line += f"  {name}: failed ({type(e).__name__}: {str(e)[:120]})"
+            continue
+        size = fp8_bytes if cases is fp8 else nbytes
+        line += f"  {name} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s, err {err:.1e})"
+    print(line, flush=True)
+    del made, fp8
+
+# Prefill as the throughput run's eager steps see it: 27 fresh 600-token prompts (16,200 tokens),
+# each attending to its own keys, the cache bf16 or FP8, a few tile shapes.
+import triton.testing  # noqa: E402
+
+from engine.attention.triton_paged import PrefillConfig, prefill_attention  # noqa: E402
+
+ql, cl = [600] * 27, [0] * 27
+q, cache, meta = make_batch(ql, cl, device)
+(kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
+fp8_cache = LayerKV(kq, vq, ks, vs)
+flops, _ = attention_cost(ql, cl)
+line = "prefill 27 x 600:"
+for name, c in (("bf16", cache), ("fp8", fp8_cache)):
+    ref = paged_attention_reference(q, c.dequantized(torch.bfloat16) if c.quantized else c, meta, D**-0.5)
+    for cfg in (PrefillConfig(), PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 2)):
+        out = torch.empty_like(q)
+
+        def fn(cfg=cfg, c=c, out=out):
+            meta.scratch.clear()
+            return prefill_attention(q, c, meta, D**-0.5, out, cfg)
+
+        try:
+            fn()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = triton.testing.do_bench(fn, warmup=5, rep=50)
+        except Exception as e:  # noqa: BLE001
+            line += f"  {name} {cfg}: failed ({type(e).__name__})"
+            continue
+        line += f"\n  {name} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: {ms * 1e3:8.1f} us ({flops / ms / 1e9:6.1f} TFLOP/s, err {err:.1e})"
+print(line, flush=True)
