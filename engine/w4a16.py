@@ -14,9 +14,12 @@ Batch-1 decode reads every weight once a token, so bytes are its speed. Each pro
   kernel (``aten._weight_int4pack_mm``, "tinygemm", the one gpt-fast uses):
   :meth:`W4A16Linear.add_tinygemm` lays the same groups out for it once at load, with a bf16
   scale and zero a group (the fp16 scale and minimum rounded to 8 mantissa bits, as on the CPU path);
-- larger steps (prefill, bigger batches) multiply through this engine's Triton kernel
+- larger steps (bigger batches) multiply through this engine's Triton kernel
   (engine/kernels/int4_linear.py), which widens the nibbles to fp16 in registers, with the
-  activations cast to fp16 (bf16 out). tinygemm is 2.3x faster at one row and slower from 8.
+  activations cast to fp16 (bf16 out). tinygemm is 2.3x faster at one row and slower from 8;
+- steps of DEQUANTIZE_MIN_ROWS rows or more (prefill) write the weight out in bf16 once and
+  multiply with cuBLAS: at 512 rows the Triton kernel took 4x cuBLAS's time on the bf16 weight
+  (H200), and writing the weight out is one pass over it, small beside such a step's matmul.
 
 Quantized at load from the model's bf16 weights (:func:`quantize_model_int4`), or, for a GGUF,
 taken from the file's own 4-bit groups of 32 where a projection has them
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.fp8 import replace_projections
@@ -72,6 +76,10 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm takes
 TINYGEMM_MAX_ROWS = 4
+# CUDA steps of at least this many rows: the weight in bf16, then cuBLAS. An estimate from the
+# H200's 2026-12-03 kernel times (Triton int4 at 16 and 512 rows against cuBLAS bf16) and the cost
+# of writing a weight out; engine/bench/experiments/int4_large_step_ab.py measures the crossover.
+DEQUANTIZE_MIN_ROWS = 128
 """Steps of up to this many rows run tinygemm where a projection has its layout (W4A16Linear.forward;
 batch 1 follows GemvPolicy.int4_kernel): the 8B's projections on the H200 (2026-12-03 18:20 UTC,
 engine/bench/experiments/fp8_gemv_sweep.py), tinygemm against the Triton kernel, us for q|k|v +
@@ -155,6 +163,8 @@ class W4A16Linear(nn.Module):
 
         if self.has_tinygemm and split_k == 1 and (kernel == "tinygemm" or (kernel == "auto" and rows.shape[0] <= TINYGEMM_MAX_ROWS)):
             return self.tinygemm(rows, out_dtype)
+        if split_k == 1 and kernel == "auto" and rows.shape[0] >= DEQUANTIZE_MIN_ROWS and rows.is_cuda:
+            return self.dequantized_matmul(rows, out_dtype)
         if runs_triton(rows):
             return int4_linear(rows, self.qweight, self.scales, self.mins, self.group, self.bias, out_dtype, split_k=split_k, pdl=pdl,
                                prefetch_k=prefetch_k)
@@ -203,6 +213,15 @@ class W4A16Linear(nn.Module):
                                                self.tinygemm_scales_zeros)
         if self.bias is not None:
             y = y + self.bias
+        return y.to(out_dtype or x.dtype)
+
+    def dequantized_matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [rows, K] @ W^T (+ bias) with W written out in bf16 first (engine/kernels/int4_linear.py
+        ``int4_dequantize``), then cuBLAS: for steps of many rows; ``out_dtype`` default x's."""
+        from engine.kernels.int4_linear import int4_dequantize
+
+        w = int4_dequantize(self.qweight, self.scales, self.mins, self.group)
+        y = F.linear(x.to(torch.bfloat16), w, None if self.bias is None else self.bias.to(torch.bfloat16))
         return y.to(out_dtype or x.dtype)
 
     def dequantized(self) -> torch.Tensor:

@@ -107,3 +107,21 @@ def int4_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def int4_dequantize_kernel(QW, S, MN, W, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [N, K] (its dtype) = q * scale + min for the groups of QW [N, K/2] uint8 (module doc's
+    layout), S and MN [N, K/GROUP] fp16: one group of BLOCK_N rows a program, float32 arithmetic."""
+    HALF: tl.constexpr = GROUP // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    h = tl.arange(0, HALF)
+    packed = tl.load(QW + rows[:, None] * (K // 2) + g * HALF + h[None, :], mask=n_ok[:, None], other=0)
+    scale = tl.load(S + rows * (K // GROUP) + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    low = tl.load(MN + rows * (K // GROUP) + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    w_ptrs = W + rows[:, None] * K + g * GROUP + h[None, :]
+    tl.store(w_ptrs, ((packed & 0xF).to(tl.float32) * scale + low).to(W.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(w_ptrs + HALF, ((packed >> 4).to(tl.float32) * scale + low).to(W.dtype.element_ty), mask=n_ok[:, None])

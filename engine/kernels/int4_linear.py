@@ -4,6 +4,9 @@
 rows (decode) take one 16-row M tile and weight tiles of few rows, so that every SM gets programs
 (and, for o_proj and down_proj, split-K partials that the next norm sums); larger steps (prefill)
 take 64 x 64 tiles. The weight's nibbles are widened in registers, never written out as bf16.
+``int4_dequantize`` writes a weight out whole instead, for steps so large (prefill) that cuBLAS on
+the bf16 weight beats widening in the kernel by more than the extra pass costs (engine/w4a16.py
+``DEQUANTIZE_MIN_ROWS``).
 A one-row GEMV on the CUDA cores (``Int4Tile(kind="sum")``, int4_gemv_kernel) is there for the
 sweep to weigh against the tensor-core tiles at batch 1; not measured yet.
 """
@@ -99,3 +102,21 @@ def int4_linear(
         num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(pdl),
     )
     return y
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight of :func:`int4_linear`'s layout, q * scale + min, as a new ``dtype`` tensor [N, K]:
+    one pass that reads the int4 bytes once and writes the weight once (a large step's cuBLAS
+    matmul then reads it; engine/w4a16.py)."""
+    from engine.kernels._int4_triton import int4_dequantize_kernel
+
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if (qweight.dtype != torch.uint8 or group % 32 or k % group or scales.shape != (n, k // group) or mins.shape != scales.shape
+            or not qweight.is_contiguous() or not scales.is_contiguous() or not mins.is_contiguous()):
+        raise ValueError(f"int4_dequantize: qweight {tuple(qweight.shape)} {qweight.dtype} scales {tuple(scales.shape)} "
+                         f"mins {tuple(mins.shape)} group {group} do not fit")
+    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n = 32
+    int4_dequantize_kernel[(-(-n // block_n), k // group)](qweight, scales, mins, w, n, k, GROUP=group, BLOCK_N=block_n, num_warps=4)
+    return w

@@ -681,6 +681,40 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     assert int4_split_k(1, 4096, 14336, 128) == 4 and int4_split_k(1, 1536, 8960, 128) == 2 and int4_split_k(70, 4096, 14336, 128) == 1
 
 
+def test_a_large_int4_step_multiplies_the_weight_written_out_in_bf16(monkeypatch):
+    """Steps of DEQUANTIZE_MIN_ROWS rows or more (prefill): int4_dequantize writes q * scale + min
+    of every group (odd N, groups of 32 and 128, scales far apart across the weight) as the
+    reference dequantizes, rounded once to bf16; W4A16Linear then multiplies it, with its bias,
+    through cuBLAS - and routes a step there only on CUDA, at or past the threshold."""
+    import engine.w4a16 as w4a16
+    from engine.kernels.int4_linear import int4_dequantize
+    from engine.w4a16 import W4A16Linear, dequantize_groups, int4_linear_ref, quantize_groups
+
+    for k, n, group in ((384, 100, 128), (256, 72, 32)):
+        w = torch.randn(n, k, device=DEVICE) * torch.logspace(-2, 0, k, device=DEVICE)[None, :] + torch.randn(n, 1, device=DEVICE)
+        q, scales, mins = quantize_groups(w, group)
+        got = int4_dequantize(q, scales, mins, group)
+        assert got.dtype == torch.bfloat16 and got.shape == (n, k)
+        # exact on the GPU; Triton's interpreter rounds float32 -> bf16 by truncation (one bf16 step)
+        rtol = 0 if DEVICE.type == "cuda" else 2**-7
+        torch.testing.assert_close(got, dequantize_groups(q, scales, mins, group).to(torch.bfloat16), rtol=rtol, atol=0)
+        bias = torch.randn(n, device=DEVICE, dtype=DTYPE)
+        linear = W4A16Linear(q, scales, mins, group, bias)
+        x = torch.randn(9, k, device=DEVICE, dtype=DTYPE)
+        ref = int4_linear_ref(x, q, scales, mins, group, bias, out_dtype=torch.float32)
+        y = linear.dequantized_matmul(x, torch.float32)
+        assert y.dtype == torch.float32 and rel(y, ref) < max(TOL, 1e-2)  # x and the weight in bf16
+    with pytest.raises(ValueError, match="int4_dequantize"):
+        int4_dequantize(q[:, :-1].contiguous(), scales, mins, group)
+    calls = []
+    monkeypatch.setattr(W4A16Linear, "dequantized_matmul", lambda self, x, out_dtype=None: calls.append(x.shape[0]) or torch.zeros(
+        x.shape[0], self.out_features, device=x.device))
+    monkeypatch.setattr(w4a16, "DEQUANTIZE_MIN_ROWS", 8)
+    linear(torch.randn(8, k, device=DEVICE, dtype=DTYPE))
+    linear(torch.randn(7, k, device=DEVICE, dtype=DTYPE))
+    assert calls == ([8] if DEVICE.type == "cuda" else [])
+
+
 @pytest.mark.parametrize("pdl", PDL_CASES)
 def test_the_pairs_gemv_matches_its_dequantized_weight(pdl):
     """The int4 "pairs" GEMV (engine/kernels/int4_pairs_gemv.py) against x @ the dequantized weight,
