@@ -13,7 +13,7 @@ from engine.kernels.int4_linear import int4_dequantize, int4_linear
 from engine.w4a16 import W4A16Linear, quantize_groups
 
 SHAPES = {"q|k|v": (6144, 4096), "o_proj": (4096, 4096), "gate|up": (28672, 4096), "down_proj": (4096, 14336)}
-ROWS = (16, 64, 128, 256, 512, 2048, 16384)
+ROWS = (16, 64, 128, 256, 512, 2048)
 device = torch.device("cuda")
 print(torch.cuda.get_device_name(), "microseconds: Triton int4 / dequantize + cuBLAS (of it the dequantize) / cuBLAS bf16 alone", flush=True)
 for name, (n, k) in SHAPES.items():
