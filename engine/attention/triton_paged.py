@@ -124,7 +124,8 @@ def decode_attention(
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
     applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
     ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
-    (``python -m engine.bench.kernels --decode-tiles`` sweeps others)."""
+    (``python -m engine.bench.kernels --decode-tiles`` sweeps others); ``num_warps``: a program's
+    warps (4; 8 was slower for either cache dtype, engine/bench/experiments/fp8_kv_decode_ab.py)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache.k, kv_cache.v
