@@ -33,10 +33,12 @@ from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
 from engine.speculative import AnswerCache, NgramProposer, Proposer
 from engine.tokenizer import Tokenizer
+from engine.w4a16 import other_layout_bytes
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+INT4_LAYOUTS_OWNER = "weights (int4: the same groups again for tinygemm and the pairs GEMV)"
 
 
 def build_engine(
@@ -57,7 +59,10 @@ def build_engine(
     loaded = loaded or LoadedModel.load(config, tokenizer=tokenizers and tokenizers[0])
     device, mc = loaded.device, loaded.model_config
     memory = MemoryLedger(str(device))
-    memory.record("weights", tensor_bytes(loaded.model))
+    layouts = other_layout_bytes(loaded.model)
+    memory.record("weights", tensor_bytes(loaded.model) - layouts)
+    if layouts:
+        memory.record(INT4_LAYOUTS_OWNER, layouts)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {mc.max_position_embeddings} positions")

@@ -229,6 +229,14 @@ class W4A16Linear(nn.Module):
         return dequantize_groups(self.qweight, self.scales, self.mins, self.group)
 
 
+def other_layout_bytes(model: nn.Module) -> int:
+    """Bytes of the int4 projections' second and third layouts (:meth:`W4A16Linear.other_layouts`):
+    the same groups again for tinygemm and the pairs GEMV, which the memory ledger shows apart."""
+    from engine.memory import storage_bytes
+
+    return storage_bytes([t for m in model.modules() if isinstance(m, W4A16Linear) for t in m.other_layouts()])
+
+
 def quantize_model_int4(model: nn.Module, group: int = GROUP) -> int:
     """Every layer projection of ``model`` rounded into a :class:`W4A16Linear` of groups of
     ``group``; returns how many."""

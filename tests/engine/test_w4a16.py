@@ -207,3 +207,21 @@ def test_a_tied_head_rounded_into_int4_groups_gives_the_logits_of_its_rounded_we
     vocab, hidden = model.embed_tokens.weight.shape
     layers = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
     assert decode_step_bytes(core, 0) == layers + vocab * hidden // 2 + 2 * vocab * (hidden // 64) * 2
+
+
+def test_the_memory_ledger_shows_the_int4_groups_other_layouts_apart(llm_gguf_path):
+    """A projection's groups held again for another kernel (here the pairs GEMV's words, made on
+    the CPU too) are a ledger line of their own, not hidden in "weights": the two add up to every
+    byte of the model."""
+    from engine.engine_builder import INT4_LAYOUTS_OWNER, build_engine
+    from engine.memory import tensor_bytes
+
+    config = EngineConfig(model=str(llm_gguf_path), device="cpu", dtype="float32", num_kv_blocks=16)
+    loaded = LoadedModel.load(config)
+    quantize_model_int4_from_gguf(loaded.model, BlockCache(gguf_tensors(str(llm_gguf_path))))
+    int4 = [m for m in loaded.model.modules() if isinstance(m, W4A16Linear)]
+    assert sum(m.add_pairs() for m in int4) == len(int4)
+    entries = build_engine(config, loaded).memory.entries
+    words = sum(m.pairs_words.numel() * 4 for m in int4)
+    assert entries[INT4_LAYOUTS_OWNER] == words > 0
+    assert entries["weights"] + words == tensor_bytes(loaded.model)
