@@ -76,15 +76,15 @@ def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm takes
 TINYGEMM_MAX_ROWS = 4
-# CUDA steps of at least this many rows: the weight in bf16, then cuBLAS. An estimate from the
-# H200's 2026-12-03 kernel times (Triton int4 at 16 and 512 rows against cuBLAS bf16) and the cost
-# of writing a weight out; engine/bench/experiments/int4_large_step_ab.py measures the crossover.
-DEQUANTIZE_MIN_ROWS = 128
 """Steps of up to this many rows run tinygemm where a projection has its layout (W4A16Linear.forward;
 batch 1 follows GemvPolicy.int4_kernel): the 8B's projections on the H200 (2026-12-03 18:20 UTC,
 engine/bench/experiments/fp8_gemv_sweep.py), tinygemm against the Triton kernel, us for q|k|v +
 o_proj + gate|up + down_proj: 1 row 69 / 149, 2 rows 73 / 150, 4 rows 96 / 150, 8 rows 156 / 150,
 16 rows 263 / 152."""
+# CUDA steps of at least this many rows: the weight in bf16, then cuBLAS. An estimate from the
+# H200's 2026-12-03 kernel times (Triton int4 at 16 and 512 rows against cuBLAS bf16) and the cost
+# of writing a weight out; engine/bench/experiments/int4_large_step_ab.py measures the crossover.
+DEQUANTIZE_MIN_ROWS = 128
 TINYGEMM_INNER_K_TILES = 8  # 16-input tiles packed together: 8 gives the kernel 16-byte loads (gpt-fast's choice)
 
 

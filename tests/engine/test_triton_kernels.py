@@ -386,6 +386,9 @@ def test_prefill_attention_over_an_fp8_cache_matches_the_reference_on_its_conten
     for tiles, out in prefill_in_each_tile_shape(q, cache, meta, decoded, dim**-0.5):
         assert not out.isnan().any(), tiles
         assert rel(out, ref) < FP8_TOL, f"{tiles} seed {seed}"
+    meta.scratch.clear()
+    prefill_attention(q, cache, meta, dim**-0.5, decoded.clone())
+    assert list(meta.scratch) == [("prefill_tiles", PREFILL_FP8.block_m)]  # an FP8 cache's own tile shape by default
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)

@@ -3,7 +3,9 @@ in bf16, kernel alone, on the 8B's attention shape (32 query heads, 8 KV heads, 
 16-token pages). In the 1,000-request throughput run an FP8 cache made decode steps slower, not
 faster (34.8 against 27.3 ms), though it halves the bytes each step reads. Variants: the context
 tile (tokens a loop step) and warps a program, for either cache. (A first run also had q rounded to
-e4m3 for q.K on FP8 tensor cores: no faster than widening K to float16, seven times the error.)
+e4m3 for q.K on FP8 tensor cores: no faster than widening K to float16, seven times the error;
+the second also timed one fresh 27 x 600-token prefill, which prefill_tiles_by_cache.py now does
+over more cases and shapes.)
 Each case's caches in copies past the L2, timed in one CUDA graph
 (``engine.bench.kernels.time_rotating``); every variant checked against the reference attention
 over the dequantized cache.
@@ -53,34 +55,3 @@ for batch, ctx in CASES:
         line += f"  {name} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s, err {err:.1e})"
     print(line, flush=True)
     del made, fp8
-
-# Prefill as the throughput run's eager steps see it: 27 fresh 600-token prompts (16,200 tokens),
-# each attending to its own keys, the cache bf16 or FP8, a few tile shapes.
-import triton.testing  # noqa: E402
-
-from engine.attention.triton_paged import PrefillConfig, prefill_attention  # noqa: E402
-
-ql, cl = [600] * 27, [0] * 27
-q, cache, meta = make_batch(ql, cl, device)
-(kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
-fp8_cache = LayerKV(kq, vq, ks, vs)
-flops, _ = attention_cost(ql, cl)
-line = "prefill 27 x 600:"
-for name, c in (("bf16", cache), ("fp8", fp8_cache)):
-    ref = paged_attention_reference(q, c.dequantized(torch.bfloat16) if c.quantized else c, meta, D**-0.5)
-    for cfg in (PrefillConfig(), PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 2)):
-        out = torch.empty_like(q)
-
-        def fn(cfg=cfg, c=c, out=out):
-            meta.scratch.clear()
-            return prefill_attention(q, c, meta, D**-0.5, out, cfg)
-
-        try:
-            fn()
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = triton.testing.do_bench(fn, warmup=5, rep=50)
-        except Exception as e:  # noqa: BLE001
-            line += f"  {name} {cfg}: failed ({type(e).__name__})"
-            continue
-        line += f"\n  {name} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: {ms * 1e3:8.1f} us ({flops / ms / 1e9:6.1f} TFLOP/s, err {err:.1e})"
-print(line, flush=True)

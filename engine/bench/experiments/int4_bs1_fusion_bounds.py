@@ -20,8 +20,7 @@ import torch
 import engine.model.llama as llama
 from engine import EngineConfig, build_engine
 from engine.bench.latency import with_batch1_graph
-from engine.bench.workload import random_prompt, run_to_completion
-from engine.sampling import SamplingParams
+from engine.bench.workload import engine_decode, random_prompt
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 config = EngineConfig(model="engine/configs/llama-3.1-8b.json", load_format="dummy", quantization="int4", lm_head_quantization="int4",
@@ -30,14 +29,6 @@ core = build_engine(config)
 prompt = random_prompt(random.Random(0), 512, core.model_config.vocab_size)
 path = core.runner.gemv
 print(torch.cuda.get_device_name(), "path:", path, flush=True)
-real_split = llama.pairs_split_k
-
-
-def decode(n):
-    req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    run_to_completion(core)
-    return req.metrics.tpot
-
 
 patches = {
     "one slice": lambda: mock.patch.object(llama, "pairs_split_k", lambda n, k, g: 1),
@@ -51,12 +42,12 @@ variants = {
     "default, no SwiGLU": ("no SwiGLU",),
     "down_proj one slice, no norms, no SwiGLU": ("one slice", "no norms", "no SwiGLU"),
 }
-decode(8)
+engine_decode(core, prompt, 8)
 for rnd in range(rounds):
     for name, names in variants.items():
         with ExitStack() as stack:
             for p in names:
                 stack.enter_context(patches[p]())
-            tpot, ms = with_batch1_graph(core, path, lambda: decode(64))
+            (_, tpot), ms = with_batch1_graph(core, path, lambda: engine_decode(core, prompt, 64))
         torch.cuda.synchronize()
         print(f"round {rnd} {name:44s} tpot {tpot * 1e3:.4f} ms ({1 / tpot:.1f} tok/s), replay {ms:.4f} ms", flush=True)

@@ -9,7 +9,7 @@ earlier answers in its ``AnswerCache`` as in the engine), the step appends the d
 agrees with plus one. Printed per policy: steps against plain decoding, the share of steps that
 verify drafts, tokens a verifying step, and a time estimate with the costs measured on the H200
 (2026-12-04, 1.5B, batch 1: an async plain step 1.41 ms, a step read back at once - every
-verifying step, and every step when a draft is likely - 1.64 ms). An "oracle" row takes, among
+verifying step - 1.64 ms). An "oracle" row takes, among
 every earlier occurrence of the longest matching n-gram, the one whose continuation the answer
 follows longest: what any choice of match could reach.
 Run from the repository root: ``python engine/bench/experiments/ngram_policy_replay.py QWEN1.5B.gguf QUESTIONS [MAX_TOKENS]``.
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.bench.speculative import run_group
 from engine.engine_builder import build_engine
-from engine.sampling import SamplingParams
 from engine.speculative import AnswerCache, NgramIndex, NgramProposer
 
 ASYNC_MS, SYNC_MS = 1.41, 1.64  # H200, 1.5B, batch 1 (docs/performance.md, 2026-12-04)
@@ -29,13 +29,7 @@ core = build_engine(EngineConfig(model=model, max_model_len=4096, max_num_seqs=3
 documents = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(Path("assistant/handbook/en").glob("*.md")))
 questions = [q.strip() for q in questions_file.read_text(encoding="utf-8").splitlines() if q.strip()]
 prompts = [core.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}]) for q in questions]
-params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-reqs = [core.add_request(p, params) for p in prompts]
-outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-while core.has_unfinished_requests():
-    for out in core.step():
-        outputs[out.request_id] += out.token_ids
-answers = [outputs[r.request_id] for r in reqs]
+answers = run_group(core, prompts, max_tokens)[0]
 print(f"{len(answers)} answers, {sum(map(len, answers))} tokens, prompt {len(prompts[0])} tokens", flush=True)
 
 
@@ -55,11 +49,11 @@ def oracle_drafts(tokens: list[int], future: list[int], k: int, min_n: int, max_
     return []
 
 
-def replay(k: int, min_n: int, max_n: int, oracle: bool = False) -> tuple[int, int, int, int]:
-    """(steps, verifying steps, steps that may draft, tokens) over every answer, in order, with
-    earlier answers in the proposer's answer cache."""
+def replay(k: int, min_n: int, max_n: int, oracle: bool = False) -> tuple[int, int, int]:
+    """(steps, verifying steps, tokens) over every answer, in order, with earlier answers in the
+    proposer's answer cache. A step with drafts is read back at once (it verifies them)."""
     proposer = NgramProposer(k, min_n, max_n, answers=AnswerCache(1 << 15, min_n, max_n))
-    steps = verifying = likely = tokens = 0
+    steps = verifying = tokens = 0
     for prompt, answer in zip(prompts, answers):
         index = NgramIndex(min_n, max_n)
         t = 1  # the first token comes from the prefill step
@@ -68,15 +62,14 @@ def replay(k: int, min_n: int, max_n: int, oracle: bool = False) -> tuple[int, i
             drafts = oracle_drafts(known, answer[t:], k, min_n, max_n) if oracle else proposer.propose(known, None, index)
             steps += 1
             if drafts:
-                likely += 1
                 agree = next((i for i, (a, b) in enumerate(zip(drafts, answer[t:])) if a != b), min(len(drafts), len(answer) - t))
                 verifying += 1
                 t += agree + 1
             else:
                 t += 1
         tokens += len(answer) - 1
-        proposer.release("r", answer)
-    return steps, verifying, likely, tokens
+        proposer.answers.add(answer)
+    return steps, verifying, tokens
 
 
 plain_steps = sum(len(a) - 1 for a in answers)
@@ -86,8 +79,8 @@ for oracle in (False, True):
         for min_n, max_n in ((1, 4), (2, 4), (3, 4), (2, 6), (2, 8), (1, 8)):
             if oracle and (k, max_n) not in ((4, 4), (8, 8)):
                 continue
-            steps, verifying, likely, tokens = replay(k, min_n, max_n, oracle)
+            steps, verifying, tokens = replay(k, min_n, max_n, oracle)
             per_verify = (tokens - (steps - verifying)) / max(verifying, 1)
-            est = plain_steps * ASYNC_MS / (likely * SYNC_MS + (steps - likely) * ASYNC_MS)
+            est = plain_steps * ASYNC_MS / (verifying * SYNC_MS + (steps - verifying) * ASYNC_MS)
             name = f"{'oracle ' if oracle else ''}k={k} n={min_n}..{max_n}"
             print(f"{name:34s} {steps:6d} {plain_steps / steps:7.2f} {verifying / steps:9.1%} {per_verify:10.2f} {est:13.2f}", flush=True)
