@@ -232,24 +232,25 @@ class EngineCore:
         """Give each decoding request its draft tokens for the next step: as many as pay at its
         measured acceptance (``best_k``), none while more than ``speculative_max_batch`` decode,
         none for requests whose sampling reads their outputs (penalties), and never past their
-        ``max_tokens`` or the context. Drafts continue the request's tokens as the host knows
-        them, so with async scheduling a step still in flight is read back first (its outputs are
-        returned) when any request will draft and the proposer finds drafts likely for one on the
-        tokens known (``Proposer.may_propose``); otherwise the step stays async, without drafts, as
-        does a batch too large to speculate."""
+        ``max_tokens`` or the context. With async scheduling a request's last token may still be
+        in flight: a proposer that drafts ahead is asked for one token more on the tokens known,
+        the first its guess of that token (``Request.draft_guess``), and the step stays async;
+        any other proposer has the step in flight read back first (its outputs are returned). A
+        batch too large to speculate stays async."""
         outputs: list[RequestOutput] = []
         wants, resting = self._draft_wants()
-        if wants and self._inflight is not None:
-            if any(self.proposer.may_propose(want) for _, want in wants):
-                outputs = self._finalize(self._take_inflight())
-                wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
-            else:
-                wants = []  # no drafts likely on the tokens known: this step stays async
+        if wants and self._inflight is not None and not self.proposer.drafts_ahead:
+            outputs = self._finalize(self._take_inflight())
+            wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
         for req in resting:
             req.acceptance.rest()
         if wants:
-            for (req, want), drafts in zip(wants, self.proposer.propose_batch([w for _, w in wants])):
-                req.draft_token_ids = drafts
+            asks = [DraftWant(w.request_id, w.token_ids, w.k + 1) if req.num_pending_tokens else w for req, w in wants]
+            for (req, _), proposal in zip(wants, self.proposer.propose_batch(asks)):
+                if not req.num_pending_tokens:
+                    req.draft_token_ids = proposal
+                elif len(proposal) > 1:  # a guess of the token in flight, then drafts to follow it
+                    req.draft_guess, req.draft_token_ids = proposal[0], proposal[1:]
         return outputs
 
     def _draft_wants(self) -> tuple[list[tuple[Request, DraftWant]], list[Request]]:
@@ -258,12 +259,12 @@ class EngineCore:
         decoding = [r for r in self.scheduler.running if not r.is_prefilling and not r.status.finished]
         if len(decoding) > self.config.speculative_max_batch:  # too many to speculate: no per-request work
             for req in decoding:
-                req.draft_token_ids = []
+                req.draft_token_ids, req.draft_guess = [], None
             return [], []
         wants: list[tuple[Request, DraftWant]] = []
         resting: list[Request] = []
         for req in decoding:
-            req.draft_token_ids = []
+            req.draft_token_ids, req.draft_guess = [], None
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens, self.draft_cost)
             k = min(room, pays)
@@ -321,6 +322,9 @@ class EngineCore:
             rows = 1 + len(c.drafts)
             tokens = result.token_ids[row : row + rows]
             if c.drafts and not c.request.status.finished:
+                if c.request.draft_guess is not None:  # the step before was read back first: its token is known
+                    first = c.request.num_computed_tokens - c.num_tokens  # the step's first input: the guessed token
+                    self.spec_stats.record_guess(c.request.all_token_ids[first] == c.request.draft_guess)
                 tokens = accepted_tokens(c.drafts, tokens)
                 # the KV of rejected drafts was written but is not the request's: compute over it
                 c.request.num_computed_tokens -= len(c.drafts) - (len(tokens) - 1)

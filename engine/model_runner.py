@@ -162,15 +162,15 @@ class ModelRunner:
             req, start, n = c.request, c.start, c.num_tokens
             tokens = req.all_token_ids
             known = n - len(c.drafts)  # a verifying decode: its last token, then the drafts
-            if start + known > len(tokens):  # only a decode's single input token can be pending
-                if n != 1 or pending is None or req.request_id not in pending.row_of:
+            if start + known > len(tokens):  # only a decode's single input token can be pending (drafts may follow it)
+                if known != 1 or pending is None or req.request_id not in pending.row_of:
                     raise RuntimeError(f"request {req.request_id}: tokens {start}..{start + n} are not known to the host")
                 fix_dst.append(len(ids))
                 fix_src.append(pending.row_of[req.request_id])
                 ids.append(0)
             else:
                 ids += tokens[start : start + known]
-                ids += c.drafts
+            ids += c.drafts
             blocks = req.block_ids
             # flat KV slots (block id x block size + offset), inline: this loop is per token
             if n == 1:

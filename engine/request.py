@@ -48,6 +48,9 @@ class Request:
     stop_reason: int | str | None = None
     # Tokens proposed to follow its last one (speculative decoding), verified by its next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Drafted ahead of a step in flight (async scheduling): the token the drafts guessed that step
+    # samples, their first input; the drafts follow it.
+    draft_guess: int | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # how often its drafts are accepted
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # prompt + output, kept as one list: the runner slices it every step (no re-concatenation)

@@ -32,6 +32,14 @@ in PeopleHub", "the handbook does not say; ask ..."), and a draft never changes 
 how many steps it takes. A model's draft costs a step of the
 draft model as well, which :func:`best_k` weighs (``draft_cost``).
 
+With async scheduling the step before a verifying one may still be in flight, its token not yet
+on the host. A proposer that :attr:`Proposer.drafts_ahead` (n-gram lookup) is then asked for one
+token more than the drafts, on the tokens known: the first is its guess of the token in flight,
+the rest are the drafts, and the verifying step is launched behind the step in flight (its first
+input read from that step's sample on the device) instead of waiting for it. A wrong guess only
+costs the drafts: each draft is still checked against the target's sample after the real tokens
+before it, so verification stays exact whatever the drafts were.
+
 Each step counts proposed and accepted drafts (:class:`SpecDecodeStats`, on ``/metrics`` under
 vLLM's ``vllm:spec_decode_*`` names).
 """
@@ -65,10 +73,13 @@ class Proposer(Protocol):
         tokens may seed later requests' drafts."""
         ...
 
-    def may_propose(self, want: DraftWant) -> bool:
-        """Whether drafts are likely for ``want``, whose tokens lack the step still in flight:
-        with async scheduling the engine reads that step back (its host work no longer hidden
-        behind the device) only for a want that may get drafts."""
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether it drafts ahead of the step in flight (async scheduling): asked on the tokens
+        the host knows, which lack that step's token, for one token more, the first being its
+        guess of that token (see ``EngineCore._propose_drafts``). Worth it when a guess is free
+        (a lookup); a proposer whose every token costs a step of its own (a draft model) has the
+        step read back instead."""
         ...
 
 
@@ -222,14 +233,12 @@ class NgramProposer:
         if self.answers is not None and output_token_ids:
             self.answers.add(output_token_ids)
 
-    def may_propose(self, want: DraftWant) -> bool:
-        """Whether the tokens known so far end in an n-gram seen before (in the request or a kept
-        answer): then the token in flight is likely the one that followed it there, and the match
-        goes on. When they do not, a match can still start with the token in flight, but the next
-        step sees it (drafting starts a step late), and the steps in between stay async. On the
-        H200 with the 1.5B at batch 1, a step read back at once took 2.5 ms of host time against
-        1.4 ms async (2026-12-04)."""
-        return bool(self.propose(want.token_ids, 1, self._index(want)))
+    @property
+    def drafts_ahead(self) -> bool:
+        """Yes: a lookup costs a few dict reads, so a guess of the token in flight costs nothing.
+        On the H200 with the 1.5B at batch 1, a step read back at once took 2.5 ms of host time
+        against 1.4 ms async (2026-12-04)."""
+        return True
 
 
 def best_k(acceptance: float, row_cost: float, k_max: int, draft_cost: float = 0.0) -> int:
@@ -304,6 +313,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_drafts_ahead: int = 0  # verifications drafted ahead of the step in flight, on a guess of its token
+    num_guesses_right: int = 0  # of those, the ones whose guess was the token sampled
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: ``num_drafts`` proposed, the first ``num_accepted`` of them accepted."""
@@ -314,6 +325,12 @@ class SpecDecodeStats:
             self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
+
+    def record_guess(self, right: bool) -> None:
+        """One request's verification drafted ahead of the step in flight: whether the token it
+        guessed that step samples was the one sampled (when not, its drafts rarely stand)."""
+        self.num_drafts_ahead += 1
+        self.num_guesses_right += right
 
     @property
     def acceptance_rate(self) -> float | None:

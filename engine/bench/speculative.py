@@ -94,12 +94,15 @@ def main(argv: list[str]) -> int:
                         "emptied before each batch size, so that no question meets its own earlier answer")
     p.add_argument("--prompt-lookup-too", action="store_true",
                    help="also an n-gram engine without the answer cache (what the answers add, in the same run)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="launch each step before the last one is read back (auto: on with CUDA); n-gram drafts then "
+                        "go ahead of the step in flight, on a guess of its token")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
     max_batch = args.max_batch or max(args.batch)
     base = EngineConfig(model=str(args.model), quantization=args.quantization, max_model_len=4096,
-                        max_num_seqs=max(args.batch), speculative_max_batch=max_batch)
+                        max_num_seqs=max(args.batch), speculative_max_batch=max_batch, async_scheduling=args.async_scheduling)
     loaded = LoadedModel.load(base)
     if loaded.device.type == "cuda":  # engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
         base = replace(base, kv_cache_memory_bytes=4 << 30)
@@ -159,10 +162,13 @@ def main(argv: list[str]) -> int:
             rows.append(Row(f"decode, batch {batch}: {names[kind]} (k={args.k})", tps, "tok/s", "no speculation (baseline)", plain_tps))
             lines.append(f"  batch {batch}, {names[kind]}: {st.num_drafts} verifying steps, acceptance {st.acceptance_rate or 0:.1%} of "
                          f"{st.num_draft_tokens} drafts, {st.mean_accepted_length or 1:.2f} tokens a verifying step, "
-                         f"accepted by position {st.accepted_per_pos}; identical outputs {same[kind]}/{len(prompts)}")
+                         f"accepted by position {st.accepted_per_pos}; {st.num_drafts_ahead} drafted ahead of the step in "
+                         f"flight, their guess of its token right {st.num_guesses_right}; identical outputs {same[kind]}/{len(prompts)}")
             results[f"spec_{kind}_bs{batch}_speedup"] = tps / plain_tps
             results[f"spec_{kind}_bs{batch}_tok_s"] = tps
             results[f"spec_{kind}_bs{batch}_acceptance"] = st.acceptance_rate
+            results[f"spec_{kind}_bs{batch}_drafted_ahead"] = st.num_drafts_ahead
+            results[f"spec_{kind}_bs{batch}_guesses_right"] = st.num_guesses_right
             results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
         for kind, core in engines.items():
             lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")

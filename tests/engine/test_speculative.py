@@ -68,7 +68,6 @@ def test_a_request_s_index_grown_step_by_step_proposes_what_a_scan_would(tokens,
         want = DraftWant("r", tokens[:end], k)
         drafts = proposer.propose_batch([want])[0]
         assert drafts == (scan_proposal(tokens[:end], k) if end > 2 else [])
-        assert proposer.may_propose(want) == bool(drafts)
     proposer.release("r")
     assert "r" not in proposer.indexes
 
@@ -85,7 +84,6 @@ def test_an_n_gram_the_request_never_continued_drafts_what_a_kept_answer_said_ne
     proposer.release("later", [7, 51, 52, 60, 61])
     assert proposer.propose([1, 51, 52]) == [60, 61]  # the more recent answer
     assert proposer.propose([50, 51, 52]) == [53, 54, 55]  # the longer n-gram beats the recent one
-    assert proposer.may_propose(DraftWant("r", [3, 4, 7, 51], 2)) and not proposer.may_propose(DraftWant("r2", [3, 4, 5, 6], 2))
     proposer.release("third", [80, 81, 82, 83])  # 15 tokens kept > 12: the first answer goes
     assert sorted(cache.answers) == [1, 2] and cache.num_tokens == 9
     assert proposer.propose([9, 8, 50, 51]) == [] and proposer.propose([2, 80, 81]) == [82, 83]
@@ -281,15 +279,17 @@ def test_greedy_output_is_the_same_with_fewer_steps(smollm, llm_gguf_path, quoti
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf_path, quoting_prompts, plain_answers):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_verifying_steps_replay_row_graphs_with_the_same_output(async_scheduling, smollm, llm_gguf_path, quoting_prompts, plain_answers):
     """Row graphs (engine/cuda_graph.py): each verifying step, a row per token with its own context
     length and its request's block table, packed and scattered like a decode graph's step and
     padded to a row bucket, greedy tokens from the step's own argmax; the three prompts alone and
-    batched give the plain engine's tokens. On a GPU each bucket is one CUDA graph; here the same
-    scatter, rows and argmax run eagerly."""
+    batched give the plain engine's tokens. With async scheduling the drafts go ahead of the decode
+    graph's step in flight: the row graph's first row per request reads that step's token. On a
+    GPU each bucket is one CUDA graph; here the same scatter, rows and argmax run eagerly."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
     want = [list(a.token_ids) for a in plain_answers]
-    spec = spec_llm(smollm, llm_gguf_path)
+    spec = spec_llm(smollm, llm_gguf_path, async_scheduling=async_scheduling)
     runner = spec.core.runner
     runner.capture_cuda_graphs([1, 2, 4], spec.core.max_model_len, spec.core.config.max_num_seqs)
     runner.capture_row_graphs([2, 4, 8, 16], 5, spec.core.max_model_len, spec.core.config.max_num_seqs)
@@ -307,14 +307,15 @@ def test_verifying_steps_replay_row_graphs_with_the_same_output(smollm, llm_gguf
     assert [o.token_ids for o in spec.generate(quoting_prompts, params)] == want
     assert verifying and max(verifying) > 5  # steps of several requests' rows too
     assert runner.row_graphs.padding_rows > 0 and spec.core.spec_stats.num_accepted_tokens > 10
+    assert (spec.core.spec_stats.num_guesses_right > 0) == (async_scheduling == "on")
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
 def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
     """Async scheduling with speculation: while more than ``speculative_max_batch`` requests
-    decode, steps overlap the host's work (each launched before the previous one is read back);
-    once few enough decode, the step in flight is read back before drafts are proposed. Greedy
-    output as without either."""
+    decode, steps overlap the host's work (each launched before the previous one is read back),
+    without drafts; once few enough decode, drafts come too, still launched behind the step in
+    flight. Greedy output as without either."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = quoting_prompts * 2  # six requests: above a speculative_max_batch of 2 until four finish
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -330,18 +331,19 @@ def test_with_async_scheduling_a_batch_too_large_to_draft_stays_async(smollm, ll
 
     spec.core._launch = spy
     assert [o.token_ids for o in spec.generate(prompts, [short] * 4 + [params] * 2)] == want
-    assert (True, False) in chained and (False, True) in chained and (True, True) not in chained
+    assert (True, False) in chained and (True, True) in chained  # drafted ahead of the step in flight
     assert all(not now[0] for before, now in zip(chained, chained[1:]) if before[1])  # a verifying step is read back at once
     assert spec.core.spec_stats.num_accepted_tokens > 0
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
-def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
-    """Async scheduling, one request at a time: the step in flight is read back for drafts only
-    when the tokens known so far end in an n-gram seen before (NgramProposer.may_propose); the
-    other steps are launched before the one before them is read back. The answer about annual
-    leave quotes the handbook in places and not in others, so both kinds of step occur. Greedy
-    output as without speculation."""
+def test_with_async_scheduling_n_gram_drafts_go_ahead_of_the_step_in_flight(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
+    """Async scheduling, one request at a time: n-gram drafts are proposed on the tokens the host
+    knows, one token more than the drafts, the first a guess of the token still in flight; the
+    verifying step is launched behind that step (its first input read on the device) instead of
+    waiting for it. Only the step after a verifying one waits (the verification decides its
+    tokens). The answer about annual leave quotes the handbook in places and not in others, so
+    guesses are right and wrong; the output is plain decoding's either way, with fewer steps."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = list(plain_tokens[1])
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
@@ -356,8 +358,30 @@ def test_with_async_scheduling_a_step_is_read_back_only_when_a_draft_is_likely(s
 
     spec.core._launch = spy
     assert spec.generate(quoting_prompts[1:2], params)[0].token_ids == want
-    assert chained.count((True, False)) >= 5 and (False, True) in chained and (True, True) not in chained
-    assert spec.core.spec_stats.num_accepted_tokens > 5
+    assert chained.count((True, True)) >= 3 and chained.count((True, False)) >= 3
+    assert all(now[0] or before[1] for before, now in zip(chained, chained[1:]))  # only a verifying step is waited for
+    stats = spec.core.spec_stats
+    assert stats.num_accepted_tokens > 5 and 0 < stats.num_guesses_right <= stats.num_drafts_ahead <= stats.num_drafts
+    assert len(chained) < len(want)
+    assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+
+
+def test_a_wrong_guess_of_the_token_in_flight_costs_only_its_drafts(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
+    """A proposer whose first token is always another one (the guess of the token in flight when
+    it drafts ahead, else the first draft): the output is still plain decoding's, and every guess
+    is counted wrong."""
+    from engine.speculative import NgramProposer
+
+    class WrongGuess(NgramProposer):
+        def propose_batch(self, wants):
+            return [[p[0] ^ 1, *p[1:]] if p else p for p in super().propose_batch(wants)]
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
+    spec.core.proposer = WrongGuess(spec.core.proposer.k)
+    assert spec.generate(quoting_prompts[1:2], params)[0].token_ids == list(plain_tokens[1][:30])
+    stats = spec.core.spec_stats
+    assert stats.num_drafts_ahead > 0 and stats.num_guesses_right == 0
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
 
 
@@ -386,13 +410,14 @@ def test_a_verifying_step_is_read_back_before_the_next_is_scheduled(smollm, llm_
     in the step that verifies the other request's drafts makes the next step too large to draft,
     so nothing else reads the verifying step back first; it must have been read back already (the
     next step was scheduled on its unverified drafts and failed: tokens not known to the host).
-    Its proposer reads every step back for drafts, as a draft model's does, so that the drafts
-    come at the steps that met the failure."""
+    Its proposer has every step read back for drafts (it does not draft ahead), as a draft
+    model's does, so that the drafts come at the steps that met the failure."""
     from engine.speculative import NgramProposer
 
     class EveryStep(NgramProposer):
-        def may_propose(self, want):
-            return True
+        @property
+        def drafts_ahead(self):
+            return False
 
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = [list(t[:30]) for t in plain_tokens[:2]]
