@@ -170,7 +170,7 @@ def split_kv_decode_attention(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
     FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr, KV_LINE: tl.constexpr = 0,
-    KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False, NEXT_TILE: tl.constexpr = False,
+    KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
@@ -179,10 +179,7 @@ def split_kv_decode_attention(
     cache elements a 128-byte line, KV_LINES of them a row): the slice's first SMALL_TILE cached K and V rows are asked
     into L2 before the PDL wait - earlier steps wrote them, and no kernel in flight writes them.
     KV_PRELOAD (with FUSED_ROPE): a short slice's one tile of cached K/V is loaded into registers
-    before the wait (with PDL), for the same reason. NEXT_TILE: a long slice loads each tile's K/V
-    a loop step early (two tiles in registers), so that the loads of tile i + 1 are in flight
-    while tile i is widened and multiplied: an FP8 tile is widened to float16 between its load and
-    its dot, so Triton's pipeliner does not stage it through shared memory as it does a bf16 one."""
+    before the wait (with PDL), for the same reason."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,22 +245,10 @@ def split_kv_decode_attention(
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, SMALL_TILE), end, d, b, kvh, K_CACHE, V_CACHE,
                                          BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
                                          K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
-    if NEXT_TILE:  # a long slice in wide tiles, each loaded a loop step early
-        long_end = tl.where(short, 0, end)  # a short slice: every row masked, no traffic
-        k, v, k_scale, v_scale = _load_kv(start + tl.arange(0, TILE_N), long_end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES,
-                                          stride_bt, stride_kb, stride_ks, stride_kh, K_SCALE, V_SCALE, stride_sb, stride_ss,
-                                          stride_sh, D, PAGE, FP8)
-        for n0 in range(start, tl.where(short, start, end), TILE_N):
-            k1, v1, k1_scale, v1_scale = _load_kv(n0 + TILE_N + tl.arange(0, TILE_N), long_end, d, b, kvh, K_CACHE, V_CACHE,
-                                                  BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, K_SCALE, V_SCALE,
-                                                  stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
-            acc, m_i, l_i = _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, n0 + tl.arange(0, TILE_N) < end, scale, FP8)
-            k, v, k_scale, v_scale = k1, v1, k1_scale, v1_scale
-    else:
-        for n0 in range(start, tl.where(short, start, end), TILE_N):  # a long slice in wide tiles
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
-                                         BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
-                                         K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
+    for n0 in range(start, tl.where(short, start, end), TILE_N):  # a long slice in wide tiles
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
+                                     BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
+                                     K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
     if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
         k_row = K_NEW + b * stride_knt + kvh * stride_knh
         k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos

@@ -30,11 +30,6 @@ DECODE_SMALL_TILE = 32
 # beaten neither, 1.297 against 1.310 ms; preload has not run there yet.)
 DECODE_KV_PREFETCH = False
 DECODE_KV_PRELOAD = True
-# An FP8 cache's long slices load each K/V tile a loop step early (split_kv_decode_attention's
-# NEXT_TILE): its tiles are widened in registers, so Triton does not pipeline their loads, and at
-# equal context an FP8 cache took bf16's time, reading at half its GB/s
-# (engine/bench/experiments/fp8_kv_decode_ab.py, H100, 2026-12-06).
-DECODE_NEXT_TILE_FP8 = True
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,7 @@ class NewTokens:
 def decode_attention(
     q: torch.Tensor, kv_cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
-    num_warps: int = 4, next_tile: bool | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
@@ -130,9 +125,7 @@ def decode_attention(
     applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
     ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
     (``python -m engine.bench.kernels --decode-tiles`` sweeps others); ``num_warps``: a program's
-    warps (4; 8 was slower for either cache dtype, engine/bench/experiments/fp8_kv_decode_ab.py);
-    ``next_tile``: load each tile a loop step early (default: ``DECODE_NEXT_TILE_FP8`` for an FP8
-    cache, off for bf16)."""
+    warps (4; 8 was slower for either cache dtype, engine/bench/experiments/fp8_kv_decode_ab.py)."""
     from engine.attention._triton_kernels import combine_launch, decode_launch
 
     k_cache, v_cache = kv_cache.k, kv_cache.v
@@ -161,7 +154,6 @@ def decode_attention(
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
         KV_PRELOAD=new is not None and DECODE_KV_PRELOAD,
-        NEXT_TILE=(kv_cache.quantized and DECODE_NEXT_TILE_FP8) if next_tile is None else next_tile,
         num_warps=num_warps, **launch_options(pdl),
     )
     if splits == 1:

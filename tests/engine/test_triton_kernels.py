@@ -101,21 +101,18 @@ def build_batch(query_lens, ctx_lens, hkv, dim, page, seed):
 
 
 @pytest.mark.parametrize("pdl", PDL_CASES)
-@pytest.mark.parametrize("hq,hkv,dim,page,tile,align,next_tile", [
-    (4, 1, 16, 4, 0, 0, None), (6, 2, 64, 16, 0, 0, None), (8, 8, 32, 8, 0, 0, None), (6, 2, 64, 16, 32, 32, None),
-    (6, 2, 64, 16, 64, 16, None), (6, 2, 64, 16, 64, 64, None), (8, 8, 32, 8, 16, 16, None),
-    (6, 2, 64, 16, 32, 32, True), (8, 8, 32, 8, 16, 16, True)])
-def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, next_tile, pdl):
+@pytest.mark.parametrize("hq,hkv,dim,page,tile,align", [(4, 1, 16, 4, 0, 0), (6, 2, 64, 16, 0, 0), (8, 8, 32, 8, 0, 0),
+                                                        (6, 2, 64, 16, 32, 32), (6, 2, 64, 16, 64, 16), (6, 2, 64, 16, 64, 64),
+                                                        (8, 8, 32, 8, 16, 16)])
+def test_decode_attention_matches_reference(hq, hkv, dim, page, tile, align, pdl):
     """The default context tiles (0) and others the sweep times: short slices as one small tile,
-    longer ones in wide tiles ending inside a tile; also with each wide tile loaded a loop step
-    early (next_tile, an FP8 cache's default)."""
+    longer ones in wide tiles ending inside a tile."""
     seed = random.randrange(1 << 30)
     ctx = DECODE_CONTEXTS
     cache, meta = build_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl, tile_n=tile, small_tile=align,
-                     next_tile=next_tile)
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl, tile_n=tile, small_tile=align)
     ref = paged_attention_reference(q, cache, meta, dim**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < TOL, f"seed {seed}"
@@ -327,18 +324,16 @@ def test_rope_and_store_into_an_fp8_cache_matches_torchs_rounding(hq, hkv, dim, 
         assert stored_fraction_equal(cache.view(torch.uint8).view(-1, hkv, dim)[slots].view(FP8_DTYPE), want) >= 0.95, f"seed {seed}"
 
 
-@pytest.mark.parametrize("hq,hkv,dim,page,tile,align,next_tile", [(4, 1, 16, 4, 0, 0, None), (6, 2, 64, 16, 0, 0, None),
-                                                                  (8, 8, 32, 8, 16, 16, None), (6, 2, 64, 16, 32, 32, False)])
-def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_contents(hq, hkv, dim, page, tile, align, next_tile):
+@pytest.mark.parametrize("hq,hkv,dim,page,tile,align", [(4, 1, 16, 4, 0, 0), (6, 2, 64, 16, 0, 0), (8, 8, 32, 8, 16, 16)])
+def test_decode_attention_over_an_fp8_cache_matches_the_reference_on_its_contents(hq, hkv, dim, page, tile, align):
     """Scales applied to the score columns (K) and the probabilities' columns (V): the same as
-    attention over the dequantized cache, to float rounding; with each wide tile loaded a loop
-    step early (the default) and without."""
+    attention over the dequantized cache, to float rounding."""
     seed = random.randrange(1 << 30)
     ctx = DECODE_CONTEXTS
     cache, meta = fp8_batch([1] * len(ctx), ctx, hkv, dim, page, seed)
     q = torch.randn(len(ctx), hq, dim, device=DEVICE, dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, tile_n=tile, small_tile=align, next_tile=next_tile)
+    decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, tile_n=tile, small_tile=align)
     ref = paged_attention_reference(q, cache.dequantized(DTYPE), meta, dim**-0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < FP8_TOL, f"seed {seed}"
