@@ -266,10 +266,10 @@ class EngineConfig:
     the same tokens at temperature 0, the same distribution above it, fewer steps when answers
     quote their prompt. ``draft``: the drafts are what ``draft_model``, a smaller model of the same
     tokenizer, says greedily (engine/draft_model.py). Drafts continue the tokens the host
-    knows, so with async scheduling a step in flight is read back when a request will draft and
-    the proposer finds a draft likely (n-gram: the known tokens end in an n-gram seen before; a
-    draft model: always); the other steps, and those of a batch too large to speculate
-    (``speculative_max_batch``), stay async."""
+    knows; with async scheduling n-gram drafts go ahead of the step in flight (its token guessed,
+    the verifying step launched behind it), while a draft model has that step read back first.
+    Steps without drafts, and those of a batch too large to speculate (``speculative_max_batch``),
+    stay async."""
     draft_model: str | None = None
     """With ``speculative="draft"``: the draft model's path (any form ``model`` takes). It runs
     as an engine of its own (same device, quantization, block size and context), with a KV cache
@@ -302,8 +302,9 @@ class EngineConfig:
     at 8, 0.98x at 16. On CUDA a verifying step of up to this many requests replays a row graph
     (``row_cuda_graphs``). On the H200 with the 1.5B and handbook questions (2026-12-04), n-gram
     drafts gave 1.37x at batch 1, 1.36x at 2 and 1.21x at 8, but a group of 32 finished 0.89x
-    as fast (its tail drafts, and each step that may draft is read back at once), and the 0.5B
-    draft model 0.90-0.99x: there speculation is off by default (the assistant's ``auto``)."""
+    as fast (its tail drafted), and the 0.5B draft model 0.90-0.99x: there speculation is off by
+    default (the assistant's ``auto``). A request that has decoded in a larger batch never drafts
+    (``EngineCore._draft_wants``): the tail of a large batch is where drafting lost."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -
