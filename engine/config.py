@@ -303,8 +303,9 @@ class EngineConfig:
     (``row_cuda_graphs``). On the H200 with the 1.5B and handbook questions (2026-12-04), n-gram
     drafts gave 1.37x at batch 1, 1.36x at 2 and 1.21x at 8, but a group of 32 finished 0.89x
     as fast (its tail drafted), and the 0.5B draft model 0.90-0.99x: there speculation is off by
-    default (the assistant's ``auto``). A request that has decoded in a larger batch never drafts
-    (``EngineCore._draft_wants``): the tail of a large batch is where drafting lost."""
+    default (the assistant's ``auto``). With async scheduling a request that has decoded in a
+    larger batch never drafts (``EngineCore._draft_wants``): the tail of a large batch is where
+    drafting lost."""
     warm_up: Literal["auto", "on", "off"] = "auto"
     """Before serving, run a few throwaway requests (short and long prompts, a prefix-cache hit,
     a mixed step, two decode steps each) so that the kernels the captured graphs leave out -

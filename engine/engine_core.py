@@ -256,14 +256,17 @@ class EngineCore:
     def _draft_wants(self) -> tuple[list[tuple[Request, DraftWant]], list[Request]]:
         """The decoding requests that draft this step and how many tokens each (their drafts and
         guess reset to none first), and those whose estimate keeps them from drafting (they rest).
-        A request that has decoded in a batch too large to speculate never drafts: it would only
-        in that batch's tail, where drafts cost more than they saved (H100, the 1.5B, 2026-12-06:
-        a group of 32 questions drafting once at most 8 decode finished 0.84x as fast, a group of
-        8 drafting throughout 1.32x; the tail's steps are bound by the host's work)."""
+        With async scheduling a request that has decoded in a batch too large to speculate never
+        drafts: it would only in that batch's tail, where drafts cost more than they saved (H100,
+        the 1.5B, 2026-12-06: a group of 32 questions drafting once at most 8 decode finished
+        0.84x as fast, a group of 8 drafting throughout 1.32x; the tail's steps are bound by the
+        host's work, and a verifying step forfeits the overlap). Without it (the CPU: every step
+        waited for, each bound by its dot products) the tail drafts as any small batch does."""
         decoding = [r for r in self.scheduler.running if not r.is_prefilling and not r.status.finished]
         if len(decoding) > self.config.speculative_max_batch:  # too many to speculate: no per-request work
             for req in decoding:
-                req.draft_token_ids, req.draft_guess, req.may_draft = [], None, False
+                req.draft_token_ids, req.draft_guess = [], None
+                req.may_draft = not self.async_scheduling
             return [], []
         wants: list[tuple[Request, DraftWant]] = []
         resting: list[Request] = []

@@ -51,8 +51,8 @@ class Request:
     # Drafted ahead of a step in flight (async scheduling): the token the drafts guessed that step
     # samples, their first input; the drafts follow it.
     draft_guess: int | None = None
-    # False once it has decoded in a batch too large to speculate (speculative_max_batch): it
-    # would draft only in that batch's tail, where drafting cost more than it saved.
+    # False once it has decoded in a batch too large to speculate (speculative_max_batch) with
+    # async scheduling: it would draft only in that batch's tail, where drafting cost more than it saved.
     may_draft: bool = True
     acceptance: Acceptance = field(default_factory=Acceptance)  # how often its drafts are accepted
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -316,7 +316,8 @@ def test_a_request_that_decoded_in_a_batch_too_large_to_draft_never_drafts(smoll
     steps overlap the host's work (each launched before the previous one is read back), without
     drafts; the two long answers left once four short ones finish still draft nothing (they
     decoded in the large batch: its tail is where drafting lost). A request that then comes alone
-    drafts, launched behind the step in flight. Greedy output as without either."""
+    drafts, launched behind the step in flight. Without async scheduling (the CPU's steps) the
+    tail drafts. Greedy output as without either."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = quoting_prompts * 2  # six requests: above a speculative_max_batch of 2 until four finish
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -339,6 +340,9 @@ def test_a_request_that_decoded_in_a_batch_too_large_to_draft_never_drafts(smoll
     assert (True, True) in chained and spec.core.spec_stats.num_accepted_tokens > 0
     assert all(not now[0] for before, now in zip(chained, chained[1:]) if before[1])  # a verifying step is read back at once
     assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
+    sync = spec_llm(smollm, llm_gguf_path, async_scheduling="off", speculative_max_batch=2)
+    assert [o.token_ids for o in sync.generate(prompts, [short] * 4 + [params] * 2)] == want
+    assert sync.core.spec_stats.num_accepted_tokens > 0
 
 
 def test_with_async_scheduling_n_gram_drafts_go_ahead_of_the_step_in_flight(smollm, llm_gguf_path, quoting_prompts, plain_tokens):
