@@ -53,8 +53,9 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class DraftWant:
-    """One request's ask for drafts before a step: its tokens so far (prompt and verified output)
-    and how many drafts pay (``k`` >= 1)."""
+    """One request's ask for drafts before a step: its tokens so far as the host knows them
+    (prompt and verified output) and how many tokens to propose (``k`` >= 1: the drafts that pay,
+    plus one for the guess of a token still in flight when drafting ahead)."""
 
     request_id: str
     token_ids: list[int]
