@@ -81,9 +81,11 @@ batch 1 follows GemvPolicy.int4_kernel): the 8B's projections on the H200 (2026-
 engine/bench/experiments/fp8_gemv_sweep.py), tinygemm against the Triton kernel, us for q|k|v +
 o_proj + gate|up + down_proj: 1 row 69 / 149, 2 rows 73 / 150, 4 rows 96 / 150, 8 rows 156 / 150,
 16 rows 263 / 152."""
-# CUDA steps of at least this many rows: the weight in bf16, then cuBLAS. An estimate from the
-# H200's 2026-12-03 kernel times (Triton int4 at 16 and 512 rows against cuBLAS bf16) and the cost
-# of writing a weight out; engine/bench/experiments/int4_large_step_ab.py measures the crossover.
+# CUDA steps of at least this many rows: the weight in bf16, then cuBLAS. Where a layer's four
+# 8B projections cross (engine/bench/experiments/int4_large_step_ab.py, H100, 2026-12-06), us of
+# the Triton kernel / write-out + cuBLAS: 64 rows 330 / 422, 128 rows 421 / 432, 256 rows
+# 644 / 467 (o_proj and down_proj alone already favour the write-out at 64 rows; not used).
+# int4 prefill of 8 x 2,048 tokens went from 12,971 to 41,163 tok/s.
 DEQUANTIZE_MIN_ROWS = 128
 TINYGEMM_INNER_K_TILES = 8  # 16-input tiles packed together: 8 gives the kernel 16-byte loads (gpt-fast's choice)
 
