@@ -13,7 +13,11 @@ cheaply, K's to the score columns after the dot, V's to the probabilities' colum
 float16 keeps its precision). Float16, not the model's bf16: e4m3 widens to float16 two values an
 instruction (``cvt.rn.f16x2.e4m3x2``); to bf16 Triton adds a float16 -> bf16 conversion of each
 value and the unpacking (sm_90 PTX of the decode kernel: 192 ``cvt.bf16.f16`` and 96
-``cvt.u32.u16`` more; the prefill kernel 512 more).
+``cvt.u32.u16`` more; the prefill kernel 512 more). V is widened by inline PTX (``_widen_e4m3``)
+before its dot: with Triton's own conversion the compiler loads the e4m3 tile from shared memory
+straight into the dot's operand layout, which wants four consecutive tokens of one column a
+thread - one ``ld.shared.b8`` per value, as tokens are a row apart - and the loop starved on
+shared-memory loads (decode read an FP8 cache at half a bf16 cache's GB/s).
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
@@ -30,6 +34,8 @@ value and the unpacking (sm_90 PTX of the decode kernel: 192 ``cvt.bf16.f16`` an
   and prefix-cache hits.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -38,6 +44,8 @@ from engine.kernels.cached_launch import CachedLaunch
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # engine/kv_cache.py FP8_MAX
 FP8_MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # engine/kv_cache.py FP8_MIN_SCALE
+# The CPU interpreter (TRITON_INTERPRET=1, the tests) runs no inline PTX: Triton's own conversion there.
+E4M3_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -107,6 +115,21 @@ def rope_store_kernel(
 
 
 @triton.jit
+def _widen_e4m3(x):
+    """An e4m3 tile as float16 (exact), two values an instruction, by inline PTX the compiler
+    cannot move into a dot's operand load (module docstring): the tile goes to shared memory as
+    float16 and the dot reads it with ``ldmatrix.trans``. Kernel alone, 512 requests x 1,200 tokens
+    of an FP8 cache (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100, 2026-12-06): 753
+    against 677 us with two pipeline stages, 905 against 749 with three."""
+    if E4M3_PTX:
+        y = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
 def _load_kv(offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh,
              K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
     """The cached K and V rows of the context positions ``offs`` (those < end; the rest read as
@@ -143,7 +166,7 @@ def _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, valid, scale, FP8: tl.c
     if FP8:  # V's scales on p's columns, over the tile's largest (module docstring): p @ (v * scale)
         v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
         p = p * (v_scale / v_max)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_max
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_e4m3(v)) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
@@ -370,7 +393,7 @@ def _prefill_block(
     if FP8:  # V's scales on p's columns, over the tile's largest (module docstring)
         v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
         p = p * (v_scale / v_max)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_max
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_e4m3(v)) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new

@@ -16,6 +16,10 @@ from engine.transfer import to_device
 # bf16 cache 10-12% faster from 32 requests up (512 x 1,200 tokens: 856 against 971 us), the
 # same at batch 1; an FP8 cache 1.3-1.4x faster (818 against 1,155 us), its loads too narrow at 64.
 DECODE_TILE = 128
+# Software-pipeline stages of the decode loop over an FP8 cache (bf16 keeps Triton's default, 3).
+# Kernel alone, 512 x 1,200 tokens (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100,
+# 2026-12-06): 677 us with 2 stages, 741 with 1, 749 with 3 or 4 (at 3 the loop spills registers).
+DECODE_FP8_STAGES = 2
 # Split slices come in steps of this many tokens, and a slice this short is one tile of it: at
 # short contexts more splits get work (batch 1 at ~580 tokens: 19 busy splits instead of 10),
 # long slices keep the wide tile (``python -m engine.bench.kernels --decode-tiles``).
@@ -154,7 +158,7 @@ def decode_attention(
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
         KV_PRELOAD=new is not None and DECODE_KV_PRELOAD,
-        num_warps=num_warps, **launch_options(pdl),
+        num_warps=num_warps, **({"num_stages": DECODE_FP8_STAGES} if kv_cache.quantized else {}), **launch_options(pdl),
     )
     if splits == 1:
         return out

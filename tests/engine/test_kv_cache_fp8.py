@@ -157,7 +157,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     """The interpreter runs the kernels as Python and never lowers them: here the RoPE + write,
     decode (RoPE and the write fused, a short slice's K/V loaded early) and prefill kernels with FP8=True compile for sm_90 through
     ptxas (Triton's own, no GPU needed), their e4m3 conversions included; the reads widen e4m3 to
-    float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step)."""
+    float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step),
+    and V reaches its dot in float16, not one shared-memory byte a load."""
     import inspect
     import re
 
@@ -168,6 +169,20 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     from engine.attention import _triton_kernels as kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
+    source = inspect.getsourcefile(kernels)
+    v_dot_lines = {i for i, line in enumerate(open(source).read().splitlines(), 1) if "_widen_e4m3(v)" in line}
+
+    def byte_load_lines(ptx: str) -> set[int]:
+        """Source lines of _triton_kernels.py that PTX ``ld.shared.b8`` instructions come from."""
+        file_no = re.search(r'\.file\s+(\d+)\s+"[^"]*_triton_kernels\.py"', ptx).group(1)
+        lines, here = set(), None
+        for row in ptx.splitlines():
+            loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", row)
+            if loc:
+                here = int(loc.group(2)) if loc.group(1) == file_no else None
+            elif "ld.shared.b8" in row and here is not None:
+                lines.add(here)
+        return lines
     cache = {"K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "scale": "fp32"}
     cases = [
         (kernels.rope_store_kernel, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
@@ -192,3 +207,5 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
         if fn is not kernels.rope_store_kernel:  # the reads: e4m3 pairwise to float16, the dots in float16, no bf16 widening
             assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, fn.fn.__name__
             assert re.search(r"mma[\w.]*\.f16\.f16", ptx) and not re.search(r"mma[\w.]*\.bf16\.bf16", ptx), fn.fn.__name__
+            # V widened before its dot (_widen_e4m3): no byte-wide shared-memory loads at the dot
+            assert v_dot_lines and not v_dot_lines & byte_load_lines(ptx), fn.fn.__name__

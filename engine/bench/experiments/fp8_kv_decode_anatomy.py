@@ -192,7 +192,7 @@ def main() -> None:
         del made, fp8
         from engine.attention._triton_kernels import decode_launch
         for key, kernel in decode_launch._compiled.items():
-            name = f"engine {'fp8' if any('fp8' in str(k) for k in key[:4]) else 'bf16'} {len(seen)}"
+            name = f"engine {'fp8' if any('float8' in str(k) for k in key[:4]) else 'bf16'} {len(seen)}"
             seen.add(name)
             print(f"  {name:34s} " + anatomy(name, kernel, out_dir), flush=True)
         decode_launch._compiled.clear()
