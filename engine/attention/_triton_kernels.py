@@ -34,18 +34,17 @@ shared-memory loads (decode read an FP8 cache at half a bf16 cache's GB/s).
   and prefix-cache hits.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
 from engine.kernels._pdl_triton import pdl_wait, prefetch_l2
 from engine.kernels.cached_launch import CachedLaunch
+from engine.kernels.triton_utils import triton_interpreting
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # engine/kv_cache.py FP8_MAX
 FP8_MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # engine/kv_cache.py FP8_MIN_SCALE
 # The CPU interpreter (TRITON_INTERPRET=1, the tests) runs no inline PTX: Triton's own conversion there.
-E4M3_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+E4M3_PTX: tl.constexpr = tl.constexpr(not triton_interpreting())
 
 
 @triton.jit

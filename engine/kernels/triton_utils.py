@@ -23,10 +23,16 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, set before
+    triton is imported): kernels then run as Python and no inline PTX can run."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def runs_triton(t: torch.Tensor) -> bool:
     """Whether a Triton kernel can take ``t``: a CUDA tensor, or any under Triton's CPU interpreter
     (``TRITON_INTERPRET=1``, the tests') - for modules whose only implementation is the kernel."""
-    return triton_available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_available() and (t.is_cuda or triton_interpreting())
 
 
 def pdl_supported(device: torch.device) -> bool:

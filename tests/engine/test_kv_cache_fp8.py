@@ -5,6 +5,7 @@ with it decoding like one with a float cache. (The Triton kernels' FP8 paths: te
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,8 +170,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     from engine.attention import _triton_kernels as kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
-    source = inspect.getsourcefile(kernels)
-    v_dot_lines = {i for i, line in enumerate(open(source).read().splitlines(), 1) if "_widen_e4m3(v)" in line}
+    source = Path(inspect.getsourcefile(kernels)).read_text()
+    v_dot_lines = {i for i, line in enumerate(source.splitlines(), 1) if "_widen_e4m3(v)" in line}
 
     def byte_load_lines(ptx: str) -> set[int]:
         """Source lines of _triton_kernels.py that PTX ``ld.shared.b8`` instructions come from."""
