@@ -96,7 +96,7 @@ def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill:
 
 
 def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = "auto", prefill: int = 0,
-                        quantization: str = "none") -> None:
+                        quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
     """Where the device time of a decode step goes, kernel by kernel (torch.profiler), for the
     model in ``model_config`` with random weights, run as the engine runs it (CUDA graphs, the
     batch-1 decode path): the kernels' summed time against the wall time of as many steps run
@@ -105,11 +105,12 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     kernel times that add up. ``prefill`` > 0: every profiled step also takes a new request's
     ``prefill``-token prompt (a mixed step, as in the throughput run: piecewise graphs + eager
     attention). Plain decode steps are also broken down by projection. ``quantization``: the
-    engine's (fp8, int4)."""
+    engine's (fp8, int4); ``kv_cache_dtype``: its cache's (auto, fp8)."""
     from engine.sampling import SamplingParams
 
     steps = 10
-    core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl, quantization=quantization)
+    core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl, quantization=quantization,
+                               kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.85)
     rng = random.Random(1)
 
     def run_steps() -> None:
@@ -122,7 +123,7 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
     contexts = [r.num_tokens for r in core.scheduler.running]
     kind = f"decode step + a {prefill}-token prompt" if prefill else "decode step"
     print_step_profile(core, run_steps, steps, f"{kind}, batch {len(contexts)}, context {min(contexts)}-{max(contexts)} "
-                       f"(mean {sum(contexts) / len(contexts):.0f}), weights {quantization}", by_projection=not prefill)
+                       f"(mean {sum(contexts) / len(contexts):.0f}), weights {quantization}, cache {kv_cache_dtype}", by_projection=not prefill)
 
 
 def print_step_profile(core, run_steps, steps: int, label: str, by_projection: bool = False) -> None:
@@ -501,10 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=0, help="with --profile-decode: each profiled step also prefills a prompt this long")
     p.add_argument("--pdl", default="auto", choices=("auto", "on", "off"), help="with --profile-decode: programmatic dependent launch")
     p.add_argument("--quantization", default="none", choices=("none", "fp8", "int4"), help="with --profile-decode: the weights' format")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="with --profile-decode: the KV cache's dtype")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     if args.profile_decode:
-        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill, args.quantization)
+        profile_decode_step(args.profile_decode, args.batch, args.context, args.pdl, args.prefill, args.quantization,
+                            args.kv_cache_dtype)
         return 0
     if args.profile_chunked:
         profile_chunked_step(args.profile_chunked, args.batch, args.long, args.budget)
