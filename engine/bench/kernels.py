@@ -91,7 +91,11 @@ def decode_batch_engine(model_config: str, batch: int, context: int, *, prefill:
     for _ in range(3):
         core.step()
     if len(core.scheduler.running) != batch:
-        raise RuntimeError(f"profile set-up: {len(core.scheduler.running)} of {batch} requests still running")
+        bm = core.block_manager
+        need = batch * bm.blocks_needed(context + 5 + 2 * steps)  # the prompt, set-up's tokens and the profiled steps'
+        why = (f"; the KV cache holds {bm.num_usable_blocks:,} blocks of {bm.block_size} tokens and the batch needs "
+               f"{need:,}: profile a smaller --batch or --context") if need > bm.num_usable_blocks else ""
+        raise RuntimeError(f"profile set-up: {len(core.scheduler.running)} of {batch} requests still running{why}")
     return core
 
 

@@ -304,3 +304,13 @@ def test_a_bad_format_list_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["latency", "--model", "x.json", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_decode_profile_too_large_for_the_kv_cache_says_so(tiny_llama_dir):
+    """A batch whose K/V cannot all fit is preempted in set-up: the error names the cache's blocks
+    against what the batch needs and what to change, not only how many requests were left."""
+    from engine.bench.kernels import decode_batch_engine
+
+    with pytest.raises(RuntimeError, match=r"3 of 6 requests still running; the KV cache holds 13 blocks of 16 tokens and the "
+                                           r"batch needs 24: profile a smaller --batch or --context"):
+        decode_batch_engine(str(tiny_llama_dir), 6, 40, steps=2, budget=41, load_format="auto", device="cpu", num_kv_blocks=14)
