@@ -57,7 +57,7 @@ def main() -> None:
             outs = [torch.empty_like(q) for q, _, _ in cases]
             triton_paged.DECODE_KV_PRELOAD = preload
 
-            def fn(i, cases=cases, outs=outs, fused=fused):
+            def fn(i, cases=cases, outs=outs, fused=fused, new=new):
                 q, cache, meta = cases[i]
                 return decode_attention(q, cache, meta.block_tables, meta.seq_lens, D**-0.5, outs[i], new=new[i] if fused else None)
 
