@@ -9,7 +9,8 @@ the RoPE, the e4m3 rounding of the new row and, with ``KV_PRELOAD``, a tile held
 across the wait; over an FP8 cache the loop already sits near the register limit.
 
 Variants per cache dtype and shape: the kernel alone; fused with preload (the engine's step);
-fused without preload. PDL off
+fused without preload; the FP8 one fused in 64-token tiles at 2-4 pipeline stages and in
+128-token tiles at 3 (not yet run on a GPU: the next session's). PDL off
 (the profile's setting). The fused variants write each request's new row to one spare slot, so
 only their time is read here (the GPU tests check what they compute); the kernel alone's error
 against the reference is printed. On 2026-12-07 it also ran on a copy of the kernel that
@@ -50,16 +51,22 @@ def main() -> None:
         print(f"batch {batch} x {ctx}: bf16 {nbytes / 1e6:.1f} MB, fp8 {fp8_bytes / 1e6:.1f} MB", flush=True)
         variants = []
         for name, cases in (("bf16", made), ("fp8", fp8)):
-            variants += [(f"{name} alone", cases, False, True),
-                         (f"{name} fused, preload (the step's)", cases, True, True),
-                         (f"{name} fused, no preload", cases, True, False)]
-        for name, cases, fused, preload in variants:
+            variants += [(f"{name} alone", cases, False, True, 0, 0),
+                         (f"{name} fused, preload (the step's)", cases, True, True, 0, 0),
+                         (f"{name} fused, no preload", cases, True, False, 0, 0)]
+        # fewer registers a program, more programs an SM: the FP8 step's kernel in other tiles and stages
+        variants += [(f"fp8 fused, tile {tile}, {stages} stages", fp8, True, True, tile, stages)
+                     for tile, stages in ((64, 2), (64, 3), (64, 4), (128, 3))]
+        stages_default = triton_paged.DECODE_FP8_STAGES
+        for name, cases, fused, preload, tile, stages in variants:
             outs = [torch.empty_like(q) for q, _, _ in cases]
             triton_paged.DECODE_KV_PRELOAD = preload
+            triton_paged.DECODE_FP8_STAGES = stages or stages_default
 
-            def fn(i, cases=cases, outs=outs, fused=fused, new=new):
+            def fn(i, cases=cases, outs=outs, fused=fused, new=new, tile=tile):
                 q, cache, meta = cases[i]
-                return decode_attention(q, cache, meta.block_tables, meta.seq_lens, D**-0.5, outs[i], new=new[i] if fused else None)
+                return decode_attention(q, cache, meta.block_tables, meta.seq_lens, D**-0.5, outs[i], new=new[i] if fused else None,
+                                        tile_n=tile)
 
             try:
                 fn(0)
@@ -74,7 +81,7 @@ def main() -> None:
                 continue
             size = fp8_bytes if cases is fp8 else nbytes
             print(f"  {name:40s} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s{err})", flush=True)
-        triton_paged.DECODE_KV_PRELOAD = True
+        triton_paged.DECODE_KV_PRELOAD, triton_paged.DECODE_FP8_STAGES = True, stages_default
         del made, fp8, new
     from engine.attention._triton_kernels import decode_launch
     for key, kernel in decode_launch._compiled.items():
