@@ -288,6 +288,11 @@ class EngineConfig:
     answer said next (engine/speculative.py AnswerCache); 0: prompt lookup only. At the default
     the index took 24 MB (39 MB at its peak, before a rebuild) for 3,000 answers of random tokens,
     the worst case, where every n-gram is new."""
+    speculative_ngram_sizes: tuple[int, int] = (2, 4)
+    """With ``speculative="ngram"``: the n-gram lengths (min, max) looked up, longest first. A
+    replay of the 1.5B's real handbook answers through the proposer (CPU, 2026-12-06,
+    docs/performance.md) counted 1.73x fewer steps at (2, 4) with 4 drafts and 2.04x at (1, 8)
+    with 8, where more steps verify; on a GPU (1, 8) is not measured yet."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float = 0.45
@@ -363,6 +368,9 @@ class EngineConfig:
             raise ConfigError(f"speculative_row_cost must be >= 0, got {self.speculative_row_cost}")
         if self.speculative_answer_cache_tokens < 0:
             raise ConfigError(f"speculative_answer_cache_tokens must be >= 0, got {self.speculative_answer_cache_tokens}")
+        sizes = self.speculative_ngram_sizes
+        if len(sizes) != 2 or not 1 <= sizes[0] <= sizes[1]:
+            raise ConfigError(f"speculative_ngram_sizes must be (min, max) with 1 <= min <= max, got {self.speculative_ngram_sizes}")
         if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:
             raise ConfigError(f"num_speculative_tokens and speculative_max_batch must be >= 1, got {self.num_speculative_tokens} "
                               f"and {self.speculative_max_batch}")

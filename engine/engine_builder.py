@@ -143,8 +143,9 @@ def _proposer(config: EngineConfig, loaded: LoadedModel, draft_loaded: LoadedMod
     writes the target's tokens (``draft_tokenizer``: the draft's, compared with the target's
     already by :func:`_draft_tokenizers`)."""
     if config.speculative == "ngram":
-        answers = AnswerCache(config.speculative_answer_cache_tokens) if config.speculative_answer_cache_tokens else None
-        return NgramProposer(config.num_speculative_tokens, answers=answers)
+        low, high = config.speculative_ngram_sizes
+        answers = AnswerCache(config.speculative_answer_cache_tokens, low, high) if config.speculative_answer_cache_tokens else None
+        return NgramProposer(config.num_speculative_tokens, low, high, answers=answers)
     if config.speculative != "draft":
         return None
     kv_bytes = config.kv_cache_memory_bytes

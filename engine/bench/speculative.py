@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="group sizes (1: each question alone)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--ngram-sizes", type=int, nargs=2, default=list(EngineConfig.speculative_ngram_sizes), metavar=("MIN", "MAX"),
+                   help="speculative_ngram_sizes: the n-gram lengths looked up (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=EngineConfig.speculative_max_batch,
                    help="speculative_max_batch: groups larger than this decode without drafts (0: the largest --batch, to "
                         "see where speculation stops paying)")
@@ -107,7 +109,7 @@ def main(argv: list[str]) -> int:
     if loaded.device.type == "cuda":  # engines share the GPU: a fixed KV pool each, not 0.9 of its memory for the first
         base = replace(base, kv_cache_memory_bytes=4 << 30)
     engines = {"plain": build_engine(base, loaded)}
-    spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost)
+    spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost, speculative_ngram_sizes=tuple(args.ngram_sizes))
     engines["ngram"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
     if args.prompt_lookup_too:
         engines["ngram_prompt"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=0), loaded)
@@ -120,7 +122,7 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
           f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
-          f"k={args.k}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
+          f"k={args.k}, n-grams {args.ngram_sizes[0]}..{args.ngram_sizes[1]}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
           f"{len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once

@@ -477,6 +477,20 @@ def test_unsupported_combinations_are_refused_at_start(smollm, llm_gguf_path):
         spec_llm(smollm, llm_gguf_path, num_speculative_tokens=64, max_model_len=64)
     with pytest.raises(ConfigError, match="speculative must be"):
         LLM(str(llm_gguf_path), loaded=smollm, speculative="medusa")
+    for sizes in ((0, 4), (3, 2), (1, 2, 3)):
+        with pytest.raises(ConfigError, match=r"speculative_ngram_sizes must be \(min, max\) with 1 <= min <= max"):
+            spec_llm(smollm, llm_gguf_path, speculative_ngram_sizes=sizes)
+
+
+def test_the_ngram_sizes_reach_the_proposer_and_its_answers(smollm, llm_gguf_path):
+    """speculative_ngram_sizes: the engine's proposer and its answer cache look up those lengths; a
+    1-gram then proposes where the default's 2-grams find nothing."""
+    spec = spec_llm(smollm, llm_gguf_path, speculative_ngram_sizes=(1, 8))
+    proposer = spec.core.proposer
+    assert (proposer.min_n, proposer.max_n) == (1, 8) and (proposer.answers.min_n, proposer.answers.max_n) == (1, 8)
+    assert proposer.propose([5, 6, 7, 9, 5]) == [6, 7, 9, 5]
+    default = spec_llm(smollm, llm_gguf_path).core.proposer
+    assert (default.min_n, default.max_n) == (2, 4) and default.propose([5, 6, 7, 9, 5]) == []
 
 
 def test_metrics_show_drafts_and_acceptance_under_vllms_names(smollm, llm_gguf_path, quoting_prompts):
