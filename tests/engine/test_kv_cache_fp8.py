@@ -159,7 +159,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     decode (RoPE and the write fused, a short slice's K/V loaded early) and prefill kernels with FP8=True compile for sm_90 through
     ptxas (Triton's own, no GPU needed), their e4m3 conversions included; the reads widen e4m3 to
     float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step),
-    and V reaches its dot in float16, not one shared-memory byte a load."""
+    and V reaches its dot in float16, not one shared-memory byte a load; the decode kernel reads V
+    as 32-bit words, so no byte of it is split off and paired again to be widened."""
     import inspect
     import re
 
@@ -171,19 +172,28 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     source = Path(inspect.getsourcefile(kernels)).read_text()
-    v_dot_lines = {i for i, line in enumerate(source.splitlines(), 1) if "_widen_e4m3(v)" in line}
+    v_dot_lines = {i for i, line in enumerate(source.splitlines(), 1) if "_widen_e4m3(v)" in line or "_widen_words(v)" in line}
+    widen_lines = set()  # the widening functions' own lines
+    for widen in (kernels._widen_e4m3, kernels._widen_words):
+        body, first = inspect.getsourcelines(widen.fn)
+        widen_lines |= set(range(first, first + len(body)))
 
-    def byte_load_lines(ptx: str) -> set[int]:
-        """Source lines of _triton_kernels.py that PTX ``ld.shared.b8`` instructions come from."""
+    def lines_of(ptx: str, opcodes: tuple[str, ...], anywhere: bool = False) -> set[int]:
+        """Source lines of _triton_kernels.py that PTX instructions of ``opcodes`` come from
+        (``anywhere``: also inside one-line inline-asm blocks)."""
         file_no = re.search(r'\.file\s+(\d+)\s+"[^"]*_triton_kernels\.py"', ptx).group(1)
         lines, here = set(), None
         for row in ptx.splitlines():
             loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", row)
             if loc:
                 here = int(loc.group(2)) if loc.group(1) == file_no else None
-            elif "ld.shared.b8" in row and here is not None:
+            elif here is not None and re.match(r"\s*(@%p\d+ )?" + (".*" if anywhere else "") + "("
+                                               + "|".join(re.escape(o) for o in opcodes) + ")", row):
                 lines.add(here)
         return lines
+
+    def byte_load_lines(ptx: str) -> set[int]:
+        return lines_of(ptx, ("ld.shared.b8",))
     cache = {"K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "scale": "fp32"}
     cases = [
         (kernels.rope_store_kernel, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
@@ -210,3 +220,6 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
             assert re.search(r"mma[\w.]*\.f16\.f16", ptx) and not re.search(r"mma[\w.]*\.bf16\.bf16", ptx), fn.fn.__name__
             # V widened before its dot (_widen_e4m3): no byte-wide shared-memory loads at the dot
             assert v_dot_lines and not v_dot_lines & byte_load_lines(ptx), fn.fn.__name__
+        if fn is kernels.split_kv_decode_attention:  # V read as 32-bit words: no byte split off and paired again to widen it
+            assert widen_lines & lines_of(ptx, ("cvt.rn.f16x2.e4m3x2",), anywhere=True), "decode's V not widened by _widen_words"
+            assert not widen_lines & lines_of(ptx, ("shl.b16", "or.b16")), "decode's V widened from single bytes"
