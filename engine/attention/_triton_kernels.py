@@ -168,13 +168,11 @@ def _load_kv(offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, st
         w = tl.arange(0, d.shape[0] // 4)
         v = tl.load(V_CACHE.to(tl.pointer_type(tl.int32)) + (kv // 4)[:, None] + w[None, :], mask=valid[:, None] & (w < D // 4)[None, :],
                     other=0)
-    else:
-        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if FP8:
         sc = page * stride_sb + (offs % PAGE) * stride_ss + kvh * stride_sh
         k_scale = tl.load(K_SCALE + sc, mask=valid, other=0.0)
         v_scale = tl.load(V_SCALE + sc, mask=valid, other=0.0)
     else:
+        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
         k_scale = offs.to(tl.float32)
         v_scale = k_scale
     return k, v, k_scale, v_scale

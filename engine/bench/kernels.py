@@ -21,7 +21,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import PrefillConfig, decode_attention, prefill_attention
 from engine.config import ModelConfig
-from engine.kv_cache import LayerKV
+from engine.kv_cache import LayerKV, quantize
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 PREFILL_VARIANTS = [PrefillConfig(), PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 32, 4, 4)]
@@ -51,6 +51,15 @@ def make_batch(query_lens: list[int], ctx_lens: list[int], device: torch.device,
     )
     q = torch.randn(sum(query_lens), HQ, D, device=device, dtype=torch.bfloat16)
     return q, LayerKV(k, v), meta
+
+
+def fp8_copies(cases: list) -> list:
+    """``make_batch`` results with their K/V cache in e4m3 and per-row scales (engine/kv_cache.py's rounding)."""
+    out = []
+    for q, cache, meta in cases:
+        (kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
+        out.append((q, LayerKV(kq, vq, ks, vs), meta))
+    return out
 
 
 def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:
@@ -114,7 +123,7 @@ def profile_decode_step(model_config: str, batch: int, context: int, pdl: str = 
 
     steps = 10
     core = decode_batch_engine(model_config, batch, context, prefill=prefill, steps=steps, pdl=pdl, quantization=quantization,
-                               kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.85)
+                               kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.85)  # room for a throughput-sized batch
     rng = random.Random(1)
 
     def run_steps() -> None:

@@ -16,8 +16,7 @@ import torch
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, attention_cost, make_batch, time_rotating
-from engine.kv_cache import LayerKV, quantize
+from engine.bench.kernels import D, attention_cost, fp8_copies, make_batch, time_rotating
 
 CASES = [(1, 575), (1, 4095), (32, 2047), (256, 799), (512, 600), (512, 1200)]
 device = torch.device("cuda")
@@ -28,10 +27,7 @@ for batch, ctx in CASES:
     fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2  # K/V halved, a float32 scale a (token, head) row
     copies = max(1, -(-200_000_000 // nbytes))
     made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-    fp8 = []
-    for q, cache, meta in made:
-        (kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
-        fp8.append((q, LayerKV(kq, vq, ks, vs), meta))
+    fp8 = fp8_copies(made)
     line = f"batch {batch:4d} x {ctx:5d}:"
     variants = [(f"bf16 t{t} w{w}", made, t, w) for t, w in ((64, 4), (128, 4), (128, 8))] \
         + [(f"fp8 t{t} w{w}", fp8, t, w) for t, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))]

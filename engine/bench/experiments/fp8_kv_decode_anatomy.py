@@ -35,8 +35,8 @@ import triton.language as tl
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, HKV, HQ, attention_cost, make_batch, time_rotating
-from engine.kv_cache import LayerKV, quantize
+from engine.bench.kernels import D, HKV, HQ, attention_cost, fp8_copies, make_batch, time_rotating
+from engine.kv_cache import LayerKV
 
 
 @triton.jit
@@ -155,10 +155,7 @@ def main() -> None:
         fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2
         copies = max(1, -(-200_000_000 // nbytes))
         made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-        fp8 = []
-        for q, cache, meta in made:
-            (kq, ksc), (vq, vsc) = quantize(cache.k), quantize(cache.v)
-            fp8.append((q, LayerKV(kq, vq, ksc, vsc), meta))
+        fp8 = fp8_copies(made)
         print(f"batch {batch} x {ctx}: bf16 {nbytes / 1e6:.1f} MB, fp8 {fp8_bytes / 1e6:.1f} MB", flush=True)
         variants = [("engine bf16", made, None), ("engine fp8", fp8, None)]
         for stages in (1, 2, 3, 4):

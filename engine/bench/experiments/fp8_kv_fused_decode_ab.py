@@ -26,8 +26,7 @@ from engine.attention import triton_paged
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import NewTokens, decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, HKV, attention_cost, make_batch, time_rotating
-from engine.kv_cache import LayerKV, quantize
+from engine.bench.kernels import D, HKV, attention_cost, fp8_copies, make_batch, time_rotating
 
 
 def main() -> None:
@@ -41,10 +40,7 @@ def main() -> None:
         fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2
         copies = max(1, -(-200_000_000 // nbytes))
         made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-        fp8 = []
-        for q, cache, meta in made:
-            (kq, ksc), (vq, vsc) = quantize(cache.k), quantize(cache.v)
-            fp8.append((q, LayerKV(kq, vq, ksc, vsc), meta))
+        fp8 = fp8_copies(made)
         new = [NewTokens(torch.randn(batch, HKV, D, device=device, dtype=torch.bfloat16),
                          torch.randn(batch, HKV, D, device=device, dtype=torch.bfloat16),
                          (meta.seq_lens - 1).long(), cos_sin, meta.slot_mapping) for _, _, meta in made]
