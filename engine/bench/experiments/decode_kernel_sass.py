@@ -81,8 +81,10 @@ def describe(cubin: bytes) -> tuple[str, str]:
             loop = max(loop, (start, i + 1), key=lambda s: s[1] - s[0])
     ops = [m.group(1) for line in sass if (m := INSTRUCTION.match(line))]
     body = collections.Counter(m.group(1) for line in sass[loop[0]:loop[1]] if (m := INSTRUCTION.match(line)))
+    moves = sum(1 for line in sass[loop[0]:loop[1]] if re.search(r"\s(MOV|IMAD\.MOV)[.\s]", line))
     regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
-    return (f"regs {regs}, stack {stack} B, SASS {len(ops)} instructions, largest loop {sum(body.values())}",
+    return (f"regs {regs}, stack {stack} B, SASS {len(ops)} instructions, largest loop {sum(body.values())} "
+            f"({moves} of them register moves: MOV, IMAD.MOV)",
             ", ".join(f"{op} {n}" for op, n in body.most_common(14)))
 
 
