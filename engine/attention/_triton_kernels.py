@@ -17,10 +17,10 @@ value and the unpacking (sm_90 PTX of the decode kernel: 192 ``cvt.bf16.f16`` an
 before its dot: with Triton's own conversion the compiler loads the e4m3 tile from shared memory
 straight into the dot's operand layout, which wants four consecutive tokens of one column a
 thread - one ``ld.shared.b8`` per value, as tokens are a row apart - and the loop starved on
-shared-memory loads (decode read an FP8 cache at half a bf16 cache's GB/s). The decode kernel
-loads V as 32-bit words of four values (``_widen_words``): loaded as bytes, each pair of them was
-split off its word and paired again for the conversion, six integer instructions a pair (about a
-fifth of the kernel's instructions, Triton 3.6's sm_90 PTX).
+shared-memory loads (decode read an FP8 cache at half a bf16 cache's GB/s). The PTX block takes
+four values a 32-bit register: the registers the V tile is loaded into go to it whole, where two
+values a block had each pair split off its word and paired again, six integer instructions a pair
+(about a fifth of the decode kernel's instructions in Triton 3.6's sm_90 PTX).
 
 - ``rope_store_kernel``: per token, rotate q (in place) and k by the token's position, and
   write k and v into their cache slot: one launch instead of a gather + ~10 elementwise ops.
@@ -118,39 +118,23 @@ def rope_store_kernel(
 
 @triton.jit
 def _widen_e4m3(x):
-    """An e4m3 tile as float16 (exact), two values an instruction, by inline PTX the compiler
-    cannot move into a dot's operand load (module docstring): the tile goes to shared memory as
-    float16 and the dot reads it with ``ldmatrix.trans``. The prefill kernel's V (decode loads V
-    as words: :func:`_widen_words`). Kernel alone, 512 requests x 1,200 tokens
-    of an FP8 cache (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100, 2026-12-06): 753
-    against 677 us with two pipeline stages, 905 against 749 with three."""
+    """An e4m3 tile as float16 (exact), four values a PTX block and two an instruction, by inline
+    PTX the compiler cannot move into a dot's operand load (module docstring): the tile goes to
+    shared memory as float16 and the dot reads it with ``ldmatrix.trans``. Four values a block: a
+    32-bit register of the loaded tile (its first value in the low byte) goes to the block whole
+    and comes back as two registers of float16 pairs, where two values a block split each loaded
+    word into bytes and paired them again. Static, the device's Triton 3.6 for sm_90 (decode step
+    kernel, engine/bench/experiments/decode_kernel_sass.py): its context loop 1,056 SASS
+    instructions against 1,297 with two a block. Kernel alone, 512 requests x 1,200 tokens of an
+    FP8 cache (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100, 2026-12-06; two a block):
+    753 against 677 us with two pipeline stages, 905 against 749 with three."""
     if E4M3_PTX:
-        y = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
-                                      dtype=tl.float16, is_pure=False, pack=2)
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
     else:
         y = x.to(tl.float16)
     return y
-
-
-@triton.jit
-def _widen_words(w):
-    """An FP8 tile loaded as 32-bit words of 4 e4m3 values ([N, D/4], int32) as float16 [N, D]
-    (exact; little-endian: a word's first value in its low byte). Loaded as bytes, the compiler
-    takes each word apart into single bytes and builds every 16-bit pair for the conversion again
-    (docs/performance.md); as words, one inline PTX block widens a word's four values, two an
-    instruction, and the dot reads the result from shared memory as float16."""
-    if E4M3_PTX:
-        e0, e1, e2, e3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }", "=h,=h,=h,=h,r", [w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=False, pack=1)
-    else:  # the interpreter runs no PTX: each byte through Triton's own conversion
-        e0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        e1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        e2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        e3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [N, D/4, 2, 2], each join's pair last: e0 e1 e2 e3 in order
-    return tl.reshape(x, (x.shape[0], x.shape[1] * 4))
 
 
 @triton.jit
@@ -163,16 +147,12 @@ def _load_kv(offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK_TABLES, stride_bt, st
     kv = page * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh
     kvmask = valid[:, None] & (d < D)[None, :]
     k = tl.load(K_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if FP8:  # V as 32-bit words (_widen_words); rows start 4-byte aligned (strides are multiples of D)
-        tl.static_assert(D % 4 == 0, "an FP8 cache's head dim must be a multiple of 4")
-        w = tl.arange(0, d.shape[0] // 4)
-        v = tl.load(V_CACHE.to(tl.pointer_type(tl.int32)) + (kv // 4)[:, None] + w[None, :], mask=valid[:, None] & (w < D // 4)[None, :],
-                    other=0)
+    v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
+    if FP8:
         sc = page * stride_sb + (offs % PAGE) * stride_ss + kvh * stride_sh
         k_scale = tl.load(K_SCALE + sc, mask=valid, other=0.0)
         v_scale = tl.load(V_SCALE + sc, mask=valid, other=0.0)
     else:
-        v = tl.load(V_CACHE + kv[:, None] + d[None, :], mask=kvmask, other=0.0)
         k_scale = offs.to(tl.float32)
         v_scale = k_scale
     return k, v, k_scale, v_scale
@@ -194,7 +174,7 @@ def _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, valid, scale, FP8: tl.c
     if FP8:  # V's scales on p's columns, over the tile's largest (module docstring): p @ (v * scale)
         v_max = tl.maximum(tl.max(v_scale, 0), FP8_MIN_SCALE)
         p = p * (v_scale / v_max)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_words(v)) * v_max
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widen_e4m3(v)) * v_max
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

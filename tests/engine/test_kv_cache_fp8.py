@@ -159,8 +159,9 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     decode (RoPE and the write fused, a short slice's K/V loaded early) and prefill kernels with FP8=True compile for sm_90 through
     ptxas (Triton's own, no GPU needed), their e4m3 conversions included; the reads widen e4m3 to
     float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step),
-    and V reaches its dot in float16, not one shared-memory byte a load; the decode kernel reads V
-    as 32-bit words, so no byte of it is split off and paired again to be widened."""
+    and V reaches its dot in float16, not one shared-memory byte a load; V's loaded 32-bit
+    registers go to the widening whole (four values a PTX block), so no byte of it is split off and
+    paired again to be widened."""
     import inspect
     import re
 
@@ -172,11 +173,9 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     source = Path(inspect.getsourcefile(kernels)).read_text()
-    v_dot_lines = {i for i, line in enumerate(source.splitlines(), 1) if "_widen_e4m3(v)" in line or "_widen_words(v)" in line}
-    widen_lines = set()  # the widening functions' own lines
-    for widen in (kernels._widen_e4m3, kernels._widen_words):
-        body, first = inspect.getsourcelines(widen.fn)
-        widen_lines |= set(range(first, first + len(body)))
+    v_dot_lines = {i for i, line in enumerate(source.splitlines(), 1) if "_widen_e4m3(v)" in line}
+    body, first = inspect.getsourcelines(kernels._widen_e4m3.fn)
+    widen_lines = set(range(first, first + len(body)))  # the widening function's own lines
 
     def lines_of(ptx: str, opcodes: tuple[str, ...], anywhere: bool = False) -> set[int]:
         """Source lines of _triton_kernels.py that PTX instructions of ``opcodes`` come from
@@ -208,11 +207,22 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
           "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32"},
          {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 128}),
     ]
+    # the 8B shape's strides (q|k|v rows of 6,144, q 4,096, cache [blocks, 16, 8, 128], the scales [blocks, 16, 8], the RoPE
+    # table's rows of 128), specialized as a launch specializes them: a multiple of 16 is known to be one, 1 is a constant
+    strides = {"stride_qt": 6144, "stride_qh": 128, "stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128,
+               "stride_cs": 128, "stride_cslot": 1024, "stride_ch": 128, "stride_sslot": 8, "stride_kb": 16384, "stride_ks": 1024,
+               "stride_out_t": 4096, "stride_out_h": 128, "stride_knt": 6144, "stride_knh": 128, "stride_vnt": 6144, "stride_vnh": 128,
+               "stride_sb": 128, "stride_ss": 8, "stride_sh": 1}
     for fn, pointers, constexprs in cases:
-        constexprs = {**constexprs, "FP8": True}
+        specialized = {p.name: strides[p.name] for p in fn.params if p.name in strides and not p.do_not_specialize}
+        constexprs = {**constexprs, "FP8": True, **{name: 1 for name, value in specialized.items() if value == 1}}
         types = {**cache, **pointers}
-        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in inspect.signature(fn.fn).parameters}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        names = [p.name for p in fn.params]
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)  # pointers 16-byte aligned, as allocated
+                   if name not in constexprs and (signature[name].startswith("*") or specialized.get(name, 1) % 16 == 0)}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4})
         ptx = compiled.asm["ptx"]
         assert "e4m3" in ptx and compiled.asm["cubin"], fn.fn.__name__
         if fn is not kernels.rope_store_kernel:  # the reads: e4m3 pairwise to float16, the dots in float16, no bf16 widening
@@ -220,6 +230,7 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
             assert re.search(r"mma[\w.]*\.f16\.f16", ptx) and not re.search(r"mma[\w.]*\.bf16\.bf16", ptx), fn.fn.__name__
             # V widened before its dot (_widen_e4m3): no byte-wide shared-memory loads at the dot
             assert v_dot_lines and not v_dot_lines & byte_load_lines(ptx), fn.fn.__name__
-        if fn is kernels.split_kv_decode_attention:  # V read as 32-bit words: no byte split off and paired again to widen it
-            assert widen_lines & lines_of(ptx, ("cvt.rn.f16x2.e4m3x2",), anywhere=True), "decode's V not widened by _widen_words"
-            assert not widen_lines & lines_of(ptx, ("shl.b16", "or.b16")), "decode's V widened from single bytes"
+            # V's loaded 32-bit registers go to the widening whole: no byte split off and paired again
+            assert widen_lines & lines_of(ptx, ("cvt.rn.f16x2.e4m3x2",), anywhere=True), f"{fn.fn.__name__}: V not widened by _widen_e4m3"
+            assert not widen_lines & lines_of(ptx, ("shl.b16", "or.b16", "prmt.b32", "cvt.u16.u32")), \
+                f"{fn.fn.__name__}: V widened from single bytes"
