@@ -1,26 +1,28 @@
-"""One-off (2026-12-07): the FP8 decode kernel as the device's Triton compiles it, without a GPU.
+"""One-off (2026-12-07): the FP8-cache attention kernels as the device's Triton compiles them,
+without a GPU.
 
 Why: GPU time is scarce, and register counts from this machine's Triton (3.9) did not match the
 device's (3.6). Triton ships its own ptxas and nvdisasm, so any Triton version compiles a kernel
-for sm_90 on a CPU-only machine; with the device's version and the same argument specialization
-as its launches (16-byte-aligned pointers and strides, an int argument of 1 made a constant), the
-registers, local-memory stack, shared memory and SASS are the device's. This prints them for the
-decode step's kernel (``split_kv_decode_attention``: RoPE and the KV write fused, a short slice
-preloaded, PDL off; the 8B shape's 4 query heads a KV head, head dim 128, pages of 16) and the
-instruction mix of its largest loop (the context tiles), per tile and pipeline-stage variant.
+for sm_90 on a CPU-only machine. With the device's version and the specialization its launches
+make (16-byte-aligned pointers, strides that are multiples of 16 known as such, an int argument
+of 1 made a constant) the counts are likely the device's: the decode kernel before the 12-07
+change got 255 registers here, as on the H100. This prints registers, local-memory stack, SASS
+size and the instruction mix of the largest loop (the context tiles) of the decode step's kernel
+(``split_kv_decode_attention``: RoPE and the KV write fused, a short slice preloaded, PDL off)
+or, with ``--kernel prefill``, of the prefill kernel in PREFILL_FP8's query tiles; the 8B shape
+(4 query heads a KV head, head dim 128, pages of 16), per context tile and stage variant.
 
-``--kernels PATH`` compiles another copy of engine/attention/_triton_kernels.py (e.g. ``git show
-REV:engine/attention/_triton_kernels.py > old.py``) to set beside the current one. For the
-device's compiler: ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and run with
-``PYTHONPATH=/tmp/t36:$PWD``. Static counts only: they show what a change did to the code, not
-its time (fp8_kv_fused_decode_ab.py times it on a GPU).
+``--kernels PATH...`` compiles copies of engine/attention/_triton_kernels.py (e.g. ``git show
+REV:engine/attention/_triton_kernels.py > old.py``) side by side. For the device's compiler:
+``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36:$PWD``.
+Static counts only: they show what a change did to the code, not its time
+(fp8_kv_fused_decode_ab.py and prefill_tiles_by_cache.py time the kernels on a GPU).
 
-Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/decode_kernel_sass.py``.
+Run from the repository root: ``PYTHONPATH=$PWD python engine/bench/experiments/fp8_attention_sass.py``.
 """
 import argparse
 import collections
 import importlib.util
-import inspect
 import re
 import subprocess
 import sys
@@ -31,13 +33,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# the 8B step's strides that are multiples of 16 (q [b, 32, 128], cache [blocks, 16, 8, 128],
-# q|k|v rows of 6,144, RoPE rows of 128, the scales' [blocks, 16, 8]); stride_ss (8) is not
-DIVISIBLE_BY_16 = {"stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_out_t", "stride_out_h", "stride_ot",
-                   "stride_oh", "stride_os", "stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_cs", "stride_sb"}
+# the 8B shape's strides (q|k|v rows of 6,144, q 4,096, the cache [blocks, 16, 8, 128], its scales
+# [blocks, 16, 8], the RoPE table's rows of 128); a launch specializes those the kernel does not
+# exclude (do_not_specialize): a multiple of 16 is known to be one, 1 becomes a constant
+STRIDES = {"stride_qt": 6144, "stride_qh": 128, "stride_kb": 16384, "stride_ks": 1024, "stride_kh": 128, "stride_out_t": 4096,
+           "stride_out_h": 128, "stride_knt": 6144, "stride_knh": 128, "stride_vnt": 6144, "stride_vnh": 128, "stride_cs": 128,
+           "stride_sb": 128, "stride_ss": 8, "stride_sh": 1}
 POINTERS = {"Q": "*bf16", "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "BLOCK_TABLES": "*i32",
             "SEQ_LENS": "*i32", "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "POS": "*i64",
-            "COS_SIN": "*fp32", "SLOT": "*i64", "scale": "fp32"}
+            "COS_SIN": "*fp32", "SLOT": "*i64", "QUERY_START": "*i32", "TILE_REQ": "*i32", "TILE_START": "*i32", "scale": "fp32"}
+# the step's kernels: decode (RoPE and the KV write fused, a short slice preloaded, PDL off, 4 warps)
+# and prefill in PREFILL_FP8's tiles (engine/attention/triton_paged.py: 64 x 128, 4 warps)
+KERNELS = {"decode": ("split_kv_decode_attention", {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "USE_PDL": False,
+                                                   "FUSED_ROPE": True, "HALF": 64, "SMALL_TILE": 32, "KV_PRELOAD": True, "KV_LINE": 0,
+                                                   "KV_LINES": 1}, "TILE_N"),
+           "prefill": ("prefill_kernel", {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64}, "BLOCK_N")}
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -50,16 +60,17 @@ def load_kernels(path: Path):
     return module
 
 
-def compile_decode(kernels, tile: int, stages: int, maxnreg: int) -> bytes:
-    """The FP8 decode step's kernel for sm_90, specialized as the step's launches are; its cubin."""
-    fn = kernels.split_kv_decode_attention
-    names = list(inspect.signature(fn.fn).parameters)
-    constexprs = {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "TILE_N": tile, "USE_PDL": False,
-                  "FUSED_ROPE": True, "HALF": 64, "SMALL_TILE": 32, "KV_PRELOAD": True, "FP8": True, "KV_LINE": 0, "KV_LINES": 1,
-                  "stride_sh": 1}
+def compile_fp8(kernels, kernel: str, tile: int, stages: int, maxnreg: int) -> bytes:
+    """The FP8 step's ``kernel`` ("decode" or "prefill", context tiles of ``tile`` tokens) for
+    sm_90, specialized as the step's launches are; its cubin."""
+    name, constexprs, tile_name = KERNELS[kernel]
+    fn = getattr(kernels, name)
+    specialized = {p.name: STRIDES[p.name] for p in fn.params if p.name in STRIDES and not p.do_not_specialize}
+    constexprs = {**constexprs, tile_name: tile, "FP8": True, **{n: 1 for n, value in specialized.items() if value == 1}}
+    names = [p.name for p in fn.params]
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constexprs and (signature[n].startswith("*") or n in DIVISIBLE_BY_16)}
+             if n not in constexprs and (signature[n].startswith("*") or specialized.get(n, 1) % 16 == 0)}
     options = {"num_warps": 4, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
@@ -91,15 +102,16 @@ def describe(cubin: bytes) -> tuple[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", type=Path, nargs="+", default=[Path("engine/attention/_triton_kernels.py")])
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="decode")
     p.add_argument("--variants", nargs="+", default=["128:2", "128:3", "64:2", "64:3", "128:2:168"],
-                   help="TILE:STAGES[:MAXNREG] (the engine's step: 128:2)")
+                   help="TILE:STAGES[:MAXNREG] (the engine's: 128:2 for both kernels)")
     args = p.parse_args()
-    print(f"Triton {triton.__version__}, sm_90, FP8 decode step kernel (4 warps)")
+    print(f"Triton {triton.__version__}, sm_90, FP8 {args.kernel} step kernel (4 warps)")
     for path in args.kernels:
         kernels = load_kernels(path)
         for variant in args.variants:
             tile, stages, maxnreg = ([int(x) for x in variant.split(":")] + [0])[:3]
-            summary, mix = describe(compile_decode(kernels, tile, stages, maxnreg))
+            summary, mix = describe(compile_fp8(kernels, args.kernel, tile, stages, maxnreg))
             print(f"{path}  tile {tile}, {stages} stages{f', maxnreg {maxnreg}' if maxnreg else ''}: {summary}\n    loop: {mix}", flush=True)
 
 
