@@ -3,14 +3,16 @@ without a GPU.
 
 Why: GPU time is scarce, and register counts from this machine's Triton (3.9) did not match the
 device's (3.6). Triton ships its own ptxas and nvdisasm, so any Triton version compiles a kernel
-for sm_90 on a CPU-only machine. With the device's version and the specialization its launches
-make (16-byte-aligned pointers, strides that are multiples of 16 known as such, an int argument
-of 1 made a constant) the counts are likely the device's: the decode kernel before the 12-07
-change got 255 registers here, as on the H100. This prints registers, local-memory stack, SASS
+for sm_90 on a CPU-only machine, here with the specialization a launch makes (16-byte-aligned
+pointers, strides that are multiples of 16 known as such, an int argument of 1 made a constant).
+The counts are close to the device's, not equal: the decode step kernel before the 12-07 change
+got 255 registers and a 24-byte stack here, 244 and no spill in the H100's own compile (some
+detail of a real launch differs, not found), so they compare versions of the code under one
+compile. This prints registers, local-memory stack, SASS
 size and the instruction mix of the largest loop (the context tiles) of the decode step's kernel
 (``split_kv_decode_attention``: RoPE and the KV write fused, a short slice preloaded, PDL off)
 or, with ``--kernel prefill``, of the prefill kernel in PREFILL_FP8's query tiles; the 8B shape
-(4 query heads a KV head, head dim 128, pages of 16), per context tile and stage variant.
+(4 query heads a KV head, head dim 128, pages of 16), per context tile, stage and warp variant.
 
 ``--kernels PATH...`` compiles copies of engine/attention/_triton_kernels.py (e.g. ``git show
 REV:engine/attention/_triton_kernels.py > old.py``) side by side. For the device's compiler:
@@ -60,18 +62,21 @@ def load_kernels(path: Path):
     return module
 
 
-def compile_fp8(kernels, kernel: str, tile: int, stages: int, maxnreg: int) -> bytes:
-    """The FP8 step's ``kernel`` ("decode" or "prefill", context tiles of ``tile`` tokens) for
-    sm_90, specialized as the step's launches are; its cubin."""
+def compile_step(kernels, kernel: str, tile: int, stages: int, maxnreg: int = 0, warps: int = 4, block_m: int = 64,
+                 fp8: bool = True) -> bytes:
+    """The step's ``kernel`` ("decode" or "prefill", context tiles of ``tile`` tokens; prefill
+    ``block_m`` query rows a tile) over an FP8 cache (``fp8``) or a bf16 one, for sm_90,
+    specialized as the step's launches are; its cubin."""
     name, constexprs, tile_name = KERNELS[kernel]
     fn = getattr(kernels, name)
     specialized = {p.name: STRIDES[p.name] for p in fn.params if p.name in STRIDES and not p.do_not_specialize}
-    constexprs = {**constexprs, tile_name: tile, "FP8": True, **{n: 1 for n, value in specialized.items() if value == 1}}
+    constexprs = {**constexprs, **({"BLOCK_M": block_m} if kernel == "prefill" else {}), tile_name: tile, "FP8": fp8, **{n: 1 for n, value in specialized.items() if value == 1}}
     names = [p.name for p in fn.params]
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+    pointers = POINTERS if fp8 else {**POINTERS, "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (signature[n].startswith("*") or specialized.get(n, 1) % 16 == 0)}
-    options = {"num_warps": 4, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
@@ -104,15 +109,19 @@ def main() -> None:
     p.add_argument("--kernels", type=Path, nargs="+", default=[Path("engine/attention/_triton_kernels.py")])
     p.add_argument("--kernel", choices=sorted(KERNELS), default="decode")
     p.add_argument("--variants", nargs="+", default=["128:2", "128:3", "64:2", "64:3", "128:2:168"],
-                   help="TILE:STAGES[:MAXNREG] (the engine's: 128:2 for both kernels)")
+                   help="TILE:STAGES[:MAXNREG[:WARPS]] (MAXNREG 0: no cap; WARPS default 4; the engine's: 128:2 for both kernels)")
+    p.add_argument("--block-m", type=int, default=64, help="prefill: query rows a tile (PREFILL_FP8's: 64)")
+    p.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8", help="bf16: the same kernel over a bf16 cache, for scale")
     args = p.parse_args()
-    print(f"Triton {triton.__version__}, sm_90, FP8 {args.kernel} step kernel (4 warps)")
+    print(f"Triton {triton.__version__}, sm_90, {args.kernel} step kernel over a {args.cache_dtype} cache" + (f", {args.block_m} query rows a tile" if args.kernel == "prefill" else ""))
     for path in args.kernels:
         kernels = load_kernels(path)
         for variant in args.variants:
-            tile, stages, maxnreg = ([int(x) for x in variant.split(":")] + [0])[:3]
-            summary, mix = describe(compile_fp8(kernels, args.kernel, tile, stages, maxnreg))
-            print(f"{path}  tile {tile}, {stages} stages{f', maxnreg {maxnreg}' if maxnreg else ''}: {summary}\n    loop: {mix}", flush=True)
+            tile, stages, maxnreg, warps = ([int(x) for x in variant.split(":")] + [0, 0])[:4]
+            summary, mix = describe(compile_step(kernels, args.kernel, tile, stages, maxnreg, warps or 4, args.block_m,
+                                                 args.cache_dtype == "fp8"))
+            print(f"{path}  tile {tile}, {stages} stages, {warps or 4} warps{f', maxnreg {maxnreg}' if maxnreg else ''}: {summary}\n"
+                  f"    loop: {mix}", flush=True)
 
 
 if __name__ == "__main__":
