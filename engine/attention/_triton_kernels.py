@@ -125,9 +125,10 @@ def _widen_e4m3(x):
     and comes back as two registers of float16 pairs, where two values a block split each loaded
     word into bytes and paired them again. Static, the device's Triton 3.6 for sm_90 (decode step
     kernel, engine/bench/experiments/fp8_attention_sass.py): its context loop 1,057 SASS
-    instructions against 1,295 with two a block, and 206 registers against 255 (no spill). Kernel alone, 512 requests x 1,200 tokens of an
-    FP8 cache (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100, 2026-12-06; two a block):
-    753 against 677 us with two pipeline stages, 905 against 749 with three."""
+    instructions against 1,295 with two a block, 206 registers against 255; not yet timed on a
+    GPU. Kernel alone, 512 requests x 1,200 tokens of an FP8 cache, Triton's own conversion
+    against two values a block (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100,
+    2026-12-06): 753 against 677 us with two pipeline stages, 905 against 749 with three."""
     if E4M3_PTX:
         y = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r",

@@ -13,6 +13,7 @@ import random
 import sys
 import time
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,8 +45,8 @@ def make_batch(query_lens: list[int], ctx_lens: list[int], device: torch.device,
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long, device=device),
         query_start_loc=torch.tensor(qsl, device=device),
-        seq_lens=torch.tensor(seq, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),  # int32 as the engine's: the kernels compile as they run
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         query_lens_host=list(query_lens), seq_lens_host=seq,
         num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(seq),
     )
@@ -60,6 +61,52 @@ def fp8_copies(cases: list) -> list:
         (kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
         out.append((q, LayerKV(kq, vq, ks, vs), meta))
     return out
+
+
+@dataclass
+class DecodeCases:
+    """Copies of one decode batch (one query a request) with K/V in bf16 and in FP8, rotated
+    through so that each timed call reads its cache from HBM, not L2; each copy's minimum bytes."""
+
+    bf16: list
+    fp8: list
+    bf16_bytes: float
+    fp8_bytes: float  # K/V halved, plus a float32 scale a (token, KV head) row
+
+
+def decode_cases(batch: int, ctx: int, device: torch.device, total_bytes: int = 200_000_000) -> DecodeCases:
+    """``batch`` requests of ``ctx`` cached tokens each (:func:`make_batch`), in as many copies as
+    make ``total_bytes`` of bf16 K/V, and the same copies in FP8 (:func:`fp8_copies`)."""
+    _, nbytes = attention_cost([1] * batch, [ctx] * batch)
+    made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(max(1, -(-total_bytes // nbytes)))]
+    return DecodeCases(made, fp8_copies(made), nbytes, nbytes / 2 + nbytes / 2 / D * 4 / 2)
+
+
+# The 8B shape's strides in the attention kernels' launches (q|k|v rows of 6,144, q and out 4,096,
+# the cache [blocks, 16, 8, 128] and its scales [blocks, 16, 8], the RoPE table's rows of 128).
+LAUNCH_STRIDES = {"stride_qt": 6144, "stride_qh": 128, "stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128,
+                  "stride_cs": 128, "stride_cslot": 1024, "stride_ch": 128, "stride_sslot": 8, "stride_kb": 16384, "stride_ks": 1024,
+                  "stride_out_t": 4096, "stride_out_h": 128, "stride_knt": 6144, "stride_knh": 128, "stride_vnt": 6144,
+                  "stride_vnh": 128, "stride_sb": 128, "stride_ss": 8, "stride_sh": 1}
+
+
+def compile_as_launched(fn, types: dict[str, str], constexprs: dict, strides: dict[str, int] = LAUNCH_STRIDES, **options):
+    """``fn`` (a ``triton.jit`` kernel) compiled for sm_90 without a GPU (Triton's own ptxas),
+    specialized as a launch with these ``strides`` specializes it: pointers 16-byte aligned, a
+    stride the kernel does not exclude (``do_not_specialize``) known to be a multiple of 16 where
+    it is one, and made a constant where it is 1. ``types``: the pointers' and floats' Triton
+    types (other arguments are i32); ``options``: num_warps, num_stages, maxnreg."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    specialized = {p.name: strides[p.name] for p in fn.params if p.name in strides and not p.do_not_specialize}
+    constexprs = {**constexprs, **{name: 1 for name, value in specialized.items() if value == 1}}
+    names = [p.name for p in fn.params]
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name not in constexprs and (signature[name].startswith("*") or specialized.get(name, 1) % 16 == 0)}
+    return triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def attention_cost(query_lens, ctx_lens) -> tuple[float, float]:

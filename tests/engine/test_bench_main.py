@@ -314,3 +314,27 @@ def test_a_decode_profile_too_large_for_the_kv_cache_says_so(tiny_llama_dir):
     with pytest.raises(RuntimeError, match=r"3 of 6 requests still running; the KV cache holds 13 blocks of 16 tokens and the "
                                            r"batch needs 24: profile a smaller --batch or --context"):
         decode_batch_engine(str(tiny_llama_dir), 6, 40, steps=2, budget=41, load_format="auto", device="cpu", num_kv_blocks=14)
+
+
+def test_decode_cases_rotate_copies_past_the_cache_in_both_cache_dtypes():
+    """decode_cases: enough copies of one decode batch for ``total_bytes`` of bf16 K/V, the same
+    copies in e4m3 with per-row scales, and each copy's minimum bytes (FP8: half, plus a float32
+    scale a row)."""
+    import torch
+
+    from engine.bench.kernels import D, HKV, PAGE, attention_cost, decode_cases
+
+    cases = decode_cases(3, 40, torch.device("cpu"), total_bytes=1_000_000)
+    _, nbytes = attention_cost([1] * 3, [40] * 3)
+    assert cases.bf16_bytes == nbytes and len(cases.bf16) == len(cases.fp8) == -(-1_000_000 // nbytes) > 1
+    assert cases.fp8_bytes == nbytes / 2 + nbytes / 2 / D * 4 / 2
+    (q, bf16, meta), (q8, fp8, meta8) = cases.bf16[0], cases.fp8[0]
+    assert q8 is q and meta8 is meta and fp8.quantized and not bf16.quantized
+    assert fp8.k.shape == bf16.k.shape and fp8.k_scale.shape == bf16.k.shape[:3] and bf16.k.shape[1:] == (PAGE, HKV, D)
+    torch.testing.assert_close(fp8.dequantized(torch.float32).v, bf16.v.float(), rtol=0.07, atol=1e-2)
+    assert not torch.equal(cases.bf16[0][1].k, cases.bf16[1][1].k)  # each copy its own context
+    # lengths and block tables in int32, as the engine passes them: a kernel timed here compiles as it runs
+    assert meta.seq_lens.dtype == meta.block_tables.dtype == torch.int32
+    from engine.attention.torch_ref import paged_attention_reference
+
+    assert paged_attention_reference(q, fp8.dequantized(torch.bfloat16), meta, D**-0.5).isfinite().all()

@@ -165,11 +165,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     import inspect
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from engine.attention import _triton_kernels as kernels
+    from engine.bench.kernels import compile_as_launched
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     source = Path(inspect.getsourcefile(kernels)).read_text()
@@ -193,6 +190,7 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     def byte_load_lines(ptx: str) -> set[int]:
         return lines_of(ptx, ("ld.shared.b8",))
+
     cache = {"K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "scale": "fp32"}
     cases = [
         (kernels.rope_store_kernel, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
@@ -207,22 +205,8 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
           "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32"},
          {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 128}),
     ]
-    # the 8B shape's strides (q|k|v rows of 6,144, q 4,096, cache [blocks, 16, 8, 128], the scales [blocks, 16, 8], the RoPE
-    # table's rows of 128), specialized as a launch specializes them: a multiple of 16 is known to be one, 1 is a constant
-    strides = {"stride_qt": 6144, "stride_qh": 128, "stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128,
-               "stride_cs": 128, "stride_cslot": 1024, "stride_ch": 128, "stride_sslot": 8, "stride_kb": 16384, "stride_ks": 1024,
-               "stride_out_t": 4096, "stride_out_h": 128, "stride_knt": 6144, "stride_knh": 128, "stride_vnt": 6144, "stride_vnh": 128,
-               "stride_sb": 128, "stride_ss": 8, "stride_sh": 1}
     for fn, pointers, constexprs in cases:
-        specialized = {p.name: strides[p.name] for p in fn.params if p.name in strides and not p.do_not_specialize}
-        constexprs = {**constexprs, "FP8": True, **{name: 1 for name, value in specialized.items() if value == 1}}
-        types = {**cache, **pointers}
-        names = [p.name for p in fn.params]
-        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)  # pointers 16-byte aligned, as allocated
-                   if name not in constexprs and (signature[name].startswith("*") or specialized.get(name, 1) % 16 == 0)}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4})
+        compiled = compile_as_launched(fn, {**cache, **pointers}, {**constexprs, "FP8": True}, num_warps=4)
         ptx = compiled.asm["ptx"]
         assert "e4m3" in ptx and compiled.asm["cubin"], fn.fn.__name__
         if fn is not kernels.rope_store_kernel:  # the reads: e4m3 pairwise to float16, the dots in float16, no bf16 widening

@@ -8,11 +8,11 @@ pointers, strides that are multiples of 16 known as such, an int argument of 1 m
 The counts are close to the device's, not equal: the decode step kernel before the 12-07 change
 got 255 registers and a 24-byte stack here, 244 and no spill in the H100's own compile (some
 detail of a real launch differs, not found), so they compare versions of the code under one
-compile. This prints registers, local-memory stack, SASS
-size and the instruction mix of the largest loop (the context tiles) of the decode step's kernel
-(``split_kv_decode_attention``: RoPE and the KV write fused, a short slice preloaded, PDL off)
-or, with ``--kernel prefill``, of the prefill kernel in PREFILL_FP8's query tiles; the 8B shape
-(4 query heads a KV head, head dim 128, pages of 16), per context tile, stage and warp variant.
+compile. This prints registers, local-memory stack, SASS size and the instruction mix of the
+largest loop (the context tiles) of the decode step's kernel (``split_kv_decode_attention``: RoPE
+and the KV write fused, a short slice preloaded, PDL off) or, with ``--kernel prefill``, of the
+prefill kernel in PREFILL_FP8's query tiles; the 8B shape (4 query heads a KV head, head dim 128,
+pages of 16; engine.bench.kernels.LAUNCH_STRIDES), per context tile, stage and warp variant.
 
 ``--kernels PATH...`` compiles copies of engine/attention/_triton_kernels.py (e.g. ``git show
 REV:engine/attention/_triton_kernels.py > old.py``) side by side. For the device's compiler:
@@ -32,15 +32,9 @@ import tempfile
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-# the 8B shape's strides (q|k|v rows of 6,144, q 4,096, the cache [blocks, 16, 8, 128], its scales
-# [blocks, 16, 8], the RoPE table's rows of 128); a launch specializes those the kernel does not
-# exclude (do_not_specialize): a multiple of 16 is known to be one, 1 becomes a constant
-STRIDES = {"stride_qt": 6144, "stride_qh": 128, "stride_kb": 16384, "stride_ks": 1024, "stride_kh": 128, "stride_out_t": 4096,
-           "stride_out_h": 128, "stride_knt": 6144, "stride_knh": 128, "stride_vnt": 6144, "stride_vnh": 128, "stride_cs": 128,
-           "stride_sb": 128, "stride_ss": 8, "stride_sh": 1}
+from engine.bench.kernels import compile_as_launched
+
 POINTERS = {"Q": "*bf16", "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "BLOCK_TABLES": "*i32",
             "SEQ_LENS": "*i32", "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "POS": "*i64",
             "COS_SIN": "*fp32", "SLOT": "*i64", "QUERY_START": "*i32", "TILE_REQ": "*i32", "TILE_START": "*i32", "scale": "fp32"}
@@ -49,7 +43,7 @@ POINTERS = {"Q": "*bf16", "K_CACHE": "*fp8e4nv", "V_CACHE": "*fp8e4nv", "K_SCALE
 KERNELS = {"decode": ("split_kv_decode_attention", {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "USE_PDL": False,
                                                    "FUSED_ROPE": True, "HALF": 64, "SMALL_TILE": 32, "KV_PRELOAD": True, "KV_LINE": 0,
                                                    "KV_LINES": 1}, "TILE_N"),
-           "prefill": ("prefill_kernel", {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64}, "BLOCK_N")}
+           "prefill": ("prefill_kernel", {"GROUP": 4, "D": 128, "D_PAD": 128, "PAGE": 16}, "BLOCK_N")}
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -68,16 +62,10 @@ def compile_step(kernels, kernel: str, tile: int, stages: int, maxnreg: int = 0,
     ``block_m`` query rows a tile) over an FP8 cache (``fp8``) or a bf16 one, for sm_90,
     specialized as the step's launches are; its cubin."""
     name, constexprs, tile_name = KERNELS[kernel]
-    fn = getattr(kernels, name)
-    specialized = {p.name: STRIDES[p.name] for p in fn.params if p.name in STRIDES and not p.do_not_specialize}
-    constexprs = {**constexprs, **({"BLOCK_M": block_m} if kernel == "prefill" else {}), tile_name: tile, "FP8": fp8, **{n: 1 for n, value in specialized.items() if value == 1}}
-    names = [p.name for p in fn.params]
-    pointers = POINTERS if fp8 else {**POINTERS, "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constexprs and (signature[n].startswith("*") or specialized.get(n, 1) % 16 == 0)}
+    constexprs = {**constexprs, **({"BLOCK_M": block_m} if kernel == "prefill" else {}), tile_name: tile, "FP8": fp8}
+    types = POINTERS if fp8 else {**POINTERS, "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    return compile_as_launched(getattr(kernels, name), types, constexprs, **options).asm["cubin"]
 
 
 def describe(cubin: bytes) -> tuple[str, str]:

@@ -16,18 +16,15 @@ import torch
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, attention_cost, fp8_copies, make_batch, time_rotating
+from engine.bench.kernels import D, decode_cases, time_rotating
 
 CASES = [(1, 575), (1, 4095), (32, 2047), (256, 799), (512, 600), (512, 1200)]
 device = torch.device("cuda")
 bw = copy_bandwidth(device)
 print(torch.cuda.get_device_name(), f"copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
 for batch, ctx in CASES:
-    _, nbytes = attention_cost([1] * batch, [ctx] * batch)
-    fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2  # K/V halved, a float32 scale a (token, head) row
-    copies = max(1, -(-200_000_000 // nbytes))
-    made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-    fp8 = fp8_copies(made)
+    batch_cases = decode_cases(batch, ctx, device)
+    made, fp8, copies = batch_cases.bf16, batch_cases.fp8, len(batch_cases.bf16)
     line = f"batch {batch:4d} x {ctx:5d}:"
     variants = [(f"bf16 t{t} w{w}", made, t, w) for t, w in ((64, 4), (128, 4), (128, 8))] \
         + [(f"fp8 t{t} w{w}", fp8, t, w) for t, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))]
@@ -47,7 +44,7 @@ for batch, ctx in CASES:
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
             line += f"  {name}: failed ({type(e).__name__}: {str(e)[:120]})"
             continue
-        size = fp8_bytes if cases is fp8 else nbytes
+        size = batch_cases.fp8_bytes if cases is fp8 else batch_cases.bf16_bytes
         line += f"  {name} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s, err {err:.1e})"
     print(line, flush=True)
-    del made, fp8
+    del made, fp8, batch_cases

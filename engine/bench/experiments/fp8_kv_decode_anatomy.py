@@ -35,7 +35,7 @@ import triton.language as tl
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, HKV, HQ, attention_cost, fp8_copies, make_batch, time_rotating
+from engine.bench.kernels import D, HKV, HQ, decode_cases, time_rotating
 from engine.kv_cache import LayerKV
 
 
@@ -151,11 +151,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), f"copy bandwidth {bw / 1e9:,.0f} GB/s", triton.__version__, flush=True)
     seen: set[str] = set()
     for batch, ctx in [(512, 1200), (256, 799), (32, 2047)]:
-        _, nbytes = attention_cost([1] * batch, [ctx] * batch)
-        fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2
-        copies = max(1, -(-200_000_000 // nbytes))
-        made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-        fp8 = fp8_copies(made)
+        batch_cases = decode_cases(batch, ctx, device)
+        made, fp8, copies, nbytes, fp8_bytes = batch_cases.bf16, batch_cases.fp8, len(batch_cases.bf16), batch_cases.bf16_bytes, batch_cases.fp8_bytes
         print(f"batch {batch} x {ctx}: bf16 {nbytes / 1e6:.1f} MB, fp8 {fp8_bytes / 1e6:.1f} MB", flush=True)
         variants = [("engine bf16", made, None), ("engine fp8", fp8, None)]
         for stages in (1, 2, 3, 4):
@@ -186,7 +183,7 @@ def main() -> None:
                 seen.add(name)
                 line += "  " + anatomy(name, kernel, out_dir)
             print(line, flush=True)
-        del made, fp8
+        del made, fp8, batch_cases
         from engine.attention._triton_kernels import decode_launch
         for key, kernel in decode_launch._compiled.items():
             name = f"engine {'fp8' if any('float8' in str(k) for k in key[:4]) else 'bf16'} {len(seen)}"

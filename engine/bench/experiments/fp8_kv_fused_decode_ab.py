@@ -26,7 +26,7 @@ from engine.attention import triton_paged
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import NewTokens, decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, HKV, attention_cost, fp8_copies, make_batch, time_rotating
+from engine.bench.kernels import D, HKV, decode_cases, time_rotating
 
 
 def main() -> None:
@@ -36,11 +36,8 @@ def main() -> None:
     angles = torch.rand(4096, D // 2, device=device) * 6.28
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     for batch, ctx in [(256, 859), (512, 1200), (1, 2047)]:
-        _, nbytes = attention_cost([1] * batch, [ctx] * batch)
-        fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2
-        copies = max(1, -(-200_000_000 // nbytes))
-        made = [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)]
-        fp8 = fp8_copies(made)
+        batch_cases = decode_cases(batch, ctx, device)
+        made, fp8, copies, nbytes, fp8_bytes = batch_cases.bf16, batch_cases.fp8, len(batch_cases.bf16), batch_cases.bf16_bytes, batch_cases.fp8_bytes
         new = [NewTokens(torch.randn(batch, HKV, D, device=device, dtype=torch.bfloat16),
                          torch.randn(batch, HKV, D, device=device, dtype=torch.bfloat16),
                          (meta.seq_lens - 1).long(), cos_sin, meta.slot_mapping) for _, _, meta in made]
@@ -78,7 +75,7 @@ def main() -> None:
             size = fp8_bytes if cases is fp8 else nbytes
             print(f"  {name:40s} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s{err})", flush=True)
         triton_paged.DECODE_KV_PRELOAD, triton_paged.DECODE_FP8_STAGES = True, stages_default
-        del made, fp8, new
+        del made, fp8, new, batch_cases
     from engine.attention._triton_kernels import decode_launch
     for key, kernel in decode_launch._compiled.items():
         kind = "fp8" if any("float8" in str(k) for k in key[:4]) else "bf16"

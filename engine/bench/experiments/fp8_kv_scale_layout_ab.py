@@ -14,8 +14,8 @@ import torch
 from engine.attention.torch_ref import paged_attention_reference
 from engine.attention.triton_paged import decode_attention
 from engine.bench.ceilings import copy_bandwidth
-from engine.bench.kernels import D, attention_cost, make_batch, time_rotating
-from engine.kv_cache import LayerKV, quantize
+from engine.bench.kernels import D, decode_cases, time_rotating
+from engine.kv_cache import LayerKV
 
 CASES = [(1, 4095), (32, 2047), (256, 799), (512, 1200)]
 device = torch.device("cuda")
@@ -29,15 +29,10 @@ def head_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 for batch, ctx in CASES:
-    _, nbytes = attention_cost([1] * batch, [ctx] * batch)
-    fp8_bytes = nbytes / 2 + nbytes / 2 / D * 4 / 2  # K/V halved, a float32 scale a (token, head) row
-    copies = max(1, -(-200_000_000 // nbytes))
-    made = {"bf16": [make_batch([1] * batch, [ctx] * batch, device, seed=i) for i in range(copies)], "fp8 row-major": [],
-            "fp8 head-major": []}
-    for q, cache, meta in made["bf16"]:
-        (kq, ks), (vq, vs) = quantize(cache.k), quantize(cache.v)
-        made["fp8 row-major"].append((q, LayerKV(kq, vq, ks, vs), meta))
-        made["fp8 head-major"].append((q, LayerKV(kq, vq, head_major(ks), head_major(vs)), meta))
+    batch_cases = decode_cases(batch, ctx, device)
+    nbytes, fp8_bytes, copies = batch_cases.bf16_bytes, batch_cases.fp8_bytes, len(batch_cases.bf16)
+    made = {"bf16": batch_cases.bf16, "fp8 row-major": batch_cases.fp8,
+            "fp8 head-major": [(q, LayerKV(c.k, c.v, head_major(c.k_scale), head_major(c.v_scale)), meta) for q, c, meta in batch_cases.fp8]}
     line = f"batch {batch:4d} x {ctx:5d}:"
     for name, cases in made.items():
         outs = [torch.empty_like(q) for q, _, _ in cases]
@@ -54,4 +49,4 @@ for batch, ctx in CASES:
         size = nbytes if name == "bf16" else fp8_bytes
         line += f"  {name} {t * 1e6:8.2f} us ({size / t / 1e9:5,.0f} GB/s, err {err:.1e})"
     print(line, flush=True)
-    del made
+    del made, batch_cases
