@@ -72,6 +72,42 @@ def test_a_request_s_index_grown_step_by_step_proposes_what_a_scan_would(tokens,
     assert "r" not in proposer.indexes
 
 
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=5),
+       st.integers(1, 5))
+def test_requests_that_share_a_prefix_propose_what_a_scan_of_their_own_tokens_would(prefix, tails, k):
+    """Requests that start alike index only their own tokens after a shared prefix's frozen index
+    (SharedPrefixes); each proposal, step by step, is still the scan's over that request's tokens."""
+    proposer = NgramProposer(k=k)
+    proposer.prefixes.min_tokens, proposer.prefixes.align = 4, 2  # small prefixes share too
+    for r, tail in enumerate(tails):
+        tokens = prefix + tail
+        for end in range(len(prefix) // 2, len(tokens) + 1):
+            drafts = proposer.propose_batch([DraftWant(str(r), tokens[:end], k)])[0]
+            assert drafts == (scan_proposal(tokens[:end], k) if end > 2 else [])
+        proposer.release(str(r))
+
+
+def test_a_long_shared_prefix_is_indexed_once_for_every_request_that_starts_with_it():
+    """The documents in front of every question: the second request's common start with the first
+    (cut to a multiple of ``align``) becomes a kept prefix, whose index later requests continue;
+    a request that starts otherwise indexes its own tokens."""
+    proposer = NgramProposer(k=4)
+    documents = [(i * 7919) % 1000 for i in range(600)]
+    first, second, third = (documents + [2000 + q, 3000 + q] for q in range(3))
+    index = proposer._index(DraftWant("a", first, 4))
+    assert index.base is None  # nothing to share yet
+    second_index = proposer._index(DraftWant("b", second, 4))
+    third_index = proposer._index(DraftWant("c", third, 4))
+    assert second_index.base is third_index.base is not None
+    assert second_index.base.indexed == 575  # 600 shared tokens cut to 576 (align 64): n-grams ending before the last
+    assert not third_index.ends and len(proposer.prefixes.entries) == 1
+    assert proposer.propose_batch([DraftWant("c", third + documents[:3], 4)])[0] == documents[3:7]  # from the prefix's index
+    again = third + documents[:3] + [9999] + documents[:3]  # its own, later occurrence comes first
+    assert proposer.propose_batch([DraftWant("c", again, 4)])[0] == [9999] + documents[:3]
+    other = proposer._index(DraftWant("d", [5] * 300 + documents, 4))
+    assert other.base is None and len(proposer.prefixes.entries) == 1  # shares nothing with "c"
+
+
 def test_an_n_gram_the_request_never_continued_drafts_what_a_kept_answer_said_next():
     """The request's own tokens first; failing them, the most recent kept answer with the longest
     n-gram; a released request's output joins the answers, and the oldest answers go first once
