@@ -80,6 +80,7 @@ class EngineCore:
         # speculative decoding: drafts proposed before each step (EngineConfig.speculative)
         self.proposer = proposer
         self.draft_cost = config.speculative_draft_cost if config.speculative == "draft" else 0.0
+        self.row_cost = config.row_cost(self.device.type)
         self._inflight: InflightStep | None = None
         self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
@@ -275,7 +276,7 @@ class EngineCore:
             if not req.may_draft:
                 continue
             room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            pays = best_k(req.acceptance.rate, self.config.speculative_row_cost, self.config.num_speculative_tokens, self.draft_cost)
+            pays = best_k(req.acceptance.rate, self.row_cost, self.config.num_speculative_tokens, self.draft_cost)
             k = min(room, pays)
             if k > 0 and not req.sampling_params.has_penalties:
                 wants.append((req, DraftWant(req.request_id, req.all_token_ids, k)))

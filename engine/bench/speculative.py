@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.report import Row, device_name, format_table
-from engine.config import EngineConfig
+from engine.config import ROW_COST_BY_DEVICE, EngineConfig
 from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore
 from engine.loaded_model import LoadedModel
@@ -86,9 +86,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-batch", type=int, default=EngineConfig.speculative_max_batch,
                    help="speculative_max_batch: groups larger than this decode without drafts (0: the largest --batch, to "
                         "see where speculation stops paying)")
-    p.add_argument("--row-cost", type=float, default=EngineConfig.speculative_row_cost,
-                   help="speculative_row_cost: a draft row's cost in steps (default %(default)s, the CPU's; "
-                   "a launch-bound GPU step costs nearly the same for a few more rows)")
+    p.add_argument("--row-cost", type=float, default=None,
+                   help="speculative_row_cost: a draft row's cost in steps (default: the device's, "
+                   f"{', '.join(f'{d} {c}' for d, c in ROW_COST_BY_DEVICE.items())})")
     p.add_argument("--draft-cost", type=float, default=EngineConfig.speculative_draft_cost,
                    help="speculative_draft_cost: a draft model's step as a share of the target's (default %(default)s)")
     p.add_argument("--answer-cache-tokens", type=int, default=EngineConfig.speculative_answer_cache_tokens,
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth(loaded.device)
     print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
           f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
-          f"k={args.k}, n-grams {args.ngram_sizes[0]}..{args.ngram_sizes[1]}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {args.row_cost}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
+          f"k={args.k}, n-grams {args.ngram_sizes[0]}..{args.ngram_sizes[1]}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {spec.row_cost(loaded.device.type)}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
           f"{len(questions)} questions, "
           f"prompt of the first question {len(prompts[0])} tokens, copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once

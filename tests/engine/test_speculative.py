@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 from engine.sampling import SampleInput, Sampler
 from engine.speculative import Acceptance, AnswerCache, DraftWant, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 from tests.engine.helpers import SimulatedEngine, generate_staggered, make_request
@@ -527,6 +527,17 @@ def test_the_ngram_sizes_reach_the_proposer_and_its_answers(smollm, llm_gguf_pat
     assert proposer.propose([5, 6, 7, 9, 5]) == [6, 7, 9, 5]
     default = spec_llm(smollm, llm_gguf_path).core.proposer
     assert (default.min_n, default.max_n) == (2, 4) and default.propose([5, 6, 7, 9, 5]) == []
+
+
+def test_a_draft_row_costs_what_was_measured_on_the_device_unless_set(smollm, llm_gguf_path):
+    """speculative_row_cost unset: the device's measured cost (dear on the CPU, nearly free on CUDA),
+    which the engine prices drafts at; set, the setting on any device."""
+    assert EngineConfig(model="m").row_cost("cpu") == 0.45 and EngineConfig(model="m").row_cost("cuda") == 0.05
+    assert EngineConfig(model="m", speculative_row_cost=0.2).row_cost("cuda") == 0.2
+    assert spec_llm(smollm, llm_gguf_path).core.row_cost == 0.45  # this engine runs on the CPU
+    assert spec_llm(smollm, llm_gguf_path, speculative_row_cost=0.05).core.row_cost == 0.05
+    with pytest.raises(ConfigError, match="speculative_row_cost must be >= 0"):
+        spec_llm(smollm, llm_gguf_path, speculative_row_cost=-0.1)
 
 
 def test_metrics_show_drafts_and_acceptance_under_vllms_names(smollm, llm_gguf_path, quoting_prompts):
