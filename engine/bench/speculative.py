@@ -194,5 +194,6 @@ def main(argv: list[str]) -> int:
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
-                                         "machine": platform.node(), "device": device_name(loaded.device), "results": results}, indent=2))
+                                         "machine": platform.node(), "device": device_name(loaded.device),
+                                         "row_cost": spec.row_cost(loaded.device.type), "results": results}, indent=2))
     return 0 if all_identical else 1  # greedy: any difference is a bug

@@ -30,7 +30,9 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     for name in ("no speculation", "n-gram speculation"):  # where each engine's steps went, by execution path
         assert re.search(rf"batch 2, {name} steps: \w+ \d+ steps of [\d.]+ tokens, host [\d.]+ ms.*; host a step: schedule", r.stdout)
     assert re.search(r"n-gram speculation pays \(speed-up > 1\) at batch (none of \[1, 2\]|1|2|1, 2)\n", r.stdout)
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report["row_cost"] == 0.05 and "row cost 0.05," in r.stdout  # the one the engines priced drafts at
+    results = report["results"]
     for kind in ("ngram", "draft"):
         assert results[f"spec_{kind}_pays_at_batches"] == [b for b in (1, 2) if results[f"spec_{kind}_bs{b}_speedup"] > 1]
     assert "decode, batch 1: draft model" in r.stdout and "draft steps" in r.stdout
