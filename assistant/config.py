@@ -55,8 +55,9 @@ class EngineOptions:
     2-core CPU, docs/performance.md), and off on CUDA: there the engine's n-gram drafts run inside
     its CUDA graphs with async scheduling (1.41x batch-1 decode on an H100 with the 1.5B and its
     defaults, 2026-12-07), but the voice stack on one GPU has not been measured with them (row
-    graphs add captures and memory beside Whisper and the TTS). Or off / ngram / draft explicitly (draft: ``draft_model`` proposes;
-    on the 2-core CPU its steps cost more than they save, so there it stays off in effect)."""
+    graphs add captures and memory beside Whisper and the TTS). Or off / ngram / draft explicitly
+    (draft: ``draft_model`` proposes; on the 2-core CPU its steps cost more than they save, so
+    there it stays off in effect)."""
     draft_model: Path | None = None
     """With speculative="draft": the draft model (same tokenizer as ``model``); None: the embedded
     Qwen2.5-Coder-0.5B (assistant.models.resolve("llm-qwen-0.5b"))."""

@@ -128,8 +128,8 @@ def _widen_e4m3(x):
     instructions against 1,295 with two a block, 206 registers against 255 (the H100's own compile:
     206 and no spill, against 255 and 6 spills). Timed on the H100 (2026-12-07, the step's kernel,
     fused, engine/bench/experiments/fp8_kv_fused_decode_ab.py): 256 requests x 859 tokens 269.9
-    against 280.7 us, 512 x 1,200 725.5 against 751.3 us. Kernel alone, 512 requests x 1,200 tokens of an FP8 cache, Triton's own conversion
-    against two values a block (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100,
+    against 280.7 us, 512 x 1,200 725.5 against 751.3 us. Kernel alone, 512 requests x 1,200
+    tokens of an FP8 cache, Triton's own conversion against two values a block (engine/bench/experiments/fp8_kv_decode_anatomy.py, H100,
     2026-12-06): 753 against 677 us with two pipeline stages, 905 against 749 with three."""
     if E4M3_PTX:
         y = tl.inline_asm_elementwise(
