@@ -45,6 +45,7 @@ class InflightStep:
     path: ExecutionPath = ExecutionPath.EAGER  # how the forward ran (decided by ModelRunner.prepare)
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA events around the step
     chained: bool = False  # launched while the step before it was in flight (async scheduling)
+    after_read_back: bool = False  # launched onto an idle device because the step before it was read back at once
     num_tokens: int = 0  # tokens the step computed
 
 
@@ -90,6 +91,7 @@ class EngineCore:
         (the cached prefixes stay). Only while no request is in flight, e.g. after a warm-up."""
         self._ids = itertools.count()
         self._last_step_end: torch.cuda.Event | None = None  # for the device's idle time between steps
+        self._read_back_at: float | None = None  # when a step was read back at once while requests remained
         self.num_steps = 0
         self.step_times = StepTimes()
         self.prompt_tokens_total = 0
@@ -206,7 +208,7 @@ class EngineCore:
         outputs += [self._finish_out_of_capacity(req) for req in sched.out_of_capacity]
         if self._inflight is not None and any(c.completes_prompt and c.request.sampling_params.has_penalties for c in sched.chunks):
             # Penalties read the request's output tokens on the host: learn them first.
-            outputs += self._finalize(self._take_inflight())
+            outputs += self._read_back()
             sched.chunks = [c for c in sched.chunks if not c.request.status.finished]
         if not sched.chunks:
             if self._inflight is not None:
@@ -223,7 +225,7 @@ class EngineCore:
         if not self.async_scheduling or any(c.drafts for c in inputs.chunks):
             # a verifying step is read back at once: until its drafts are accepted or rejected, its
             # requests' computed tokens count drafts, and no next step may be scheduled on them
-            outputs += self._finalize(self._take_inflight())
+            outputs += self._read_back()
         self.step_times.record(
             t0, t1, t2, t3, time.perf_counter(), inputs.path, len(inputs.chunks), inputs.num_tokens
         )
@@ -241,7 +243,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         wants, resting = self._draft_wants()
         if wants and self._inflight is not None and not self.proposer.drafts_ahead:
-            outputs = self._finalize(self._take_inflight())
+            outputs = self._read_back()
             wants, resting = self._draft_wants()  # the tokens just learned: some requests stopped, all moved on
         for req in resting:
             req.acceptance.rest()
@@ -287,6 +289,10 @@ class EngineCore:
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
         its samples as pending."""
+        after_read_back = self._inflight is None and self._read_back_at is not None
+        if after_read_back:
+            self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
+        self._read_back_at = None
         span = None
         if self.device.type == "cuda":  # timing events only: recording one never waits
             span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -313,11 +319,19 @@ class EngineCore:
         rows = {c.request.request_id: i for i, c in enumerate(inputs.sampled_chunks)}
         device_tokens = DeviceTokens(sample.tokens, rows) if sample else None
         return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, inputs.path, span,
-                            self._inflight is not None, inputs.num_tokens)
+                            self._inflight is not None, after_read_back, inputs.num_tokens)
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None
         return step
+
+    def _read_back(self) -> list[RequestOutput]:
+        """Finalize the step in flight now, before the next is launched (it waits for the device),
+        and note when, if requests remain: the device idles from that step's end until the host
+        launches the next one (``StepTimes.read_back_turnaround``)."""
+        outputs = self._finalize(self._take_inflight())
+        self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
+        return outputs
 
     def _finalize(self, step: InflightStep) -> list[RequestOutput]:
         """Read a launched step's samples back (waiting for the device if it is still busy) and
@@ -357,16 +371,19 @@ class EngineCore:
         return outputs
 
     def _account_device_span(self, step: InflightStep) -> None:
-        """Record a finished step's device span and, when it was launched behind the step before
-        it (async scheduling), the device's idle gap between the two: time the host failed to
-        hide. Gaps before a step launched onto an empty queue (sync mode, or after the engine ran
-        out of work) are not counted. Steps finalize in launch order: the previous end is done."""
+        """Record a finished step's device span and the device's idle gap before it: when it was
+        launched behind the step before it (async scheduling), time the host failed to hide; when
+        it was launched after the step before it was read back at once, the host's turnaround
+        (kept apart: ``StepTimes.read_back_idle``). Gaps after the engine ran out of work are not
+        counted. Steps finalize in launch order: the previous end is done."""
         start, end = step.span
         end.synchronize()  # the samples were the step's last work: this returns at once
-        idle = 0.0
-        if step.chained and self._last_step_end is not None:
-            idle = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
-        self.step_times.record_device(step.path, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens)
+        idle = read_back_idle = 0.0
+        if self._last_step_end is not None and (step.chained or step.after_read_back):
+            gap = max(0.0, self._last_step_end.elapsed_time(start) / 1e3)
+            idle, read_back_idle = (gap, 0.0) if step.chained else (0.0, gap)
+        self.step_times.record_device(step.path, start.elapsed_time(end) / 1e3, idle, len(step.requests), step.num_tokens,
+                                      read_back_idle)
         self._last_step_end = end
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

@@ -142,6 +142,13 @@ class StepTimes:
     # time the host failed to hide.
     device_span: dict[str, list[float]] = field(default_factory=dict)  # mode -> [seconds, steps]
     device_idle: float = 0.0
+    # Steps launched after the step before them was read back at once (every step on the CPU; on
+    # CUDA a verifying step, or any step without async scheduling) while requests remained: the
+    # host's seconds from that read back to this launch, and (CUDA) the device's idle gap between
+    # the two steps, which ``device_idle`` leaves out - what a step read back at once costs.
+    read_back_launches: int = 0
+    read_back_turnaround: float = 0.0
+    read_back_idle: float = 0.0
     # mode -> [host seconds of whole steps (schedule to outputs), steps, tokens], every step
     by_mode: dict[str, list[float]] = field(default_factory=dict)
 
@@ -174,19 +181,28 @@ class StepTimes:
             self.decode_only_tokens += tokens
         self.slowest = sorted([*self.slowest, (t4 - t0, requests, tokens)], reverse=True)[:5]
 
-    def record_device(self, path: ExecutionPath, span: float, idle: float, requests: int = 0, tokens: int = 0) -> None:
-        """Account one step's device span and the idle gap before it (seconds), and its batch shape
-        (by the path's name: ``device_span`` and ``slowest_device`` hold plain strings)."""
+    def record_turnaround(self, seconds: float) -> None:
+        """Account one launch after a read back: the host's seconds since that read back."""
+        self.read_back_launches += 1
+        self.read_back_turnaround += seconds
+
+    def record_device(self, path: ExecutionPath, span: float, idle: float, requests: int = 0, tokens: int = 0,
+                      read_back_idle: float = 0.0) -> None:
+        """Account one step's device span and the idle gap before it (seconds; ``read_back_idle``
+        when the step before it was read back at once), and its batch shape (by the path's name:
+        ``device_span`` and ``slowest_device`` hold plain strings)."""
         mode = path.value
         total = self.device_span.setdefault(mode, [0.0, 0])
         total[0] += span
         total[1] += 1
         self.device_idle += idle
+        self.read_back_idle += read_back_idle
         self.slowest_device = sorted([*self.slowest_device, (span, mode, requests, tokens)], reverse=True)[:5]
 
     def device_summary(self) -> dict[str, object]:
         """Busy and idle device seconds, and by mode: seconds and mean ms a step."""
         return {"busy_s": sum(s for s, _ in self.device_span.values()), "idle_s": self.device_idle,
+                "read_back_idle_s": self.read_back_idle,
                 "by_mode": {mode: {"s": s, "ms_per_step": 1e3 * s / n} for mode, (s, n) in self.device_span.items()}}
 
     @property

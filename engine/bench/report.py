@@ -52,9 +52,10 @@ def slowest_steps(st: StepTimes) -> str:
 def format_device_time(device_time: dict[str, dict]) -> str:
     """The report's device-time section from each suite's ``StepTimes.device_summary()``."""
     lines = ["\nwhere the device time went (CUDA events around each step: seconds of step spans by mode, mean ms a "
-             "step; idle: with async scheduling, gaps between a step and the one launched behind it that the host did not hide):"]
+             "step; idle: with async scheduling, gaps between a step and the one launched behind it that the host did not hide; "
+             "after read backs: gaps after a step the host waited for, until it launched the next):"]
     for suite, d in device_time.items():
-        lines.append(f"  {suite:<11} busy {d['busy_s']:.2f} s, idle {d['idle_s']:.2f} s;  "
+        lines.append(f"  {suite:<11} busy {d['busy_s']:.2f} s, idle {d['idle_s']:.2f} s, after read backs {d['read_back_idle_s']:.2f} s;  "
                      + "  ".join(f"{m} {t['s']:.2f} s ({t['ms_per_step']:.2f} ms/step)" for m, t in sorted(d["by_mode"].items())))
     return "\n".join(lines)
 

@@ -54,7 +54,8 @@ def run_group(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tu
 
 def step_profile(times: StepTimes) -> str:
     """Where an engine's steps went: per execution path the steps, their mean host time (schedule
-    to outputs) and, on CUDA, their mean device span; the device's idle time between steps; the
+    to outputs) and, on CUDA, their mean device span; the device's idle time between steps (and,
+    apart, after each step read back at once: the host's turnaround to the next launch); the
     host's phases a step (the first includes proposing drafts, and reading back the step in
     flight when drafts need its tokens)."""
     parts = []
@@ -63,6 +64,10 @@ def step_profile(times: StepTimes) -> str:
         span = f", device {1e3 * device[0] / device[1]:.2f} ms" if device and device[1] else ""
         parts.append(f"{mode} {int(steps)} steps of {tokens / steps:.1f} tokens, host {1e3 * seconds / steps:.2f} ms{span}")
     idle = f"; device idle {1e3 * times.device_idle:.1f} ms" if times.device_span else ""
+    if times.read_back_launches:
+        n = times.read_back_launches
+        device = f", device idle {1e3 * times.read_back_idle / n:.2f} ms" if times.device_span else ""
+        idle += f"; {n} launches after a step read back at once: host {1e3 * times.read_back_turnaround / n:.2f} ms from read back to launch{device}"
     steps = max(times.steps, 1)
     phases = (f"; host a step: schedule (with drafting) {1e3 * times.schedule / steps:.2f} ms, prepare {1e3 * times.prepare / steps:.2f}, "
               f"launch {1e3 * times.forward / steps:.2f}, read back {1e3 * times.postprocess / steps:.2f}")

@@ -227,13 +227,15 @@ def test_device_summary_sums_spans_by_mode_and_idle_gaps():
     st.record_device(ExecutionPath.GRAPH, 0.010, 0.0)
     st.record_device(ExecutionPath.GRAPH, 0.020, 0.001)
     st.record_device(ExecutionPath.PIECEWISE, 0.050, 0.002)
+    st.record_device(ExecutionPath.GRAPH, 0.010, 0.0, read_back_idle=0.004)  # after a step read back at once
     s = st.device_summary()
-    assert s["busy_s"] == pytest.approx(0.080) and s["idle_s"] == pytest.approx(0.003)
-    assert s["by_mode"]["graph"] == {"s": pytest.approx(0.030), "ms_per_step": pytest.approx(15.0)}
+    assert s["busy_s"] == pytest.approx(0.090) and s["idle_s"] == pytest.approx(0.003)
+    assert s["read_back_idle_s"] == pytest.approx(0.004)
+    assert s["by_mode"]["graph"] == {"s": pytest.approx(0.040), "ms_per_step": pytest.approx(40 / 3)}
     assert s["by_mode"]["piecewise"]["ms_per_step"] == pytest.approx(50.0) and set(s["by_mode"]) == {"graph", "piecewise"}
     from engine.bench.report import format_device_time
 
-    assert "throughput  busy 0.08 s, idle 0.00 s;  graph 0.03 s (15.00 ms/step)  piecewise 0.05 s (50.00 ms/step)" in format_device_time({"throughput": s})
+    assert "throughput  busy 0.09 s, idle 0.00 s, after read backs 0.00 s;  graph 0.04 s (13.33 ms/step)  piecewise 0.05 s (50.00 ms/step)" in format_device_time({"throughput": s})
 
 
 def test_slowest_steps_rank_by_device_span_where_recorded():

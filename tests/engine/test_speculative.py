@@ -387,23 +387,30 @@ def test_with_async_scheduling_n_gram_drafts_go_ahead_of_the_step_in_flight(smol
     verifying step is launched behind that step (its first input read on the device) instead of
     waiting for it. Only the step after a verifying one waits (the verification decides its
     tokens). The answer about annual leave quotes the handbook in places and not in others, so
-    guesses are right and wrong; the output is plain decoding's either way, with fewer steps."""
+    guesses are right and wrong; the output is plain decoding's either way, with fewer steps.
+    Each launch after a verifying step is accounted as one after a read back (the device idled
+    for the host's turnaround), and no other."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = list(plain_tokens[1])
     spec = spec_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_row_cost=0.05)
     chained = []  # per launched decode step: (launched while the one before was in flight, with drafts)
+    after_read_back = []  # per launched decode step: launched after the step before was read back at once
     launch = spec.core._launch
 
     def spy(inputs):
         step = launch(inputs)
         if all(not c.request.is_prefilling or c.drafts for c in inputs.chunks):
             chained.append((step.chained, any(c.drafts for c in inputs.chunks)))
+            after_read_back.append(step.after_read_back)
         return step
 
     spec.core._launch = spy
     assert spec.generate(quoting_prompts[1:2], params)[0].token_ids == want
     assert chained.count((True, True)) >= 3 and chained.count((True, False)) >= 3
     assert all(now[0] or before[1] for before, now in zip(chained, chained[1:]))  # only a verifying step is waited for
+    assert after_read_back[1:] == [before[1] for before in chained[:-1]] and not after_read_back[0]
+    times = spec.core.step_times
+    assert times.read_back_launches == sum(after_read_back) >= 3 and times.read_back_turnaround > 0
     stats = spec.core.spec_stats
     assert stats.num_accepted_tokens > 5 and 0 < stats.num_guesses_right <= stats.num_drafts_ahead <= stats.num_drafts
     assert len(chained) < len(want)
