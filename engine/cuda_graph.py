@@ -12,9 +12,10 @@ kernel scatters. Padding rows point at the null block with context length 0.
 
 A verifying step (speculative decoding: each request's last token and its drafts) replays
 the same kind of graph with a row per *token*: row ``j`` of a request is a decode at position
-``start + j`` with context ``start + j + 1`` and the request's block table, every row's K/V
-written before any row attends (``AttentionMetadata.rows_are_tokens``). A request's rows then read its
-context once each, which at the few rows of a verifying step (``k + 1``) is cheap next to a
+``start + j`` with context ``start + j + 1`` and the request's block table; with the Triton
+backend row ``j`` attends to the K/V of the rows before it from their raw k|v in the same fused
+kernel (``AttentionMetadata.rows_are_tokens``, ``row_group``), not from the cache they write in
+that kernel. A request's rows then read its context once each, which at the few rows of a verifying step (``k + 1``) is cheap next to a
 launch-bound step outside a graph; and at up to 16 rows the projections stay on the batch-1
 GEMVs, whose x is one 16-row tensor-core tile anyway: a row's projections run the batch-1 step's
 kernels and tiles (its attention is split differently, so its rounding may differ there; on the
@@ -104,12 +105,15 @@ class CudaGraphRunner:
         device: torch.device,
         gemv: GemvPolicy,
         rows_are_tokens: bool = False,
+        row_group: int = 1,
     ) -> None:
-        """``rows_are_tokens``: the rows are tokens, several of one request may follow each other (a
-        verifying step: see ``AttentionMetadata.rows_are_tokens``); ``batch_sizes`` then count rows."""
+        """``rows_are_tokens``: the rows are tokens, up to ``row_group`` of one request may follow
+        each other (a verifying step: see ``AttentionMetadata.rows_are_tokens``); ``batch_sizes``
+        then count rows."""
         self.model = model
         self.gemv = gemv  # the batch-1 GEMV policy the graphs are captured with
         self.rows_are_tokens = rows_are_tokens
+        self.row_group = row_group
         self.backend = backend
         self.kv_layers = kv_layers
         self.batch_sizes = sorted(set(batch_sizes))
@@ -154,7 +158,7 @@ class CudaGraphRunner:
             seq_lens_host=[0] * bs,  # not read on the Triton decode path
             num_decodes=bs,
             max_seq_len=0,
-            rows_are_tokens=self.rows_are_tokens,
+            rows_are_tokens=self.rows_are_tokens, row_group=self.row_group,
         )
 
     def _step(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -175,7 +179,7 @@ class CudaGraphRunner:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n, :width], query_lens_host=[1] * n, seq_lens_host=seq_lens, num_decodes=n,
-            max_seq_len=max(seq_lens), rows_are_tokens=self.rows_are_tokens,
+            max_seq_len=max(seq_lens), rows_are_tokens=self.rows_are_tokens, row_group=self.row_group,
         )
         hidden = self.model(self.input_ids[:n], self.positions[:n], self.backend, meta, self.kv_layers, self.gemv)
         logits = self.model.compute_logits(hidden, self.gemv)

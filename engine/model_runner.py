@@ -107,7 +107,7 @@ class ModelRunner:
         gemv = replace(self.gemv, max_rows=TILE_ROWS) if self.gemv.max_rows else self.gemv
         self.row_graphs = CudaGraphRunner(
             self.model, self.backend, self.kv_layers, row_sizes, -(-max_model_len // self.block_size), max_num_seqs, self.device,
-            gemv, rows_are_tokens=True,
+            gemv, rows_are_tokens=True, row_group=max_query,
         )
         self.row_max_query = max_query
 

@@ -193,6 +193,47 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
     return _attend_kv(q, acc, m_i, l_i, k, v, k_scale, v_scale, offs < end, scale, FP8)
 
 
+@triton.jit
+def _attend_new_token(q, acc, m_i, l_i, k_row, v_row, cos, sin, d, dmask, partner, here, write_own, slot, kvh,
+                      K_CACHE, V_CACHE, K_SCALE, V_SCALE, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+                      scale, D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+    """One of the step's new tokens for a decode program: k rotated by (cos, sin), k and v as the
+    cache stores them (FP8: attended as stored, the values later steps read), attended from
+    registers where ``here``; written to the cache at ``slot`` where ``write_own`` (the row's own
+    token, by the split that owns the last position)."""
+    k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
+           + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin)
+    v_f = tl.load(v_row + d, mask=dmask, other=0.0).to(tl.float32)
+    dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
+    write = d < tl.where(write_own, D, 0)  # dmask for the writer, nothing for the others
+    if FP8:
+        ks_new = _fp8_scale(tl.max(tl.abs(k_f), 0))
+        vs_new = _fp8_scale(tl.max(tl.abs(v_f), 0))
+        k_new = _to_fp8(k_f, ks_new, K_CACHE.dtype.element_ty)
+        v_new = _to_fp8(v_f, vs_new, V_CACHE.dtype.element_ty)
+        dst_s = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + kvh * stride_sh
+        tl.store(K_SCALE + dst_s, ks_new, mask=write_own)
+        tl.store(V_SCALE + dst_s, vs_new, mask=write_own)
+        k_att = k_new.to(tl.float32) * ks_new
+        v_att = v_new.to(tl.float32) * vs_new
+    else:
+        k_new = k_f.to(K_CACHE.dtype.element_ty)
+        v_new = v_f.to(V_CACHE.dtype.element_ty)
+        k_att = k_new.to(tl.float32)
+        v_att = v_new.to(tl.float32)
+    tl.store(K_CACHE + dst, k_new, mask=write)
+    tl.store(V_CACHE + dst, v_new, mask=write)
+    s_new = tl.sum(q.to(tl.float32) * k_att[None, :], 1) * scale
+    s_new = tl.where(here, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p_new = tl.exp(s_new - m_safe)
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def split_kv_decode_attention(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
@@ -204,7 +245,7 @@ def split_kv_decode_attention(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
     FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr, KV_LINE: tl.constexpr = 0,
-    KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False,
+    KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False, ROW_GROUP: tl.constexpr = 1,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
@@ -213,7 +254,13 @@ def split_kv_decode_attention(
     cache elements a 128-byte line, KV_LINES of them a row): the slice's first SMALL_TILE cached K and V rows are asked
     into L2 before the PDL wait - earlier steps wrote them, and no kernel in flight writes them.
     KV_PRELOAD (with FUSED_ROPE): a short slice's one tile of cached K/V is loaded into registers
-    before the wait (with PDL), for the same reason."""
+    before the wait (with PDL), for the same reason.
+    ROW_GROUP > 1 (with FUSED_ROPE): rows may be successive tokens of one request, in position
+    order (a verifying step's row graph), up to ROW_GROUP of them. A row's request's positions
+    that the up to ROW_GROUP - 1 rows before it write in this step (the row before holds position
+    - 1 and writes the slot that position has in this row's block table, and so on back) are
+    attended from those rows' raw k and v, rotated here, like the row's own token, and never read
+    from the cache, which those rows write in the same kernel."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -240,9 +287,19 @@ def split_kv_decode_attention(
         slot = tl.load(SLOT + b).to(tl.int64)
         cos = tl.load(COS_SIN + pos * stride_cs + j, mask=dmask, other=0.0).to(tl.float32)
         sin = tl.load(COS_SIN + pos * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32) * tl.where(lo, -1.0, 1.0)
+        num_new = 1  # positions attended from this step's raw k/v: the row's own, and its request's rows before it
+        following = True
+        for r in tl.static_range(1, ROW_GROUP):
+            ok = following & (b >= r) & (pos >= r)
+            prev = tl.where(ok, b - r, b)
+            want = tl.where(ok, pos - r, pos)
+            blk = tl.load(BLOCK_TABLES + b * stride_bt + want // PAGE, mask=ok, other=-1).to(tl.int64)
+            following = (ok & (tl.load(POS + prev, mask=ok, other=-1).to(tl.int64) == want)
+                         & (tl.load(SLOT + prev, mask=ok, other=-1).to(tl.int64) == blk * PAGE + want % PAGE))
+            num_new += following.to(tl.int32)
         last = end == seq_len  # this split owns the last position: the token being decoded
         owner = (start < end) & last
-        end = tl.where(last, end - 1, end)  # the cache holds every position before it
+        end = tl.minimum(end, seq_len - num_new)  # the cache holds every position before the new ones
         if USE_PDL and KV_LINE > 0:
             offs = start + tl.arange(0, SMALL_TILE)
             ok = offs < end
@@ -283,39 +340,23 @@ def split_kv_decode_attention(
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
                                      BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
                                      K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
-    if FUSED_ROPE:  # the new token: written to the cache for later steps, attended from registers
-        k_row = K_NEW + b * stride_knt + kvh * stride_knh
-        k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
-               + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin)
-        v_f = tl.load(V_NEW + b * stride_vnt + kvh * stride_vnh + d, mask=dmask, other=0.0).to(tl.float32)
-        dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
-        write = d < tl.where(owner, D, 0)  # dmask for the owner, nothing for the other splits
-        if FP8:  # attended as stored (the values later steps read), not as computed
-            ks_new = _fp8_scale(tl.max(tl.abs(k_f), 0))
-            vs_new = _fp8_scale(tl.max(tl.abs(v_f), 0))
-            k_new = _to_fp8(k_f, ks_new, K_CACHE.dtype.element_ty)
-            v_new = _to_fp8(v_f, vs_new, V_CACHE.dtype.element_ty)
-            dst_s = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + kvh * stride_sh
-            tl.store(K_SCALE + dst_s, ks_new, mask=owner)
-            tl.store(V_SCALE + dst_s, vs_new, mask=owner)
-            k_att = k_new.to(tl.float32) * ks_new
-            v_att = v_new.to(tl.float32) * vs_new
-        else:
-            k_new = k_f.to(K_CACHE.dtype.element_ty)
-            v_new = v_f.to(V_CACHE.dtype.element_ty)
-            k_att = k_new.to(tl.float32)
-            v_att = v_new.to(tl.float32)
-        tl.store(K_CACHE + dst, k_new, mask=write)
-        tl.store(V_CACHE + dst, v_new, mask=write)
-        s_new = tl.sum(q.to(tl.float32) * k_att[None, :], 1) * scale
-        s_new = tl.where(owner, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p_new = tl.exp(s_new - m_safe)
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
-        m_i = m_new
+    if FUSED_ROPE:  # the new tokens, oldest first: the row's own written to the cache for later steps; all attended from registers
+        for i in tl.static_range(ROW_GROUP):
+            r: tl.constexpr = ROW_GROUP - 1 - i  # rows back from this one
+            here = owner & (r < num_new)
+            row = b - tl.where(here, r, 0)
+            if r == 0:
+                cos_r, sin_r, write_own = cos, sin, owner
+            else:
+                write_own = owner & False
+                at = tl.where(here, pos - r, pos)
+                cos_r = tl.load(COS_SIN + at * stride_cs + j, mask=dmask, other=0.0).to(tl.float32)
+                sin_r = (tl.load(COS_SIN + at * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32)
+                         * tl.where(lo, -1.0, 1.0))
+            acc, m_i, l_i = _attend_new_token(q, acc, m_i, l_i, K_NEW + row * stride_knt + kvh * stride_knh,
+                                              V_NEW + row * stride_vnt + kvh * stride_vnh, cos_r, sin_r, d, dmask, partner,
+                                              here, write_own, slot, kvh, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
+                                              stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, scale, D, PAGE, FP8)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -27,9 +27,13 @@ class AttentionMetadata:
     num_decodes: int
     max_seq_len: int
     rows_are_tokens: bool = False
-    """Decode rows may be successive tokens of one request (a verifying step laid out a row per
-    token, each with its own context length and its request's block table): every row's K/V is
-    written before any row attends, so no backend may fuse the write into the attention."""
+    """Decode rows may be successive tokens of one request, in position order (a verifying step
+    laid out a row per token, each with its own context length and its request's block table): a
+    row attends to the K/V its request's rows before it write in the same step, so a backend that
+    fuses the write into the attention must not read those positions from the cache."""
+    row_group: int = 1
+    """With ``rows_are_tokens``: at most this many successive rows belong to one request (a
+    verifying step's 1 + k)."""
     scratch: dict = field(default_factory=dict)  # per-step values a backend derives once, not per layer
 
     @property

@@ -34,6 +34,13 @@ DECODE_SMALL_TILE = 32
 # beaten neither, 1.297 against 1.310 ms; preload has not run there yet.)
 DECODE_KV_PREFETCH = False
 DECODE_KV_PRELOAD = True
+# A row graph's verifying step (rows that are successive tokens of one request) in the fused decode
+# kernel too: each row attends to its request's new keys of the rows before it from their raw k|v
+# (split_kv_decode_attention's ROW_GROUP), instead of RoPE + the KV write as a kernel of its own
+# before attention in every layer. A row graph cost 0.1-0.13 ms more than the one-token graph
+# whatever its rows with that kernel (1.5B shape, H100, 2026-12-07,
+# engine/bench/experiments/verify_step_anatomy.py, which A/Bs this switch).
+FUSE_ROW_KV_WRITE = True
 
 
 @dataclass(frozen=True)
@@ -121,12 +128,15 @@ class NewTokens:
 def decode_attention(
     q: torch.Tensor, kv_cache: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, *, pdl: bool = False, new: NewTokens | None = None, tile_n: int = 0, small_tile: int = 0,
-    num_warps: int = 4,
+    num_warps: int = 4, row_group: int = 1,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) -> out [B, Hq, D]; ``pdl`` as in :func:`rope_and_store`.
 
     ``new``: q is not rotated yet and the requests' last tokens are not in the cache: the kernel
-    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this).
+    applies RoPE to q and k and writes k and v (one kernel instead of rope_and_store + this);
+    ``row_group`` > 1: rows may be up to this many successive tokens of one request, in position
+    order (``AttentionMetadata.rows_are_tokens``), each attending to the new keys of its request's
+    rows before it from ``new``'s raw k and v.
     ``tile_n`` / ``small_tile``: the context tiles, default ``DECODE_TILE`` / ``DECODE_SMALL_TILE``
     (``python -m engine.bench.kernels --decode-tiles`` sweeps others); ``num_warps``: a program's
     warps (4; 8 was slower for either cache dtype, engine/bench/experiments/fp8_kv_decode_ab.py)."""
@@ -157,7 +167,7 @@ def decode_attention(
         SMALL_TILE=small_tile or DECODE_SMALL_TILE,
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
-        KV_PRELOAD=new is not None and DECODE_KV_PRELOAD,
+        KV_PRELOAD=new is not None and DECODE_KV_PRELOAD, ROW_GROUP=row_group if new is not None else 1,
         num_warps=num_warps, **({"num_stages": DECODE_FP8_STAGES} if kv_cache.quantized else {}), **launch_options(pdl),
     )
     if splits == 1:
@@ -250,11 +260,12 @@ class TritonPagedAttention(AttentionBackend):
         return rope_and_store(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping, pdl=pdl)
 
     def rope_store_attend(self, q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
-        if meta.num_decodes < meta.num_requests or meta.rows_are_tokens:  # prefill chunks, rows of one request: RoPE + write first
-            return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)
-        out = torch.empty_like(q)  # a decode step: one kernel per layer does RoPE, the KV write and attention
+        if meta.num_decodes < meta.num_requests or (meta.rows_are_tokens and not FUSE_ROW_KV_WRITE):
+            return super().rope_store_attend(q, k, v, positions, cos_sin, kv_cache, meta, scale, pdl)  # RoPE + write first
+        out = torch.empty_like(q)  # decode rows: one kernel per layer does RoPE, the KV write and attention
         new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new)
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new,
+                                row_group=meta.row_group if meta.rows_are_tokens else 1)
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)

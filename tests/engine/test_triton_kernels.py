@@ -179,29 +179,36 @@ def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps
     assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
 
 
-def test_a_verifying_step_laid_out_a_row_per_token_attends_like_its_chunks():
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_verifying_step_laid_out_a_row_per_token_attends_like_its_chunks(fused, monkeypatch):
     """A row graph's step (engine/cuda_graph.py): a decode and a request verifying 4 drafts, as 6
     decode rows of one token each (own context length, the request's block table repeated) with
-    ``rows_are_tokens``, against the torch backend on the same step as a decode plus a chunk: every
-    row's K/V written before any row attends (the fused decode kernel would race on them; here
-    the drafts' rows come last first, so that in the interpreter's program order too a fused
-    kernel would read keys not yet written)."""
+    ``rows_are_tokens``, against the torch backend on the same step as a decode plus a chunk.
+    Fused (the default): one kernel, each draft's row attending to the keys of its request's rows
+    before it from their raw k|v; the decode's position is the one before the drafts' first, so
+    a row that took the row before it for its own request's would attend to the wrong key.
+    Unfused: RoPE and every row's K/V write first, then attention, in any row order (here the
+    drafts' rows come last first, so that in the interpreter's program order a kernel reading
+    new keys from the cache before they are written would fail)."""
     from dataclasses import replace
 
+    import engine.attention.triton_paged as triton_paged
     from engine.attention.torch_ref import TorchReferenceAttention
     from engine.attention.triton_paged import TritonPagedAttention
 
+    monkeypatch.setattr(triton_paged, "FUSE_ROW_KV_WRITE", fused)
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     hq, hkv, dim, page = 4, 2, 16, 4
-    query_lens, ctx_lens = [1, 5], [9, 20]
+    query_lens, ctx_lens = [1, 5], [19, 20]
     cache, meta = build_batch(query_lens, ctx_lens, hkv, dim, page, seed)
     positions = torch.tensor([c + i for c, n in zip(ctx_lens, query_lens) for i in range(n)], device=DEVICE)
     request = torch.tensor([r for r, n in enumerate(query_lens) for _ in range(n)], device=DEVICE)
-    order = torch.tensor([0, 5, 4, 3, 2, 1], device=DEVICE)
+    order = torch.arange(6, device=DEVICE) if fused else torch.tensor([0, 5, 4, 3, 2, 1], device=DEVICE)
     rows = replace(meta, slot_mapping=meta.slot_mapping[order], query_start_loc=torch.arange(7, dtype=torch.int32, device=DEVICE),
                    seq_lens=(positions[order] + 1).to(torch.int32), block_tables=meta.block_tables[request[order]],
-                   query_lens_host=[1] * 6, seq_lens_host=(positions[order] + 1).tolist(), num_decodes=6, rows_are_tokens=True)
+                   query_lens_host=[1] * 6, seq_lens_host=(positions[order] + 1).tolist(), num_decodes=6, rows_are_tokens=True,
+                   row_group=5)
     qkv = torch.randn(6, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
     q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
     q, k, v = q.reshape(6, hq, dim), k.view(6, hkv, dim), v.view(6, hkv, dim)
@@ -214,6 +221,40 @@ def test_a_verifying_step_laid_out_a_row_per_token_attends_like_its_chunks():
                                                           dim**-0.5)
     assert rel(out, ref) < TOL, f"seed {seed}"
     assert rel(cache.k, ref_cache.k) < TOL and torch.equal(cache.v, ref_cache.v), f"seed {seed}"
+
+
+def test_a_draft_row_attends_to_the_rows_before_it_from_registers_not_the_cache():
+    """The fused kernel's verifying rows (``row_group``): the last draft's row attends to the
+    keys of the four rows before it from their raw k|v and writes only its own. Those rows are
+    kept from writing here (context length 0: no split owns a position) and their slots hold NaN,
+    so a read of any of them from the cache would show; the row's output is the torch backend's
+    and the four slots stay NaN. (In the interpreter rows run in order, so in the test above the
+    rows before it have written their keys by the time it reads; on a GPU they run at once.)"""
+    from engine.attention.torch_ref import TorchReferenceAttention
+    from engine.attention.triton_paged import NewTokens
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    hq, hkv, dim, page = 4, 2, 16, 4
+    cache, meta = build_batch([5], [20], hkv, dim, page, seed)
+    positions = torch.arange(20, 25, device=DEVICE)
+    qkv = torch.randn(5, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.reshape(5, hq, dim), k.view(5, hkv, dim), v.view(5, hkv, dim)
+    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
+    ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
+    slots = meta.slot_mapping
+    flat_k, flat_v = cache.k.view(-1, hkv, dim), cache.v.view(-1, hkv, dim)
+    flat_k[slots], flat_v[slots] = float("nan"), float("nan")
+    seq_lens = torch.tensor([0, 0, 0, 0, 25], dtype=torch.int32, device=DEVICE)
+    out = torch.zeros_like(q)
+    decode_attention(q, cache, meta.block_tables.expand(5, -1), seq_lens, dim**-0.5, out,
+                     new=NewTokens(k, v, positions, cos_sin, slots), row_group=5)
+    assert rel(out[4], ref[4]) < TOL, f"seed {seed}"
+    assert flat_k[slots[:4]].isnan().all() and flat_v[slots[:4]].isnan().all()
+    assert rel(flat_k[slots[4]], ref_cache.k.view(-1, hkv, dim)[slots[4]]) < TOL, f"seed {seed}"
 
 
 def test_a_batch_that_fills_the_gpu_unsplit_writes_its_output_directly():

@@ -11,6 +11,8 @@ verifying steps' mean device span (CUDA events; the one-token decode graph's for
 row adds against one row, the device's idle gap after a step read back at once and the host's
 turnaround to the next launch, and decode tokens/s. Attention reads a request's context once per
 row in a row graph, so the cost a row adds grows with the context; the rest is the projections'.
+Each k runs twice: row graphs captured with RoPE and the KV write fused into the attention kernel
+(``FUSE_ROW_KV_WRITE``, the default since 2026-12-07) and as a kernel of their own before it.
 Run from the repository root on a GPU: ``PYTHONPATH=$PWD python
 engine/bench/experiments/verify_step_anatomy.py [--model engine/configs/qwen2.5-coder-1.5b.json]
 [--contexts 64 2160] [--k 1 2 4 8] [--tokens 96]``.
@@ -22,6 +24,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
+import engine.attention.triton_paged as triton_paged
 from engine.bench.report import device_name
 from engine.config import EngineConfig
 from engine.engine_builder import build_engine
@@ -73,11 +76,15 @@ def main() -> None:
     base = replace(base, kv_cache_memory_bytes=2 << 30)
     print(f"# verify_step_anatomy on {device_name(loaded.device)}; {args.model} (random weights), {args.tokens} tokens an answer")
     plain = build_engine(base, loaded)
-    spec = {k: build_engine(replace(base, speculative="ngram", num_speculative_tokens=k, speculative_row_cost=0.0), loaded)
-            for k in args.k}
+    spec = {}
+    for fused in (True, False):  # captured with the switch as it is at capture
+        triton_paged.FUSE_ROW_KV_WRITE = fused
+        for k in args.k:
+            spec[k, fused] = build_engine(replace(base, speculative="ngram", num_speculative_tokens=k, speculative_row_cost=0.0), loaded)
+    triton_paged.FUSE_ROW_KV_WRITE = True
     rng = random.Random(0)
     vocab = loaded.model_config.vocab_size
-    print(f"{'context':>7} {'k':>2} {'steps':>5} {'rows/step':>9} {'device ms/step':>14} {'+ms a row':>9} "
+    print(f"{'context':>7} {'k':>2} {'fused':>5} {'steps':>5} {'rows/step':>9} {'device ms/step':>14} {'+ms a row':>9} "
           f"{'idle after read back ms':>23} {'host turnaround ms':>18} {'tok/s':>8} {'identical':>9}")
     for context in args.contexts:
         prompt = [rng.randrange(100, vocab - 100) for _ in range(context)]
@@ -86,8 +93,8 @@ def main() -> None:
         want, plain_rate = answer(plain, prompt, args.tokens)
         graph = plain.step_times.device_span.get("graph", [0.0, 1])
         one_row = 1e3 * graph[0] / graph[1]
-        print(f"{context:>7} {0:>2} {int(graph[1]):>5} {1.0:>9.2f} {one_row:>14.3f} {'':>9} {'':>23} {'':>18} {plain_rate:>8.1f} {'':>9}")
-        for k, core in spec.items():
+        print(f"{context:>7} {0:>2} {'':>5} {int(graph[1]):>5} {1.0:>9.2f} {one_row:>14.3f} {'':>9} {'':>23} {'':>18} {plain_rate:>8.1f} {'':>9}")
+        for (k, fused), core in spec.items():
             core.proposer = OracleProposer(len(prompt), want)
             answer(core, prompt, 4)
             core.step_times = StepTimes()
@@ -97,7 +104,7 @@ def main() -> None:
             rows = t.by_mode.get("graph", [0, 1, 0])
             ms = 1e3 * seconds / steps
             n = max(t.read_back_launches, 1)
-            print(f"{context:>7} {k:>2} {int(steps):>5} {rows[2] / rows[1]:>9.2f} {ms:>14.3f} {(ms - one_row) / k:>9.3f} "
+            print(f"{context:>7} {k:>2} {'yes' if fused else 'no':>5} {int(steps):>5} {rows[2] / rows[1]:>9.2f} {ms:>14.3f} {(ms - one_row) / k:>9.3f} "
                   f"{1e3 * t.read_back_idle / n:>23.3f} {1e3 * t.read_back_turnaround / n:>18.3f} {rate:>8.1f} {str(got == want):>9}")
 
 
