@@ -289,10 +289,10 @@ def split_kv_decode_attention(
         sin = tl.load(COS_SIN + pos * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32) * tl.where(lo, -1.0, 1.0)
         num_new = 1  # positions attended from this step's raw k/v: the row's own, and its request's rows before it
         following = True
-        for r in tl.static_range(1, ROW_GROUP):
-            ok = following & (b >= r) & (pos >= r)
-            prev = tl.where(ok, b - r, b)
-            want = tl.where(ok, pos - r, pos)
+        for back in tl.static_range(1, ROW_GROUP):  # rows back from this one
+            ok = following & (b >= back) & (pos >= back)
+            prev = tl.where(ok, b - back, b)
+            want = tl.where(ok, pos - back, pos)
             blk = tl.load(BLOCK_TABLES + b * stride_bt + want // PAGE, mask=ok, other=-1).to(tl.int64)
             following = (ok & (tl.load(POS + prev, mask=ok, other=-1).to(tl.int64) == want)
                          & (tl.load(SLOT + prev, mask=ok, other=-1).to(tl.int64) == blk * PAGE + want % PAGE))
@@ -341,15 +341,14 @@ def split_kv_decode_attention(
                                      BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
                                      K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
     if FUSED_ROPE:  # the new tokens, oldest first: the row's own written to the cache for later steps; all attended from registers
-        for i in tl.static_range(ROW_GROUP):
-            r: tl.constexpr = ROW_GROUP - 1 - i  # rows back from this one
-            here = owner & (r < num_new)
-            row = b - tl.where(here, r, 0)
-            if r == 0:
+        for i in tl.static_range(ROW_GROUP):  # the new token ROW_GROUP - 1 - i rows back, the row's own last
+            here = owner & (ROW_GROUP - 1 - i < num_new)
+            row = b - tl.where(here, ROW_GROUP - 1 - i, 0)
+            if i == ROW_GROUP - 1:
                 cos_r, sin_r, write_own = cos, sin, owner
             else:
                 write_own = owner & False
-                at = tl.where(here, pos - r, pos)
+                at = tl.where(here, pos - (ROW_GROUP - 1 - i), pos)
                 cos_r = tl.load(COS_SIN + at * stride_cs + j, mask=dmask, other=0.0).to(tl.float32)
                 sin_r = (tl.load(COS_SIN + at * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32)
                          * tl.where(lo, -1.0, 1.0))

@@ -62,10 +62,13 @@ def compile_step(kernels, kernel: str, tile: int, stages: int, maxnreg: int = 0,
     ``block_m`` query rows a tile) over an FP8 cache (``fp8``) or a bf16 one, for sm_90,
     specialized as the step's launches are; its cubin."""
     name, constexprs, tile_name = KERNELS[kernel]
-    constexprs = {**constexprs, **({"BLOCK_M": block_m} if kernel == "prefill" else {}), tile_name: tile, "FP8": fp8}
+    fn = getattr(kernels, name)
+    params = {p.name for p in fn.params}  # an older copy of the kernels may lack a newer constexpr (ROW_GROUP)
+    constexprs = {k: v for k, v in {**constexprs, **({"BLOCK_M": block_m} if kernel == "prefill" else {}), tile_name: tile,
+                                    "FP8": fp8}.items() if k in params}
     types = POINTERS if fp8 else {**POINTERS, "K_CACHE": "*bf16", "V_CACHE": "*bf16"}
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return compile_as_launched(getattr(kernels, name), types, constexprs, **options).asm["cubin"]
+    return compile_as_launched(fn, types, constexprs, **options).asm["cubin"]
 
 
 def describe(cubin: bytes) -> tuple[str, str]:
@@ -100,8 +103,13 @@ def main() -> None:
                    help="TILE:STAGES[:MAXNREG[:WARPS]] (MAXNREG 0: no cap; WARPS default 4; the engine's: 128:2 for both kernels)")
     p.add_argument("--block-m", type=int, default=64, help="prefill: query rows a tile (PREFILL_FP8's: 64)")
     p.add_argument("--cache-dtype", choices=("fp8", "bf16"), default="fp8", help="bf16: the same kernel over a bf16 cache, for scale")
+    p.add_argument("--row-group", type=int, default=1,
+                   help="decode: ROW_GROUP, rows of one request a verifying step's row graph may hold (default 1: a one-token step)")
     args = p.parse_args()
-    print(f"Triton {triton.__version__}, sm_90, {args.kernel} step kernel over a {args.cache_dtype} cache" + (f", {args.block_m} query rows a tile" if args.kernel == "prefill" else ""))
+    name, constexprs, tile_name = KERNELS["decode"]
+    KERNELS["decode"] = (name, {**constexprs, "ROW_GROUP": args.row_group}, tile_name)
+    print(f"Triton {triton.__version__}, sm_90, {args.kernel} step kernel over a {args.cache_dtype} cache" + (f", {args.block_m} query rows a tile" if args.kernel == "prefill" else "")
+          + (f", ROW_GROUP {args.row_group}" if args.kernel == "decode" else ""))
     for path in args.kernels:
         kernels = load_kernels(path)
         for variant in args.variants:
