@@ -301,7 +301,8 @@ class EngineConfig:
     replay of the 1.5B's real handbook answers through the proposer (CPU, 2026-12-06,
     docs/performance.md) counted 1.73x fewer steps at (2, 4) with 4 drafts and 2.04x at (1, 8)
     with 8, where more steps verify. On an H100 (2026-12-07, the 1.5B, bench row cost 0.05) (1, 8)
-    with 8 drafts gave 1.48x at batch 1 against 1.41x at (2, 4) with 4; the defaults stay the CPU's."""
+    with 8 drafts gave 1.48x at batch 1 against 1.41x at (2, 4) with 4, and on another machine
+    that day 1.37x against 1.31x; the defaults stay the CPU's."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float | None = None
