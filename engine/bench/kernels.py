@@ -9,6 +9,7 @@ same run (a bf16 matmul, a device copy). Prefill is timed for several tile shape
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import sys
 import time
@@ -94,14 +95,16 @@ def compile_as_launched(fn, types: dict[str, str], constexprs: dict, strides: di
     """``fn`` (a ``triton.jit`` kernel) compiled for sm_90 without a GPU (Triton's own ptxas),
     specialized as a launch with these ``strides`` specializes it: pointers 16-byte aligned, a
     stride the kernel does not exclude (``do_not_specialize``) known to be a multiple of 16 where
-    it is one, and made a constant where it is 1. ``types``: the pointers' and floats' Triton
-    types (other arguments are i32); ``options``: num_warps, num_stages, maxnreg."""
+    it is one, and made a constant where it is 1; a ``tl.constexpr`` left out takes its default,
+    as at a launch. ``types``: the pointers' and floats' Triton types (other arguments are i32);
+    ``options``: num_warps, num_stages, maxnreg."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     specialized = {p.name: strides[p.name] for p in fn.params if p.name in strides and not p.do_not_specialize}
-    constexprs = {**constexprs, **{name: 1 for name, value in specialized.items() if value == 1}}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs, **{name: 1 for name, value in specialized.items() if value == 1}}
     names = [p.name for p in fn.params]
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
