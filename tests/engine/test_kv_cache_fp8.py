@@ -156,7 +156,8 @@ def test_an_engine_with_an_fp8_kv_cache_decodes_like_one_with_a_float_cache(fixt
 
 def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
     """The interpreter runs the kernels as Python and never lowers them: here the RoPE + write,
-    decode (RoPE and the write fused, a short slice's K/V loaded early) and prefill kernels with FP8=True compile for sm_90 through
+    decode (RoPE and the write fused, a short slice's K/V loaded early; also for a verifying step's
+    rows, up to 9 of one request) and prefill kernels with FP8=True compile for sm_90 through
     ptxas (Triton's own, no GPU needed), their e4m3 conversions included; the reads widen e4m3 to
     float16 two values an instruction and multiply in float16 (no per-value float16 -> bf16 step),
     and V reaches its dot in float16, not one shared-memory byte a load; V's loaded 32-bit
@@ -200,6 +201,11 @@ def test_the_fp8_cache_kernels_compile_for_hopper(tmp_path, monkeypatch):
           "K_NEW": "*bf16", "V_NEW": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
          {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "TILE_N": 64, "USE_PDL": False, "FUSED_ROPE": True,
           "HALF": 64, "SMALL_TILE": 32, "KV_PRELOAD": True}),
+        (kernels.split_kv_decode_attention,  # a verifying step's rows: up to 9 of one request attend each other's new keys
+         {"Q": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32",
+          "K_NEW": "*bf16", "V_NEW": "*bf16", "POS": "*i64", "COS_SIN": "*fp32", "SLOT": "*i64"},
+         {"GROUP": 4, "GROUP_PAD": 16, "D": 128, "D_PAD": 128, "PAGE": 16, "TILE_N": 64, "USE_PDL": False, "FUSED_ROPE": True,
+          "HALF": 64, "SMALL_TILE": 32, "KV_PRELOAD": True, "ROW_GROUP": 9}),
         (kernels.prefill_kernel,
          {"Q": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START": "*i32", "TILE_REQ": "*i32", "TILE_START": "*i32",
           "OUT": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32"},
