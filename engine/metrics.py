@@ -95,6 +95,11 @@ class EngineStats:
     step_host: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     step_device: dict[str, tuple[float, int]] = field(default_factory=dict)
     device_idle_s: float = 0.0
+    # steps launched after the step before them was read back at once (StepTimes.read_back_*): how
+    # many, the host seconds from each read back to the launch, the device's idle seconds (CUDA)
+    read_back_launches: int = 0
+    read_back_turnaround_s: float = 0.0
+    read_back_idle_s: float = 0.0
     # speculative decoding (engine/speculative.py SpecDecodeStats): verifying steps' drafts
     # proposed and accepted, and accepted drafts by position in their step
     spec_drafts: int = 0

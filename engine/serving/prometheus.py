@@ -13,7 +13,9 @@ Where the engine's time goes has no vLLM equivalent, so it has names of its own 
 labelled by ``mode``, the step's execution path: graph, mixed, piecewise, native, eager): steps,
 their host seconds (schedule to outputs; with async scheduling this includes waiting for the step
 before), their tokens, and on CUDA their device seconds (CUDA events) and the device's idle seconds
-between chained steps. Two scrapes give a phase's engine-busy and GPU-busy shares.
+between chained steps; apart, the steps launched after a step read back at once (a verifying
+step), the host's turnaround to them and (CUDA) the device's idle time before them. Two scrapes
+give a phase's engine-busy and GPU-busy shares.
 
 A server that warms its engine up with requests of its own calls :meth:`EngineMetrics.reset`
 afterwards, so a fresh server reports no request (the engine's own start-up warm-up is never seen).
@@ -195,4 +197,14 @@ class _EngineStatsCollector(Collector):
         idle = CounterMetricFamily(OWN_PREFIX + "device_idle_seconds", "Device idle seconds between chained engine steps: "
                                    "host time async scheduling failed to hide.", labels=LABELS)  # fmt: skip
         idle.add_metric([self.model_name], s.device_idle_s)
-        yield from (steps, host, tokens, device, idle)
+        read_backs = CounterMetricFamily(OWN_PREFIX + "read_back_launches", "Engine steps launched after the step before them "
+                                         "was read back at once (a verifying step; every step without async scheduling).",
+                                         labels=LABELS)  # fmt: skip
+        read_backs.add_metric([self.model_name], s.read_back_launches)
+        turnaround = CounterMetricFamily(OWN_PREFIX + "read_back_turnaround_seconds", "Host seconds from each of those read "
+                                         "backs to the next launch.", labels=LABELS)  # fmt: skip
+        turnaround.add_metric([self.model_name], s.read_back_turnaround_s)
+        idle_after = CounterMetricFamily(OWN_PREFIX + "device_idle_after_read_back_seconds", "Device idle seconds after those "
+                                         "read backs, until the next step ran (CUDA events).", labels=LABELS)  # fmt: skip
+        idle_after.add_metric([self.model_name], s.read_back_idle_s)
+        yield from (steps, host, tokens, device, idle, read_backs, turnaround, idle_after)

@@ -106,6 +106,10 @@ async def test_counters_and_histograms_move_by_the_known_traffic(server, engine,
     assert sum(steps.values()) >= max(u.completion_tokens for u in usages) and all(h > 0 for h in host.values())
     assert not any(k.startswith("engine_step_device_seconds") for k in after)  # CUDA events only
     assert after["engine_device_idle_seconds_total"] == 0
+    # a CPU engine reads every step back at once: each launch with requests still running follows one
+    read_backs = delta("engine_read_back_launches_total")
+    assert 0 < read_backs < sum(steps.values()) and delta("engine_read_back_turnaround_seconds_total") > 0
+    assert after["engine_device_idle_after_read_back_seconds_total"] == 0  # CUDA events only
 
 
 async def test_gauges_show_a_running_request_and_its_kv(server, engine, aclient):
