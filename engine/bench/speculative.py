@@ -179,6 +179,12 @@ def main(argv: list[str]) -> int:
             results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
         for kind, core in engines.items():
             lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")
+            t = core.step_times
+            if kind != "plain" and t.read_back_launches:  # what a step read back at once cost, per such launch
+                results[f"spec_{kind}_bs{batch}_read_back_launches"] = t.read_back_launches
+                results[f"spec_{kind}_bs{batch}_read_back_turnaround_ms"] = 1e3 * t.read_back_turnaround / t.read_back_launches
+                if t.device_span:
+                    results[f"spec_{kind}_bs{batch}_read_back_idle_ms"] = 1e3 * t.read_back_idle / t.read_back_launches
         if draft_times is not None and draft_times.steps > draft_before[0]:
             ms = 1e3 * (draft_times.seconds - draft_before[1]) / (draft_times.steps - draft_before[0])
             lines.append(f"  batch {batch}, draft model: {draft_times.steps - draft_before[0]} draft steps, {ms:.1f} ms each with the "

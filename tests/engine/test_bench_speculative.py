@@ -45,3 +45,8 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
         # native step of several rows against one of one)
         assert results[f"spec_draft_bs{batch}_acceptance"] > 0.8 and results[f"spec_draft_bs{batch}_draft_step_ms"] > 0
     assert results["decode_bs1_ceiling_tok_s"] > 0
+    # async scheduling: the step after a verifying one is launched onto an idle device (read back at once)
+    assert re.search(r"batch 1, n-gram speculation steps: .*; [1-9]\d* launches after a step read back at once: host [\d.]+ ms "
+                     r"from read back to launch;", r.stdout)
+    assert results["spec_ngram_bs1_read_back_launches"] > 0 and results["spec_ngram_bs1_read_back_turnaround_ms"] > 0
+    assert "spec_ngram_bs1_read_back_idle_ms" not in results  # CUDA events only
