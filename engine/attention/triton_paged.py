@@ -265,7 +265,7 @@ class TritonPagedAttention(AttentionBackend):
         out = torch.empty_like(q)  # decode rows: one kernel per layer does RoPE, the KV write and attention
         new = NewTokens(k, v, positions, cos_sin, meta.slot_mapping)
         return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, out, pdl=pdl, new=new,
-                                row_group=meta.row_group if meta.rows_are_tokens else 1)
+                                row_group=meta.row_group)
 
     def attend(self, q, kv_cache, meta, scale, pdl=False):  # type: ignore[override]
         out = torch.empty_like(q)

@@ -67,6 +67,20 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def projected_qkv(t, hq, hkv, dim):
+    """Random q [t, hq, dim], k and v [t, hkv, dim] as strided views of one projection output, as
+    in the model."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    return q.reshape(t, hq, dim), k.view(t, hkv, dim), v.view(t, hkv, dim)
+
+
+def rope_table(positions, dim):
+    """A random RoPE table [positions, dim]: cos | sin of random angles."""
+    angles = torch.rand(positions, dim // 2, device=DEVICE) * 6.28
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
 def build_batch(query_lens, ctx_lens, hkv, dim, page, seed):
     """A paged cache filled with random K/V for the contexts, shuffled block ids, and metadata."""
     rng = random.Random(seed)
@@ -135,12 +149,9 @@ def test_decode_attention_with_rope_and_kv_write_fused(hq, hkv, dim, page, unspl
     n = -(-TARGET_PROGRAMS // hkv) if unsplit else 5
     ctx = [(0, 5, 37, 130, 63)[i % 5] + i // 5 for i in range(n)]  # a fresh request, page borders, a split border
     cache, meta = build_batch([1] * n, ctx, hkv, dim, page, seed)
-    qkv = torch.randn(n, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)  # strided views, as in the model
-    q, k, v = q.reshape(n, hq, dim), k.view(n, hkv, dim), v.view(n, hkv, dim)
+    q, k, v = projected_qkv(n, hq, hkv, dim)
     positions = torch.tensor(ctx, device=DEVICE)
-    angles = torch.rand(256, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_table(256, dim)
     cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
     ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     q_ref = rotate(q, cos, sin)
@@ -166,12 +177,9 @@ def test_the_triton_backend_matches_the_torch_backend_for_decode_and_mixed_steps
     hq, hkv, dim, page = 4, 2, 16, 4
     cache, meta = build_batch(query_lens, ctx_lens, hkv, dim, page, seed)
     t = sum(query_lens)
-    qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    q, k, v = q.reshape(t, hq, dim), k.view(t, hkv, dim), v.view(t, hkv, dim)
+    q, k, v = projected_qkv(t, hq, hkv, dim)
     positions = torch.tensor([c + i for c, n in zip(ctx_lens, query_lens) for i in range(n)], device=DEVICE)
-    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_table(128, dim)
     ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
     out = TritonPagedAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, cache, meta, dim**-0.5)
@@ -209,11 +217,8 @@ def test_a_verifying_step_laid_out_a_row_per_token_attends_like_its_chunks(fused
                    seq_lens=(positions[order] + 1).to(torch.int32), block_tables=meta.block_tables[request[order]],
                    query_lens_host=[1] * 6, seq_lens_host=(positions[order] + 1).tolist(), num_decodes=6, rows_are_tokens=True,
                    row_group=5)
-    qkv = torch.randn(6, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    q, k, v = q.reshape(6, hq, dim), k.view(6, hkv, dim), v.view(6, hkv, dim)
-    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    q, k, v = projected_qkv(6, hq, hkv, dim)
+    cos_sin = rope_table(128, dim)
     ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
     out = torch.empty_like(ref)
@@ -238,11 +243,8 @@ def test_a_draft_row_attends_to_the_rows_before_it_from_registers_not_the_cache(
     hq, hkv, dim, page = 4, 2, 16, 4
     cache, meta = build_batch([5], [20], hkv, dim, page, seed)
     positions = torch.arange(20, 25, device=DEVICE)
-    qkv = torch.randn(5, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    q, k, v = q.reshape(5, hq, dim), k.view(5, hkv, dim), v.view(5, hkv, dim)
-    angles = torch.rand(128, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    q, k, v = projected_qkv(5, hq, hkv, dim)
+    cos_sin = rope_table(128, dim)
     ref_cache = LayerKV(cache.k.clone(), cache.v.clone())
     ref = TorchReferenceAttention().rope_store_attend(q.clone(), k, v, positions, cos_sin, ref_cache, meta, dim**-0.5)
     slots = meta.slot_mapping
@@ -311,12 +313,9 @@ def test_rope_and_store_match_reference(pdl):
     t, hq, hkv, dim, page = 13, 6, 2, 64, 4
     cache_a = LayerKV(torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE), torch.zeros(10, page, hkv, dim, device=DEVICE, dtype=DTYPE))
     cache_b = LayerKV(cache_a.k.clone(), cache_a.v.clone())
-    qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=DEVICE, dtype=DTYPE)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)  # strided views, as in the model
-    q, k, v = q.reshape(t, hq, dim), k.view(t, hkv, dim), v.view(t, hkv, dim)
+    q, k, v = projected_qkv(t, hq, hkv, dim)
     positions = torch.randint(0, 500, (t,), device=DEVICE)
-    angles = torch.rand(512, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_table(512, dim)
     slots = torch.randperm(10 * page, device=DEVICE)[:t]
     cos, sin = cos_sin[positions].to(DTYPE).unsqueeze(1).chunk(2, dim=-1)
     q_ref, k_ref = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -353,8 +352,7 @@ def test_rope_and_store_into_an_fp8_cache_matches_torchs_rounding(hq, hkv, dim, 
     k = torch.randn(t, hkv, dim, device=DEVICE, dtype=DTYPE) * torch.rand(t, hkv, 1, device=DEVICE, dtype=DTYPE) * 30
     v = torch.randn(t, hkv, dim, device=DEVICE, dtype=DTYPE)
     positions = torch.randint(0, 500, (t,), device=DEVICE)
-    angles = torch.rand(512, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_table(512, dim)
     slots = torch.randperm(10 * page, device=DEVICE)[:t]
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
     q_out = rope_and_store(q.clone(), k, v, positions, cos_sin, fp8, slots)
@@ -397,8 +395,7 @@ def test_fused_decode_writes_the_new_token_in_fp8_and_attends_to_it_as_stored(hq
     k = torch.randn(n, hkv, dim, device=DEVICE, dtype=DTYPE) * 5
     v = torch.randn(n, hkv, dim, device=DEVICE, dtype=DTYPE)
     positions = torch.tensor(ctx, device=DEVICE)
-    angles = torch.rand(256, dim // 2, device=DEVICE) * 6.28
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_table(256, dim)
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
     out = torch.full_like(q, float("nan"))
     decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5, out, pdl=pdl,
