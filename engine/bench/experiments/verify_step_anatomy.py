@@ -12,7 +12,7 @@ row adds against one row, the device's idle gap after a step read back at once a
 turnaround to the next launch, and decode tokens/s. Attention reads a request's context once per
 row in a row graph, so the cost a row adds grows with the context; the rest is the projections'.
 Each k runs twice: row graphs captured with RoPE and the KV write fused into the attention kernel
-(``FUSE_ROW_KV_WRITE``, the default since 2026-12-07) and as a kernel of their own before it.
+(``FUSE_ROW_KV_WRITE``) and as a kernel of their own before it (the default).
 Run from the repository root on a GPU: ``PYTHONPATH=$PWD python
 engine/bench/experiments/verify_step_anatomy.py [--model engine/configs/qwen2.5-coder-1.5b.json]
 [--contexts 64 2160] [--k 1 2 4 8] [--tokens 96]``.
@@ -77,11 +77,12 @@ def main() -> None:
     print(f"# verify_step_anatomy on {device_name(loaded.device)}; {args.model} (random weights), {args.tokens} tokens an answer")
     plain = build_engine(base, loaded)
     spec = {}
+    default = triton_paged.FUSE_ROW_KV_WRITE
     for fused in (True, False):  # captured with the switch as it is at capture
         triton_paged.FUSE_ROW_KV_WRITE = fused
         for k in args.k:
             spec[k, fused] = build_engine(replace(base, speculative="ngram", num_speculative_tokens=k, speculative_row_cost=0.0), loaded)
-    triton_paged.FUSE_ROW_KV_WRITE = True
+    triton_paged.FUSE_ROW_KV_WRITE = default
     rng = random.Random(0)
     vocab = loaded.model_config.vocab_size
     print(f"{'context':>7} {'k':>2} {'fused':>5} {'steps':>5} {'rows/step':>9} {'device ms/step':>14} {'+ms a row':>9} "
