@@ -1171,3 +1171,31 @@ def test_scatter_decode_inputs_matches_the_reference(n, rows, width):
     want_table = [tables[i * width : (i + 1) * width] + [99] * 5 for i in range(n)] + [[99] * max_blocks] * pad
     want = [want_ids, positions + [0] * pad, slots + [0] * pad, seq_lens + [0] * pad, want_table]
     assert outs["triton"] == want and outs["torch"] == want
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_verify_and_draft_kernel_matches_the_tensor_ops(verify):
+    """The one-kernel verifying step's end (acceptance, append, next drafts and next rows) leaves
+    every buffer as the tensor-op version does, on histories of a small vocabulary (many
+    n-gram matches), drafts some of which the samples confirm, and gapped block tables."""
+    from engine.device_ngram import verify_and_draft
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    b, k, width, page = 3, 4, 700, 16
+    history = torch.randint(0, 4, (b, width), generator=gen)
+    lengths = torch.tensor([650, 37, 600])
+    drafts = torch.randint(0, 4, (b, k), generator=gen)
+    num_drafts = torch.tensor([4, 2, 0])
+    samples = torch.cat([drafts[:, :2], torch.randint(0, 4, (b, k - 1), generator=gen)], dim=1) if verify else None
+    tables = torch.randperm(200, generator=gen)[: b * 48].view(b, 48).to(torch.int32)
+    states = []
+    for use in (True, False):
+        bufs = [t.clone().to(DEVICE) for t in (history, lengths, drafts, num_drafts)]
+        sam = samples.to(DEVICE) if samples is not None else None
+        out = torch.zeros(b, k + 2, dtype=torch.int64, device=DEVICE) if verify else None
+        rows = [torch.zeros(b * (k + 1), dtype=dt, device=DEVICE) for dt in (torch.int64, torch.int64, torch.int64, torch.int32)]
+        verify_and_draft(*bufs, sam, out, tables.to(DEVICE), *rows, min_n=1, max_n=5, page=page, triton=use)
+        states.append(bufs + rows + ([out] if verify else []))
+    assert states[1][3].sum() > 0  # some request found a match
+    for got, want in zip(*states):
+        assert torch.equal(got.cpu(), want.cpu())

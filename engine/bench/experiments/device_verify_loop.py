@@ -6,9 +6,9 @@ decides the next step's positions and input, and the host looks up the next draf
 with the 1.5B that idled the device 0.28 ms a verifying step, and the spec bench's k=8 ran 1.45x
 the plain engine where the issue asks 1.6x. Here a CUDA graph holds a whole verifying iteration:
 the row step of 1 + k tokens (the engine's row-graph forward), the argmax, the drafts accepted
-(engine/device_ngram.py ``accept_greedy``), the accepted tokens appended to a token history kept
-on the device, and the next drafts looked up there (``ngram_drafts``: the rule of the host's
-n-gram index, over the request's own tokens). Each iteration is launched before the host reads
+(engine/device_ngram.py ``verify_and_draft``, one Triton kernel: the drafts accepted, the
+accepted tokens appended to a token history kept on the device, the next drafts looked up there
+by the rule of the host's n-gram index over the request's own tokens, and the next step's rows). Each iteration is launched before the host reads
 the one before it, so the device never waits for the host.
 
 Not the engine: one request at a time, greedy only, every iteration k + 1 rows whatever the
@@ -37,7 +37,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.bench.report import device_name
 from engine.bench.speculative import run_group
 from engine.config import EngineConfig
-from engine.device_ngram import accept_greedy, append_accepted, ngram_drafts
+from engine.device_ngram import verify_and_draft
 from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore
 from engine.kernels.argmax import argmax_rows
@@ -62,7 +62,10 @@ class DeviceVerifyLoop:
         self.tables = torch.zeros(rows, -(-width // self.block_size), dtype=torch.int32, device=device)
         self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.out = torch.zeros(rows + 1, dtype=torch.int64, device=device)  # the samples, then how many stand
+        self.samples = torch.zeros(1, rows, dtype=torch.int64, device=device)
+        self.out = torch.zeros(1, rows + 1, dtype=torch.int64, device=device)  # the samples, then how many stand
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.meta = AttentionMetadata(
             slot_mapping=self.slots, query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device),
             seq_lens=self.seq_lens, block_tables=self.tables, query_lens_host=[1] * rows, seq_lens_host=[0] * rows,
@@ -74,26 +77,21 @@ class DeviceVerifyLoop:
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
 
     def _iteration(self) -> None:
-        """Verify the drafts, append what stands, look up the next drafts: all on the device."""
-        runner, bs = self.core.runner, self.block_size
-        last = self.lengths - 1
-        positions = (last[:, None] + torch.arange(self.k + 1, device=last.device)[None, :]).reshape(-1)
-        self.slots.copy_(self.tables[0][positions // bs].to(torch.int64) * bs + positions % bs)
-        self.seq_lens.copy_(positions + 1)
-        input_ids = torch.cat([self.history.gather(1, last[:, None]), self.drafts], dim=1).reshape(-1)
+        """Verify the drafts, append what stands, look up the next drafts and lay out the next
+        step's rows: all on the device (``verify_and_draft``: one Triton kernel on CUDA)."""
+        runner = self.core.runner
         meta = self.meta
         if not self.cuda:  # the CPU's attention reads the lengths on the host (CudaGraphRunner._step_eager too)
             lens = self.seq_lens.tolist()
             meta = replace(meta, seq_lens_host=lens, max_seq_len=max(lens), scratch={})
-        hidden = runner.model(input_ids, positions, runner.backend, meta, runner.kv_layers, self.gemv)
-        samples = argmax_rows(runner.model.compute_logits(hidden, self.gemv)).view(1, self.k + 1)
-        accepted = accept_greedy(self.drafts, self.num_drafts, samples)
-        self.out[: self.k + 1].copy_(samples[0])
-        self.out[self.k + 1 :].copy_(accepted + 1)
-        append_accepted(self.history, self.lengths, samples, accepted)
-        drafts, num = ngram_drafts(self.history, self.lengths, self.k, self.min_n, self.max_n)
-        self.drafts.copy_(drafts)
-        self.num_drafts.copy_(num)
+        hidden = runner.model(self.input_ids, self.positions, runner.backend, meta, runner.kv_layers, self.gemv)
+        argmax_rows(runner.model.compute_logits(hidden, self.gemv), out=self.samples.view(-1))
+        self._verify_and_draft(self.samples)
+
+    def _verify_and_draft(self, samples: torch.Tensor | None) -> None:
+        verify_and_draft(self.history, self.lengths, self.drafts, self.num_drafts, samples, self.out if samples is not None else None,
+                         self.tables[:: self.k + 1], self.input_ids, self.positions, self.slots, self.seq_lens,
+                         min_n=self.min_n, max_n=self.max_n, page=self.block_size)
 
     def start(self, tokens: list[int], block_ids: list[int]) -> None:
         """Take over a request whose last token is sampled but not yet computed."""
@@ -101,9 +99,7 @@ class DeviceVerifyLoop:
         self.lengths.fill_(len(tokens))
         self.tables.zero_()
         self.tables[:, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32, device=self.tables.device)
-        drafts, num = ngram_drafts(self.history, self.lengths, self.k, self.min_n, self.max_n)
-        self.drafts.copy_(drafts)
-        self.num_drafts.copy_(num)
+        self._verify_and_draft(None)
 
     def capture(self) -> None:
         """Compile and capture the iteration on the state :meth:`start` set (it advances it)."""
@@ -124,13 +120,14 @@ class DeviceVerifyLoop:
         else:
             with torch.inference_mode():
                 self._iteration()
-        self.pinned[parity].copy_(self.out, non_blocking=self.cuda)
+        self.pinned[parity].copy_(self.out[0], non_blocking=self.cuda)
         if self.cuda:
             self.events[parity].record()
 
-    def answer(self, max_new: int, eos: set[int]) -> tuple[list[int], int]:
+    def answer(self, max_new: int, eos: set[int]) -> tuple[list[int], int, float]:
         """Run iterations, each launched before the one before it is read, until ``max_new``
-        tokens or an end-of-sequence token: the tokens and the iterations read."""
+        tokens or an end-of-sequence token: the tokens, the iterations read and when the last
+        token was read (before waiting for the iteration launched after it)."""
         tokens: list[int] = []
         parity, iterations = 0, 0
         self._launch(parity)
@@ -143,9 +140,10 @@ class DeviceVerifyLoop:
             for token in values[: values[-1]]:
                 tokens.append(token)
                 if token in eos or len(tokens) >= max_new:
+                    last = time.perf_counter()
                     if self.cuda:
                         self.events[1 - parity].synchronize()
-                    return tokens, iterations
+                    return tokens, iterations, last
             parity = 1 - parity
 
 
@@ -185,16 +183,16 @@ def main() -> None:
 
     def loop_answer(prompt: list[int]) -> tuple[list[int], int, float, int]:
         req = prefill(prompt)
-        tokens, iterations = list(req.output_token_ids), 0
+        tokens, iterations, last = list(req.output_token_ids), 0, req.metrics.first_token_time
         if not req.status.finished:
             need = len(prompt) + args.max_tokens + 2 * (args.k + 1) - req.num_computed_tokens
             if not host.block_manager.allocate_slots(req, need):
                 raise RuntimeError("no KV blocks for the answer")
             loop.start(req.all_token_ids, req.block_ids)
-            more, iterations = loop.answer(args.max_tokens - 1, eos)
+            more, iterations, last = loop.answer(args.max_tokens - 1, eos)
             tokens += more
             host.abort_request(req.request_id)
-        return tokens, len(tokens) - 1, time.perf_counter() - req.metrics.first_token_time, iterations
+        return tokens, len(tokens) - 1, last - req.metrics.first_token_time, iterations
 
     for core in (plain, spec):  # the documents into each prefix cache, every path once
         run_group(core, prompts[:1], 8)
