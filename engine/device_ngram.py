@@ -84,7 +84,7 @@ def verify_and_draft(
 ) -> None:
     """A verifying step's end and the next step's start, in place: with ``samples`` ([B, k + 1],
     the step's argmax rows) the accepted count (:func:`accept_greedy`) and the samples to ``out``
-    ([B, k + 2]: the samples, then the count + 1) and the kept tokens appended
+    ([B, k + 3]: the samples, the count + 1, the drafts verified) and the kept tokens appended
     (:func:`append_accepted`); then the next drafts (:func:`ngram_drafts`) into ``drafts`` [B, k]
     and ``num_drafts``, and the next step's B * (k + 1) rows (request-major: its last token, then
     its k drafts, padded with its last token) into ``input_ids``, ``positions``, ``slots`` (through
@@ -108,6 +108,7 @@ def verify_and_draft(
         accepted = accept_greedy(drafts, num_drafts, samples)
         out[:, : k + 1] = samples
         out[:, k + 1] = accepted + 1
+        out[:, k + 2] = num_drafts
         append_accepted(history, lengths, samples, accepted)
     found, num = ngram_drafts(history, lengths, k, min_n, max_n)
     drafts.copy_(found)

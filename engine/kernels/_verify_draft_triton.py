@@ -12,8 +12,8 @@ def verify_draft_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
     PAGE: tl.constexpr, VERIFY: tl.constexpr,
 ):
-    """Program b (one request). With VERIFY: the drafts its samples confirm, the samples and
-    that count + 1 to OUT, the samples appended at its length (the length moves past the kept
+    """Program b (one request). With VERIFY: the drafts its samples confirm, the samples, that
+    count + 1 and the drafts verified to OUT, the samples appended at its length (the length moves past the kept
     ones). Then, always: the longest most recent n-gram match of its history's end (a scan of
     its history BLOCK positions at a time, MAX_N compares each), the next drafts, and the next
     step's K + 1 rows: input tokens (its last token, then the drafts), positions, cache slots
@@ -28,8 +28,9 @@ def verify_draft_kernel(
         samples = tl.load(SAMPLES + b * (K + 1) + j, mask=j <= K, other=-2)
         confirmed = (samples == drafts) & (j < num)
         accepted = tl.min(tl.where(confirmed, K, j), 0)  # the first draft not confirmed
-        tl.store(OUT + b * (K + 2) + j, samples, mask=j <= K)
-        tl.store(OUT + b * (K + 2) + K + 1, accepted + 1)
+        tl.store(OUT + b * (K + 3) + j, samples, mask=j <= K)
+        tl.store(OUT + b * (K + 3) + K + 1, accepted + 1)
+        tl.store(OUT + b * (K + 3) + K + 2, num)
         tl.store(hist + tl.minimum(length + j, width - 1), samples, mask=j <= K)
         length = length + accepted + 1
         tl.store(LENGTHS + b, length)

@@ -1192,7 +1192,7 @@ def test_verify_and_draft_kernel_matches_the_tensor_ops(verify):
     for use in (True, False):
         bufs = [t.clone().to(DEVICE) for t in (history, lengths, drafts, num_drafts)]
         sam = samples.to(DEVICE) if samples is not None else None
-        out = torch.zeros(b, k + 2, dtype=torch.int64, device=DEVICE) if verify else None
+        out = torch.zeros(b, k + 3, dtype=torch.int64, device=DEVICE) if verify else None
         rows = [torch.zeros(b * (k + 1), dtype=dt, device=DEVICE) for dt in (torch.int64, torch.int64, torch.int64, torch.int32)]
         verify_and_draft(*bufs, sam, out, tables.to(DEVICE), *rows, min_n=1, max_n=5, page=page, triton=use)
         states.append(bufs + rows + ([out] if verify else []))

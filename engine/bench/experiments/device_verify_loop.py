@@ -63,7 +63,7 @@ class DeviceVerifyLoop:
         self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.samples = torch.zeros(1, rows, dtype=torch.int64, device=device)
-        self.out = torch.zeros(1, rows + 1, dtype=torch.int64, device=device)  # the samples, then how many stand
+        self.out = torch.zeros(1, rows + 2, dtype=torch.int64, device=device)  # the samples, how many stand, the drafts
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.meta = AttentionMetadata(
@@ -73,7 +73,7 @@ class DeviceVerifyLoop:
         self.gemv = replace(runner.gemv, max_rows=TILE_ROWS) if runner.gemv.max_rows else runner.gemv
         self.graph: torch.cuda.CUDAGraph | None = None
         self.cuda = device.type == "cuda"
-        self.pinned = [torch.zeros(rows + 1, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.pinned = [torch.zeros(rows + 2, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
 
     def _iteration(self) -> None:
@@ -137,7 +137,7 @@ class DeviceVerifyLoop:
                 self.events[parity].synchronize()
             values = self.pinned[parity].tolist()
             iterations += 1
-            for token in values[: values[-1]]:
+            for token in values[: values[self.k + 1]]:
                 tokens.append(token)
                 if token in eos or len(tokens) >= max_new:
                     last = time.perf_counter()
