@@ -303,6 +303,16 @@ class EngineConfig:
     with 8, where more steps verify. On an H100 (2026-12-07, the 1.5B, bench row cost 0.05) (1, 8)
     with 8 drafts gave 1.48x at batch 1 against 1.41x at (2, 4) with 4, and on another machine
     that day 1.37x against 1.31x; the defaults stay the CPU's."""
+    speculative_device: bool = False
+    """With ``speculative="ngram"``: while every running request decodes greedily (temperature 0,
+    no penalties, no logprobs), up to ``speculative_max_batch`` of them, and none waits, decide
+    the drafts, their verification and the next step's inputs on the device, so that a verifying
+    step is launched before the one before it is read back (engine/device_speculation.py); each
+    such step verifies ``num_speculative_tokens`` rows a request. Off by default until it is
+    measured against the host's speculation in the spec bench: an experiment of the same steps on
+    an H100 (2026-12-07, the 1.5B, batch 1, docs/performance.md) ran 1.43x the plain engine at
+    k=4 where the host's ran 1.33x, and 1.38x at k=8 against 1.46x, with ~50 tensor operations
+    where ``verify_and_draft`` is now one kernel."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float | None = None
@@ -366,6 +376,9 @@ class EngineConfig:
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.speculative not in ("off", "ngram", "draft"):
             raise ConfigError(f"speculative must be 'off', 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative_device and self.speculative != "ngram":
+            raise ConfigError(f"speculative_device needs speculative='ngram' (its drafts are n-gram lookups on the device), "
+                              f"got speculative={self.speculative!r}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ConfigError("speculative='draft' and draft_model go together: name the draft model's path with "
                               f"speculative='draft' (got speculative={self.speculative!r}, draft_model={self.draft_model!r})")

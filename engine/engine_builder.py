@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.native_decode import NativeDecodeError, NativeDecodeStep, build_library
 from engine.profiling import KVBudget, kv_budget_after_profile
 from engine.scheduler import Scheduler, SchedulerConfig, StepBoundPolicy
+from engine.device_speculation import DeviceSpeculation
 from engine.speculative import AnswerCache, NgramProposer, Proposer
 from engine.tokenizer import Tokenizer
 from engine.w4a16 import other_layout_bytes
@@ -112,7 +113,12 @@ def build_engine(
     if graphs:
         with capture_lock or nullcontext():
             _capture_graphs(runner, config, max_model_len, piecewise, memory, capture_lock or nullcontext())
-    core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner, proposer)
+    device_speculation = None
+    if config.speculative_device:
+        with capture_lock or nullcontext():
+            device_speculation = _device_speculation(runner, config, max_model_len, memory, graphs)
+    core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner, proposer,
+                      device_speculation)
     if config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda"):
         core.warm_up()
     return core
@@ -270,6 +276,22 @@ def _native_decode_step(config: EngineConfig, loaded: LoadedModel, kv_cache: KVC
     memory.record("weights (native decode layout)", step.weight_bytes_per_step)
     log.info("native CPU decode step: %s, %d threads, every decode-only step", step.simd, step.thread_choice.max_threads)
     return step
+
+
+def _device_speculation(runner: ModelRunner, config: EngineConfig, max_model_len: int, memory: MemoryLedger,
+                        graphs: bool) -> DeviceSpeculation:
+    """Device speculation's state for up to ``speculative_max_batch`` requests and, with ``graphs``,
+    its step per bucket of them as a CUDA graph; their device memory goes into the ledger."""
+    low, high = config.speculative_ngram_sizes
+    cuda = runner.device.type == "cuda"
+    before = torch.cuda.memory_reserved(runner.device) if cuda else 0
+    spec = DeviceSpeculation(runner, config.num_speculative_tokens, low, high, min(config.speculative_max_batch, config.max_num_seqs),
+                             max_model_len, capture=graphs)
+    if cuda:
+        memory.record("device speculation (token history, graphs)", torch.cuda.memory_reserved(runner.device) - before)
+    log.info("device speculation: k=%d, n-grams %d..%d, up to %d requests, buckets %s", config.num_speculative_tokens, low, high,
+             spec.max_requests, spec.buckets)
+    return spec
 
 
 def row_graph_sizes(config: EngineConfig) -> list[int]:

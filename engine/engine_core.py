@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device_speculation import DeviceSpeculation, DeviceStep, takes_device_path
 from engine.execution_path import ExecutionPath
 from engine.kv_cache import KVCache
 from engine.loaded_model import LoadedModel
@@ -57,9 +58,12 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, memory: MemoryLedger, max_model_len: int, kv_cache: KVCache,
         block_manager: BlockManager, scheduler: Scheduler, runner: ModelRunner, proposer: Proposer | None = None,
+        device_speculation: DeviceSpeculation | None = None,
     ) -> None:
         """The step loop over parts already set up (:func:`engine.engine_builder.build_engine`);
-        ``proposer`` gives decoding requests their drafts before each step (speculative decoding)."""
+        ``proposer`` gives decoding requests their drafts before each step (speculative decoding);
+        ``device_speculation`` runs the steps while every running request decodes greedily, with
+        drafts and verification decided on the device (engine/device_speculation.py)."""
         self.config = config
         self.device, self.dtype = loaded.device, loaded.dtype
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
@@ -83,6 +87,8 @@ class EngineCore:
         self.draft_cost = config.speculative_draft_cost if config.speculative == "draft" else 0.0
         self.row_cost = config.row_cost(self.device.type)
         self._inflight: InflightStep | None = None
+        self.device_speculation = device_speculation
+        self._device_inflight: tuple[DeviceStep, InflightStep] | None = None  # a device speculation step launched, not read
         self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
 
@@ -189,7 +195,7 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or self._device_inflight is not None
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -202,6 +208,10 @@ class EngineCore:
         that stops on a token learned late has computed one token too many, which is dropped.
         Without it (and always on the CPU by default) the step is launched and read back at once.
         """
+        if self.device_speculation is not None:
+            device_outputs = self._device_step()
+            if device_outputs is not None:
+                return device_outputs
         t0 = time.perf_counter()
         outputs = self._propose_drafts() if self.proposer is not None else []
         sched = self.scheduler.schedule()
@@ -229,6 +239,114 @@ class EngineCore:
         self.step_times.record(
             t0, t1, t2, t3, time.perf_counter(), inputs.path, len(inputs.chunks), inputs.num_tokens
         )
+        return outputs
+
+    # ---- device speculation (engine/device_speculation.py) -----------------------------------------
+    def _device_step(self) -> list[RequestOutput] | None:
+        """A step of device speculation, or None when this step goes the host's way. Entering it
+        reads back a host step in flight first; while in it, each step launches the next device
+        step, then reads the one before (its tokens are learned a step late). It is left when a
+        request arrives, finishes or is aborted, or the next step's KV blocks or context are not
+        there: the step in flight is read back, and the requests go on as decoding requests of
+        the scheduler (their last token's KV not yet computed, as after any decode)."""
+        t0 = time.perf_counter()
+        if self._device_inflight is None:
+            if not self._device_can_run():
+                return None
+            outputs = self._read_back() if self._inflight is not None else []
+            if not self._device_can_run():  # the tokens just read finished a request
+                return outputs
+            requests = list(self.scheduler.running)
+            self._device_allocate(requests)
+            self.device_speculation.enter(requests)
+            self._device_inflight = self._device_launch(requests, t0)
+            return outputs
+        requests = self._device_inflight[0].requests
+        if not self._device_can_run(requests):
+            outputs = self._device_finalize(self._take_device())
+            self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
+            return outputs
+        self._device_allocate(requests)
+        previous, self._device_inflight = self._device_inflight, self._device_launch(requests, t0)
+        return self._device_finalize(previous)
+
+    def _device_can_run(self, current: list[Request] | None = None) -> bool:
+        """Whether the next step can be a device speculation step: ``current`` (the requests in
+        it, None when entering) are all the scheduler runs, none finished, none waits; each
+        decodes greedily (``takes_device_path``) with room for two more steps in its context,
+        and the KV blocks for those are free."""
+        spec = self.device_speculation
+        running = self.scheduler.running
+        if self.scheduler.waiting or not running or len(running) > spec.max_requests:
+            return False
+        if current is not None and (len(current) != len(running) or any(r.status.finished for r in current)):
+            return False
+        rows = spec.k + 1
+        need = 0
+        for req in running:
+            if (req.status.finished or req.is_prefilling or (current is None and not takes_device_path(req.sampling_params))
+                    or len(req.all_token_ids) + 3 * rows > self.max_model_len):
+                return False
+            need += max(0, self.block_manager.blocks_needed(len(req.all_token_ids) + 2 * rows) - len(req.block_ids))
+        return need <= self.block_manager.num_free_blocks
+
+    def _device_allocate(self, requests: list[Request]) -> None:
+        """KV blocks for each request's next two steps (the one launched now writes up to 2 * (k + 1)
+        positions past its known tokens: the step before it is not read yet), and their tables on
+        the device."""
+        rows = self.device_speculation.k + 1
+        for slot, req in enumerate(requests):
+            req.num_computed_tokens = len(req.all_token_ids) - 1
+            if not self.block_manager.allocate_slots(req, 1 + 2 * rows):
+                raise AssertionError("_device_can_run counted the free blocks")  # never: checked just before
+            self.device_speculation.update_table(slot, req.block_ids)
+
+    def _device_launch(self, requests: list[Request], t0: float) -> tuple[DeviceStep, InflightStep]:
+        """Queue a device speculation step (timed by CUDA events as a graph step)."""
+        after_read_back = self._device_inflight is None and self._read_back_at is not None
+        if after_read_back:
+            self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
+        self._read_back_at = None
+        t1 = time.perf_counter()
+        span = None
+        if self.device.type == "cuda":
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record()
+        step = self.device_speculation.launch(requests)
+        if span is not None:
+            span[1].record()
+        self.num_steps += 1
+        rows = self.device_speculation.rows(step.bucket)
+        t2 = time.perf_counter()
+        self.step_times.record(t0, t1, t1, t2, t2, ExecutionPath.GRAPH, len(requests), rows)
+        return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, self._device_inflight is not None,
+                                  after_read_back, rows)
+
+    def _take_device(self) -> tuple[DeviceStep, InflightStep]:
+        step, self._device_inflight = self._device_inflight, None
+        return step
+
+    def _device_finalize(self, launched: tuple[DeviceStep, InflightStep]) -> list[RequestOutput]:
+        """Read a device step back (waiting for it) and append each request's tokens; a request
+        finished meanwhile drops its own."""
+        step, timing = launched
+        results = self.device_speculation.read(step)
+        now = time.perf_counter()
+        if timing.span is not None:
+            self._account_device_span(timing)
+        outputs = []
+        for req, result in zip(step.requests, results):
+            if req.status.finished:
+                continue
+            if result.num_drafts:
+                self.spec_stats.record(result.num_drafts, result.num_accepted)
+            for token in result.tokens:
+                outputs.append(self._append_token(req, token, None, now))
+                if req.status.finished:
+                    break
+            if not req.status.finished:
+                req.num_computed_tokens = len(req.all_token_ids) - 1
+                self.block_manager.cache_full_blocks(req)
         return outputs
 
     def _propose_drafts(self) -> list[RequestOutput]:
