@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--answer-cache-tokens", type=int, default=EngineConfig.speculative_answer_cache_tokens,
                    help="n-gram drafts also from the last answers, this many tokens (0: prompt lookup only); "
                         "emptied before each batch size, so that no question meets its own earlier answer")
+    p.add_argument("--device-too", action="store_true",
+                   help="also an n-gram engine with speculative_device (drafts, verification and the next step's inputs "
+                        "decided on the device; greedy steps launched before the one before them is read back)")
     p.add_argument("--prompt-lookup-too", action="store_true",
                    help="also an n-gram engine without the answer cache (what the answers add, in the same run)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
@@ -116,6 +119,9 @@ def main(argv: list[str]) -> int:
     engines = {"plain": build_engine(base, loaded)}
     spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost, speculative_ngram_sizes=tuple(args.ngram_sizes))
     engines["ngram"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
+    if args.device_too:
+        engines["ngram_device"] = build_engine(replace(spec, speculative="ngram", speculative_device=True,
+                                                       speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
     if args.prompt_lookup_too:
         engines["ngram_prompt"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=0), loaded)
     if args.draft_model:
@@ -133,7 +139,7 @@ def main(argv: list[str]) -> int:
     for core in engines.values():  # the documents' KV into each engine's prefix cache, and every code path once
         run_group(core, prompts[:1], 8)
     kinds = [k for k in engines if k != "plain"]
-    names = {"ngram": "n-gram speculation",
+    names = {"ngram": "n-gram speculation", "ngram_device": "n-gram speculation on the device",
              "ngram_prompt": "n-gram speculation, prompt lookup only", "draft": f"draft model {Path(args.draft_model or '').name}"}
     rows, results, lines = [], {}, []
     all_identical = True

@@ -18,11 +18,12 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     r = subprocess.run([sys.executable, "-m", "engine.bench", "speculative", "--model", str(llm_gguf_path), "--quantization", "int4",
                         "--draft-model", str(llm_gguf_path), "--documents",
                         str(REPO / "assistant/handbook/en/01-annual-leave.md"), "--questions", str(questions), "--batch", "1", "2",
-                        "--max-tokens", "16", "--row-cost", "0.05", "--draft-cost", "0.05", "--prompt-lookup-too", "--async-scheduling", "on", "--ngram-sizes", "1", "6", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--max-tokens", "16", "--row-cost", "0.05", "--draft-cost", "0.05", "--prompt-lookup-too", "--device-too", "--async-scheduling", "on", "--ngram-sizes", "1", "6", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "decode, batch 1: n-gram speculation (k=4)" in r.stdout and "no speculation (baseline)" in r.stdout
     assert "k=4, n-grams 1..6, n-gram answer cache 32768 tokens" in r.stdout  # the cache: the engine's default, beside prompt lookup alone:
     assert "decode, batch 1: n-gram speculation, prompt lookup only (k=4)" in r.stdout
+    assert "decode, batch 1: n-gram speculation on the device (k=4)" in r.stdout
     assert "bandwidth ceiling of a 1-token step" in r.stdout and "identical outputs 2/2" in r.stdout
     # async scheduling: n-gram drafts go ahead of the step in flight (the draft model's step is read back first)
     assert re.search(r"batch 1, n-gram speculation: .* [1-9]\d* drafted ahead of the step in flight, their guess of its token right \d+;", r.stdout)
@@ -37,7 +38,7 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
         assert results[f"spec_{kind}_pays_at_batches"] == [b for b in (1, 2) if results[f"spec_{kind}_bs{b}_speedup"] > 1]
     assert "decode, batch 1: draft model" in r.stdout and "draft steps" in r.stdout
     for batch in (1, 2):
-        for kind in ("ngram", "ngram_prompt", "draft"):
+        for kind in ("ngram", "ngram_prompt", "ngram_device", "draft"):
             assert results[f"spec_{kind}_bs{batch}_speedup"] > 0 and results[f"spec_{kind}_bs{batch}_identical"] == "2/2"
             assert 0 <= results[f"spec_{kind}_bs{batch}_acceptance"] <= 1
         # the model as its own draft (drafts priced as on a launch-bound GPU, so that they are made):
