@@ -308,11 +308,12 @@ class EngineConfig:
     no penalties, no logprobs), up to ``speculative_max_batch`` of them, and none waits, decide
     the drafts, their verification and the next step's inputs on the device, so that a verifying
     step is launched before the one before it is read back (engine/device_speculation.py); each
-    such step verifies ``num_speculative_tokens`` rows a request. Off by default until it is
-    measured against the host's speculation in the spec bench: an experiment of the same steps on
+    such step verifies ``num_speculative_tokens`` rows a request. Off by default until the spec
+    bench (``--device-too``) has measured it with real weights: an experiment of the same steps on
     an H100 (2026-12-07, the 1.5B, batch 1, docs/performance.md) ran 1.43x the plain engine at
-    k=4 where the host's ran 1.33x, and 1.38x at k=8 against 1.46x, with ~50 tensor operations
-    where ``verify_and_draft`` is now one kernel."""
+    k=4 where the host's ran 1.33x, with ~50 tensor operations where ``verify_and_draft`` is now
+    one kernel; with it a 5-row step took 1.787 ms of device time against 1.630 for a one-token
+    step (random weights), and the device did not idle between steps."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float | None = None
