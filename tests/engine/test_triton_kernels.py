@@ -1199,3 +1199,37 @@ def test_verify_and_draft_kernel_matches_the_tensor_ops(verify):
     assert states[1][3].sum() > 0  # some request found a match
     for got, want in zip(*states):
         assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_verify_and_draft_kernel_over_many_steps_of_a_padded_bucket():
+    """Steps as a device speculation bucket runs them: two requests and two padding ones (one
+    token, an empty table), samples that confirm some drafts each step, the padding restarted
+    at one token before each step; the kernel's state stays the tensor ops' step after step."""
+    from engine.device_ngram import verify_and_draft
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    bucket, k, width, page = 4, 3, 300, 16
+    history = torch.zeros(bucket, width, dtype=torch.int64)
+    history[:2, :200] = torch.randint(0, 3, (2, 200), generator=gen)
+    lengths = torch.tensor([200, 120, 1, 1])
+    tables = torch.zeros(bucket, width // page + 1, dtype=torch.int32)
+    tables[:2, :16] = torch.randperm(64, generator=gen)[:32].view(2, 16).to(torch.int32) + 1
+    states = [[t.clone().to(DEVICE) for t in (history, lengths, torch.zeros(bucket, k, dtype=torch.int64),
+                                               torch.zeros(bucket, dtype=torch.int64))] for _ in range(2)]
+    rows = [[torch.zeros(bucket * (k + 1), dtype=dt, device=DEVICE) for dt in (torch.int64,) * 3 + (torch.int32,)] for _ in range(2)]
+    outs = [torch.zeros(bucket, k + 3, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    tab = tables.to(DEVICE)
+    for use, state, row in zip((True, False), states, rows):
+        verify_and_draft(*state, None, None, tab, *row, min_n=1, max_n=4, page=page, triton=use)
+    for step in range(6):
+        drafts = states[1][2].cpu()
+        keep = torch.randint(0, k + 1, (bucket,), generator=gen)
+        keep[0] = k  # the first request's drafts all stand
+        samples = torch.randint(0, 3, (bucket, k + 1), generator=gen)
+        samples[:, :k] = torch.where(torch.arange(k)[None, :] < keep[:, None], drafts, samples[:, :k])
+        for use, state, row, out in zip((True, False), states, rows, outs):
+            state[1][2:] = 1  # padding requests restart at one token
+            verify_and_draft(*state, samples.to(DEVICE), out, tab, *row, min_n=1, max_n=4, page=page, triton=use)
+        for got, want in zip(states[0] + rows[0] + [outs[0]], states[1] + rows[1] + [outs[1]]):
+            assert torch.equal(got.cpu(), want.cpu()), step
+    assert states[1][1][0] > 206  # the requests moved on by their kept tokens
