@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.block_manager import NULL_BLOCK
 from engine.device_ngram import verify_and_draft
 from engine.kernels.argmax import argmax_rows
 from engine.kernels.linear import TILE_ROWS
@@ -38,8 +39,6 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.transfer import to_device
-
-NULL_BLOCK = 0  # engine/block_manager.py: never allocated, pads tables
 
 
 @dataclass
