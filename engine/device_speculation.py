@@ -77,7 +77,6 @@ class DeviceSpeculation:
         """``capture``: a CUDA graph per bucket (else each step runs eagerly: the CPU, tests)."""
         device = runner.device
         self.runner, self.k, self.min_n, self.max_n = runner, k, min_n, max_n
-        self.max_model_len = max_model_len
         self.page = runner.block_size
         rows, blocks = max_requests * (k + 1), -(-max_model_len // self.page)
         self.history = torch.zeros(max_requests, max_model_len, dtype=torch.int64, device=device)
