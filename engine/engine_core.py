@@ -259,7 +259,10 @@ class EngineCore:
             requests = list(self.scheduler.running)
             self._device_allocate(requests)
             self.device_speculation.enter(requests)
-            self._device_inflight = self._device_launch(requests, t0)
+            t1 = time.perf_counter()
+            self._device_inflight = self._device_launch(requests)
+            t2 = time.perf_counter()
+            self._record_device_step(t0, t1, t2, t2)
             return outputs
         requests = self._device_inflight[0].requests
         if not self._device_can_run(requests):
@@ -267,8 +270,12 @@ class EngineCore:
             self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
             return outputs
         self._device_allocate(requests)
-        previous, self._device_inflight = self._device_inflight, self._device_launch(requests, t0)
-        return self._device_finalize(previous)
+        t1 = time.perf_counter()
+        previous, self._device_inflight = self._device_inflight, self._device_launch(requests)
+        t2 = time.perf_counter()
+        outputs = self._device_finalize(previous)
+        self._record_device_step(t0, t1, t2, time.perf_counter())
+        return outputs
 
     def _device_can_run(self, current: list[Request] | None = None) -> bool:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
@@ -301,13 +308,12 @@ class EngineCore:
                 raise AssertionError("_device_can_run counted the free blocks")  # never: checked just before
             self.device_speculation.update_table(slot, req.block_ids)
 
-    def _device_launch(self, requests: list[Request], t0: float) -> tuple[DeviceStep, InflightStep]:
+    def _device_launch(self, requests: list[Request]) -> tuple[DeviceStep, InflightStep]:
         """Queue a device speculation step (timed by CUDA events as a graph step)."""
         after_read_back = self._device_inflight is None and self._read_back_at is not None
         if after_read_back:
             self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
         self._read_back_at = None
-        t1 = time.perf_counter()
         span = None
         if self.device.type == "cuda":
             span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -316,11 +322,15 @@ class EngineCore:
         if span is not None:
             span[1].record()
         self.num_steps += 1
-        rows = self.device_speculation.rows(step.bucket)
-        t2 = time.perf_counter()
-        self.step_times.record(t0, t1, t1, t2, t2, ExecutionPath.GRAPH, len(requests), rows)
         return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, self._device_inflight is not None,
-                                  after_read_back, rows)
+                                  after_read_back, self.device_speculation.rows(step.bucket))
+
+    def _record_device_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """Host phases of the device step just launched: deciding and allocating (t0..t1; on entry
+        with the read back of a host step in flight), the launch (t1..t2), reading back the
+        device step before it (t2..t3)."""
+        step, timing = self._device_inflight
+        self.step_times.record(t0, t1, t1, t2, t3, ExecutionPath.GRAPH, len(step.requests), timing.num_tokens)
 
     def _take_device(self) -> tuple[DeviceStep, InflightStep]:
         step, self._device_inflight = self._device_inflight, None
