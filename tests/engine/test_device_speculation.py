@@ -6,6 +6,8 @@ a stop, sampling it cannot do) losing nothing and leaving no KV block behind."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -33,9 +35,9 @@ def plain(smollm, llm_gguf_path, prompts):
     return [llm.generate([p], params)[0] for p in prompts]
 
 
-def count_launches(llm: LLM) -> list[int]:
-    """Each device step's number of requests, as launched."""
-    spec = llm.core.device_speculation
+def count_launches(llm) -> list[int]:
+    """Each device step's number of requests, as launched (``llm``: an LLM or an EngineCore)."""
+    spec = getattr(llm, "core", llm).device_speculation
     launches: list[int] = []
     launch = spec.launch
 
@@ -136,3 +138,31 @@ def test_sampling_the_device_cannot_do_goes_the_hosts_way(smollm, llm_gguf_path,
 def test_device_speculation_needs_ngram_speculation(smollm, llm_gguf_path):
     with pytest.raises(ConfigError, match="speculative_device needs speculative='ngram'"):
         LLM(str(llm_gguf_path), loaded=smollm, speculative_device=True)
+
+
+async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smollm, llm_gguf_path, prompts, plain):
+    """Through the online engine: a greedy client stops reading while its request decodes on
+    the device (its abort ends device speculation); another client's answer is the plain
+    engine's; the pool is whole again."""
+    from engine import AsyncEngine, build_engine
+    from engine.llm import make_config
+    from tests.engine.helpers import wait_idle
+
+    engine = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=128, max_num_seqs=4, speculative="ngram",
+                                                       speculative_device=True), smollm))
+    launches = count_launches(engine.core)
+    try:
+        async def leave_early():
+            async for d in engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):
+                if d.num_generated_tokens >= 12:
+                    break  # the generator is closed: like a disconnected client
+
+        async def read_all():
+            return [t async for d in engine.generate(prompts[2], SamplingParams(temperature=0.0, max_tokens=40)) for t in d.token_ids]
+
+        _, tokens = await asyncio.gather(leave_early(), read_all())
+        assert tokens == plain[2].token_ids
+        assert launches  # the answers ran on the device
+        await wait_idle(engine)
+    finally:
+        engine.shutdown()
