@@ -1233,3 +1233,34 @@ def test_verify_and_draft_kernel_over_many_steps_of_a_padded_bucket():
         for got, want in zip(states[0] + rows[0] + [outs[0]], states[1] + rows[1] + [outs[1]]):
             assert torch.equal(got.cpu(), want.cpu()), step
     assert states[1][1][0] > 206  # the requests moved on by their kept tokens
+
+
+def test_device_speculation_with_the_kernel_answers_as_the_plain_engine(smollm, llm_gguf_path, monkeypatch):
+    """The engine's device speculation (engine/device_speculation.py) with ``verify_and_draft``
+    run as the Triton kernel, as on CUDA (here in the interpreter, the model on the CPU): three
+    real SmolLM2 answers arriving a few steps apart, so that buckets of 1, 2 and 4 requests (one
+    of them padding) run and the device is left and entered again around each arrival, are the
+    plain engine's token for token, and every KV block comes back."""
+    import functools
+
+    import engine.device_speculation as device_speculation
+    from engine import LLM, SamplingParams
+    from engine.device_ngram import verify_and_draft
+    from tests.engine.helpers import generate_staggered
+
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA the engine's own test file runs this path")  # the kernel is the default there
+    monkeypatch.setattr(device_speculation, "verify_and_draft", functools.partial(verify_and_draft, triton=True))
+    asks = ["Repeat word for word: annual leave is 20 days a year, requested in PeopleHub with form HR-01.",
+            "Count from one to twenty in words, separated by commas.", "Name three colours of the rainbow."]
+    prompts = [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in asks]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
+    want = generate_staggered(plain.core, prompts, params, steps_between=3)
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", speculative_device=True)
+    buckets = []
+    launch = llm.core.device_speculation.launch
+    monkeypatch.setattr(llm.core.device_speculation, "launch", lambda reqs: buckets.append(len(reqs)) or launch(reqs))
+    assert generate_staggered(llm.core, prompts, params, steps_between=3) == want
+    assert {1, 3} <= set(buckets) and llm.core.spec_stats.num_drafts > 0
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
