@@ -85,7 +85,6 @@ class DeviceSpeculation:
         self.num_drafts = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self.samples = torch.zeros(max_requests, k + 1, dtype=torch.int64, device=device)
         self.out = torch.zeros(max_requests, k + 3, dtype=torch.int64, device=device)  # samples, accepted + 1, drafts
-        self.tables = torch.zeros(max_requests, blocks, dtype=torch.int32, device=device)  # a request's
         self.row_tables = torch.zeros(rows, blocks, dtype=torch.int32, device=device)  # a row's: its request's
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -132,10 +131,14 @@ class DeviceSpeculation:
         argmax_rows(runner.model.compute_logits(hidden, self.gemv), out=self.samples[:bucket].view(-1))
         self._verify_and_draft(bucket, self.samples[:bucket])
 
+    def request_tables(self, bucket: int) -> torch.Tensor:
+        """Each request's block table [bucket, blocks]: its first row's (a strided view)."""
+        return self.row_tables[: self.rows(bucket) : self.k + 1]
+
     def _verify_and_draft(self, bucket: int, samples: torch.Tensor | None) -> None:
         rows = self.rows(bucket)
         verify_and_draft(self.history[:bucket], self.lengths[:bucket], self.drafts[:bucket], self.num_drafts[:bucket], samples,
-                         self.out[:bucket] if samples is not None else None, self.tables[:bucket], self.input_ids[:rows],
+                         self.out[:bucket] if samples is not None else None, self.request_tables(bucket), self.input_ids[:rows],
                          self.positions[:rows], self.slots[:rows], self.seq_lens[:rows], min_n=self.min_n, max_n=self.max_n,
                          page=self.page)
 
@@ -163,7 +166,6 @@ class DeviceSpeculation:
         """Slots ``first``.. as padding requests: one token, an empty table (the null block)."""
         self.history[first:, 0] = 0
         self.lengths[first:] = 1
-        self.tables[first:] = NULL_BLOCK
         self.row_tables[first * (self.k + 1) :] = NULL_BLOCK
         self._block_counts[first:] = [0] * (self.max_requests - first)
 
@@ -188,8 +190,7 @@ class DeviceSpeculation:
         have = self._block_counts[slot]
         if len(block_ids) == have:
             return
-        new = to_device(block_ids[have:], torch.int32, self.tables.device)
-        self.tables[slot, have : len(block_ids)] = new
+        new = to_device(block_ids[have:], torch.int32, self.row_tables.device)
         rows = slice(slot * (self.k + 1), (slot + 1) * (self.k + 1))
         self.row_tables[rows, have : len(block_ids)] = new[None, :]
         self._block_counts[slot] = len(block_ids)

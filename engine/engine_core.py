@@ -310,14 +310,7 @@ class EngineCore:
 
     def _device_launch(self, requests: list[Request]) -> tuple[DeviceStep, InflightStep]:
         """Queue a device speculation step (timed by CUDA events as a graph step)."""
-        after_read_back = self._device_inflight is None and self._read_back_at is not None
-        if after_read_back:
-            self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
-        self._read_back_at = None
-        span = None
-        if self.device.type == "cuda":
-            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            span[0].record()
+        after_read_back, span = self._begin_span(self._device_inflight is None)
         step = self.device_speculation.launch(requests)
         if span is not None:
             span[1].record()
@@ -417,14 +410,7 @@ class EngineCore:
     def _launch(self, inputs: StepInputs) -> InflightStep:
         """Queue the forward and the sampling of one step; account its tokens as computed and
         its samples as pending."""
-        after_read_back = self._inflight is None and self._read_back_at is not None
-        if after_read_back:
-            self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
-        self._read_back_at = None
-        span = None
-        if self.device.type == "cuda":  # timing events only: recording one never waits
-            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            span[0].record()
+        after_read_back, span = self._begin_span(self._inflight is None)
         out = self.runner.execute(inputs)
         rows = [
             SampleInput(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids, self._generators.get(c.request.request_id))
@@ -448,6 +434,20 @@ class EngineCore:
         device_tokens = DeviceTokens(sample.tokens, rows) if sample else None
         return InflightStep([c.request for c in inputs.chunks], sampled, sample, device_tokens, inputs.path, span,
                             self._inflight is not None, after_read_back, inputs.num_tokens)
+
+    def _begin_span(self, idle: bool) -> tuple[bool, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+        """Before a launch: whether it comes after a step read back at once (``idle``: nothing in
+        flight; then the host's turnaround since that read back is accounted), and on CUDA the
+        step's span events, the first recorded now (timing events only: recording never waits)."""
+        after_read_back = idle and self._read_back_at is not None
+        if after_read_back:
+            self.step_times.record_turnaround(time.perf_counter() - self._read_back_at)
+        self._read_back_at = None
+        span = None
+        if self.device.type == "cuda":
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record()
+        return after_read_back, span
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None

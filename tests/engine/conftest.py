@@ -72,6 +72,20 @@ def smollm(llm_gguf_path) -> LoadedModel:
     return LoadedModel.load(EngineConfig(model=str(llm_gguf_path)))
 
 
+# A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
+QUOTE = ("Annual leave: every employee gets 20 days of paid annual leave a year. Request it in PeopleHub with form "
+         "HR-01 at least 10 working days before the first day, and your manager approves it.")
+
+
+@pytest.fixture(scope="session")
+def quoting_prompts(smollm) -> list[list[int]]:
+    """Two questions after a quoted text (answers that repeat it) and one that quotes nothing, as
+    SmolLM2 chat prompts: the speculative decoding tests' inputs."""
+    ask = [f"{QUOTE}\n\nRepeat the text above word for word.", f"{QUOTE}\n\nHow many days of annual leave do I get?",
+           "Count from one to twenty in words, separated by commas."]
+    return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
+
+
 @pytest.fixture(scope="package")
 def smollm_hf(smollm):
     """HF transformers' model holding SmolLM2's float32 weights (engine.bench.hf_reference), the

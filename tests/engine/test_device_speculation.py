@@ -2,7 +2,8 @@
 step's inputs decided on the device, each step launched before the one before it is read. The
 real SmolLM2 on the CPU, where each step runs eagerly (on CUDA the same step is a graph): the
 plain engine's greedy tokens, fewer steps, and the ways out of it (a request arriving, an abort,
-a stop, sampling it cannot do) losing nothing and leaving no KV block behind."""
+sampling it cannot do) losing nothing and leaving no KV block behind. Stops: test_speculative.py's
+stop test runs with it too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from tests.engine.helpers import generate_staggered
-from tests.engine.test_speculative import QUOTE
 
 
 def device_llm(smollm, llm_gguf_path, **kw) -> LLM:
@@ -21,18 +21,11 @@ def device_llm(smollm, llm_gguf_path, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm):
-    ask = [f"{QUOTE}\n\nRepeat the text above word for word.", f"{QUOTE}\n\nHow many days of annual leave do I get?",
-           "Count from one to twenty in words, separated by commas."]
-    return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
-
-
-@pytest.fixture(scope="module")
-def plain(smollm, llm_gguf_path, prompts):
+def plain(smollm, llm_gguf_path, quoting_prompts):
     """The plain engine's greedy answers (40 tokens at most), each prompt alone."""
     llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    return [llm.generate([p], params)[0] for p in prompts]
+    return [llm.generate([p], params)[0] for p in quoting_prompts]
 
 
 def count_launches(llm) -> list[int]:
@@ -49,44 +42,44 @@ def count_launches(llm) -> list[int]:
     return launches
 
 
-def test_greedy_answers_are_the_plain_engines_in_fewer_steps(smollm, llm_gguf_path, prompts, plain):
+def test_greedy_answers_are_the_plain_engines_in_fewer_steps(smollm, llm_gguf_path, quoting_prompts, plain):
     """Each prompt alone (bucket 1) and the three together (bucket 4, one padding request): the
     plain engine's tokens and text, drafts accepted, fewer device steps than tokens, and every
     KV block back in the pool."""
     llm = device_llm(smollm, llm_gguf_path)
     launches = count_launches(llm)
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    for p, want in zip(prompts, plain):
+    for p, want in zip(quoting_prompts, plain):
         got = llm.generate([p], params)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert llm.core.spec_stats.num_accepted_tokens > 10
     assert 0 < len(launches) < sum(len(w.token_ids) for w in plain) - len(plain)
     launches.clear()
-    together = llm.generate(prompts, params)
+    together = llm.generate(quoting_prompts, params)
     assert [o.token_ids for o in together] == [w.token_ids for w in plain]
     assert 3 in launches
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
-def test_a_request_arriving_mid_answer_is_served_and_changes_nothing(smollm, llm_gguf_path, prompts, plain):
+def test_a_request_arriving_mid_answer_is_served_and_changes_nothing(smollm, llm_gguf_path, quoting_prompts, plain):
     """A prompt arriving while another decodes on the device: the device step in flight is read
     back, the newcomer prefills the host's way, then both go on on the device; each answer is
     the one it gets alone."""
     llm = device_llm(smollm, llm_gguf_path)
     launches = count_launches(llm)
-    got = generate_staggered(llm.core, prompts[:2], SamplingParams(temperature=0.0, max_tokens=40), steps_between=6)
+    got = generate_staggered(llm.core, quoting_prompts[:2], SamplingParams(temperature=0.0, max_tokens=40), steps_between=6)
     assert got == [plain[0].token_ids, plain[1].token_ids]
     assert 1 in launches and 2 in launches
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
-def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf_path, prompts):
+def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf_path, quoting_prompts):
     """Two requests decoding on the device, their tables grown since they entered; one is aborted
     mid-answer: the other goes on to the plain engine's answer, and every block comes back."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = [LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids for p in prompts[::2]]
+    want = [LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids for p in quoting_prompts[::2]]
     core = device_llm(smollm, llm_gguf_path).core
-    a, b = core.add_request(prompts[0], params), core.add_request(prompts[2], params)
+    a, b = core.add_request(quoting_prompts[0], params), core.add_request(quoting_prompts[2], params)
     tokens: dict[str, list[int]] = {a.request_id: [], b.request_id: []}
     while len(tokens[a.request_id]) < 24:
         for out in core.step():
@@ -96,7 +89,6 @@ def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf
     for slot, req in enumerate(core._device_inflight[0].requests):  # the device's tables are the requests' blocks
         entered_with = core.block_manager.blocks_needed(len(req.prompt_token_ids) + 1 + 1 + 2 * (spec.k + 1))
         assert len(req.block_ids) > entered_with  # grown since it entered
-        assert spec.tables[slot, : len(req.block_ids)].tolist() == req.block_ids
         for row in range(slot * (spec.k + 1), (slot + 1) * (spec.k + 1)):
             assert spec.row_tables[row, : len(req.block_ids)].tolist() == req.block_ids
     assert core.abort_request(a.request_id)
@@ -108,28 +100,14 @@ def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
 
 
-def test_stops_end_the_answer_where_the_plain_engine_does(smollm, llm_gguf_path, prompts):
-    """max_tokens, a stop string and the context's end, learned a step late on the host, cut the
-    answer exactly where a plain engine stops."""
-    limit = len(prompts[0]) + 30
-    plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_model_len=limit)
-    llm = device_llm(smollm, llm_gguf_path, max_model_len=limit)
-    for params in (SamplingParams(temperature=0.0, max_tokens=7), SamplingParams(temperature=0.0, max_tokens=200, stop=["HR-01"]),
-                   SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):  # fmt: skip
-        want = plain.generate(prompts[:1], params)[0]
-        got = llm.generate(prompts[:1], params)[0]
-        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
-    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
-
-
-def test_sampling_the_device_cannot_do_goes_the_hosts_way(smollm, llm_gguf_path, prompts):
+def test_sampling_the_device_cannot_do_goes_the_hosts_way(smollm, llm_gguf_path, quoting_prompts):
     """Temperature 1, penalties and logprobs never take a device step, and still finish."""
     llm = device_llm(smollm, llm_gguf_path)
     launches = count_launches(llm)
     for params in (SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=3),
                    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.2),
                    SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)):  # fmt: skip
-        out = llm.generate(prompts[:1], params)[0]
+        out = llm.generate(quoting_prompts[:1], params)[0]
         assert out.token_ids and out.finish_reason in ("stop", "length")
     assert launches == []
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
@@ -140,7 +118,7 @@ def test_device_speculation_needs_ngram_speculation(smollm, llm_gguf_path):
         LLM(str(llm_gguf_path), loaded=smollm, speculative_device=True)
 
 
-async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smollm, llm_gguf_path, prompts, plain):
+async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smollm, llm_gguf_path, quoting_prompts, plain):
     """Through the online engine: a greedy client stops reading while its request decodes on
     the device (its abort ends device speculation); another client's answer is the plain
     engine's; the pool is whole again."""
@@ -153,12 +131,12 @@ async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smo
     launches = count_launches(engine.core)
     try:
         async def leave_early():
-            async for d in engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):
+            async for d in engine.generate(quoting_prompts[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):
                 if d.num_generated_tokens >= 12:
                     break  # the generator is closed: like a disconnected client
 
         async def read_all():
-            return [t async for d in engine.generate(prompts[2], SamplingParams(temperature=0.0, max_tokens=40)) for t in d.token_ids]
+            return [t async for d in engine.generate(quoting_prompts[2], SamplingParams(temperature=0.0, max_tokens=40)) for t in d.token_ids]
 
         _, tokens = await asyncio.gather(leave_early(), read_all())
         assert tokens == plain[2].token_ids

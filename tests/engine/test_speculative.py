@@ -17,9 +17,6 @@ from engine.sampling import SampleInput, Sampler
 from engine.speculative import Acceptance, AnswerCache, DraftWant, NgramProposer, SpecDecodeStats, accepted_tokens, best_k
 from tests.engine.helpers import SimulatedEngine, generate_staggered, make_request
 
-# A prompt that a quoting answer repeats: the n-gram proposer finds the answer's words in it.
-QUOTE = ("Annual leave: every employee gets 20 days of paid annual leave a year. Request it in PeopleHub with form "
-         "HR-01 at least 10 working days before the first day, and your manager approves it.")
 
 
 def test_the_longest_recent_match_proposes_what_followed_it():
@@ -259,13 +256,6 @@ def spec_llm(smollm, llm_gguf_path, **kw) -> LLM:
     return LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", **kw)
 
 
-@pytest.fixture(scope="module")
-def quoting_prompts(smollm):
-    ask = [f"{QUOTE}\n\nRepeat the text above word for word.", f"{QUOTE}\n\nHow many days of annual leave do I get?",
-           "Count from one to twenty in words, separated by commas."]
-    return [smollm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ask]
-
-
 class Answer(NamedTuple):
     """A finished greedy answer, frozen: its tokens, text and each token's log-prob."""
 
@@ -489,11 +479,13 @@ def test_row_graph_buckets_cover_the_largest_verifying_step():
     assert row_graph_sizes(EngineConfig(model="m", speculative="ngram", row_cuda_graphs="off")) == []
 
 
-def test_a_stop_among_accepted_drafts_ends_the_answer_there(smollm, llm_gguf_path, quoting_prompts):
+@pytest.mark.parametrize("device", [False, True])
+def test_a_stop_among_accepted_drafts_ends_the_answer_there(device, smollm, llm_gguf_path, quoting_prompts):
     """max_tokens, a stop string and the context's end cut a verified run of tokens exactly where
-    a plain engine stops."""
+    a plain engine stops; with device speculation (engine/device_speculation.py) too, where the
+    host learns each step's tokens a step late."""
     plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, max_model_len=len(quoting_prompts[0]) + 30)
-    spec = spec_llm(smollm, llm_gguf_path, max_model_len=len(quoting_prompts[0]) + 30)
+    spec = spec_llm(smollm, llm_gguf_path, max_model_len=len(quoting_prompts[0]) + 30, speculative_device=device)
     for params in (SamplingParams(temperature=0.0, max_tokens=7), SamplingParams(temperature=0.0, max_tokens=200, stop=["HR-01"]),
                    SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):  # fmt: skip
         want = plain.generate(quoting_prompts[:1], params)[0]
