@@ -20,7 +20,10 @@ write only the null block). Only greedy requests without penalties or logprobs t
 and only while nothing else is scheduled: :class:`engine.engine_core.EngineCore` enters it when
 every running request decodes and none waits, and leaves it (the step in flight read back, the
 requests handed back to the scheduler) when a request arrives, finishes or is aborted, or its next
-KV blocks are not free.
+KV blocks are not free. It also leaves when its steps stop paying (:class:`StepYield`): an answer
+that quotes nothing verifies padding rows for one token a step, where a plain step costs less; the
+host's way then drafts only where its lookups find matches, and a draft it verifies that stands
+brings the requests back.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine.kernels.linear import TILE_ROWS
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.speculative import PRIOR
 from engine.transfer import to_device
 
 
@@ -60,6 +64,29 @@ class DeviceResult:
     tokens: list[int]
     num_drafts: int
     num_accepted: int
+
+
+@dataclass
+class StepYield:
+    """The tokens a request gains per device step, a running mean with older steps weighted down
+    by ``decay``. It starts where drafts accepted at :data:`engine.speculative.PRIOR` would put it
+    (answers that quote their prompt are the common case). A step of ``k + 1`` rows a request costs
+    about ``1 + row_cost * k`` one-token steps (the host's model, ``best_k``): below that the drafts
+    do not pay for their rows."""
+
+    mean: float
+    decay: float = 0.7
+
+    @classmethod
+    def prior(cls, k: int) -> StepYield:
+        return cls(sum(PRIOR**i for i in range(k + 1)))
+
+    def record(self, tokens: float) -> None:
+        """One step's tokens per request."""
+        self.mean = self.mean * self.decay + tokens * (1 - self.decay)
+
+    def pays(self, k: int, row_cost: float) -> bool:
+        return self.mean >= 1 + row_cost * k
 
 
 def takes_device_path(params: SamplingParams) -> bool:

@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device_speculation import DeviceSpeculation, DeviceStep, takes_device_path
+from engine.device_speculation import DeviceSpeculation, DeviceStep, StepYield, takes_device_path
 from engine.execution_path import ExecutionPath
 from engine.kv_cache import KVCache
 from engine.loaded_model import LoadedModel
@@ -89,6 +89,8 @@ class EngineCore:
         self._inflight: InflightStep | None = None
         self.device_speculation = device_speculation
         self._device_inflight: tuple[DeviceStep, InflightStep] | None = None  # a device speculation step launched, not read
+        self._device_yield = StepYield.prior(config.num_speculative_tokens)  # tokens per request and device step
+        self._device_resting = False  # left because its steps did not pay: back once a host-verified draft stands
         self.reset_counters()
         self.warm_up_steps = 0  # steps the start-up warm-up ran (EngineConfig.warm_up)
 
@@ -184,6 +186,7 @@ class EngineCore:
             self._generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[rid] = req
         self.scheduler.add_request(req)
+        self._device_resting = False  # another batch: device speculation gets a fresh chance
         return req
 
     def abort_request(self, request_id: str) -> bool:
@@ -247,8 +250,9 @@ class EngineCore:
         reads back a host step in flight first; while in it, each step launches the next device
         step, then reads the one before (its tokens are learned a step late). It is left when a
         request arrives, finishes or is aborted, or the next step's KV blocks or context are not
-        there: the step in flight is read back, and the requests go on as decoding requests of
-        the scheduler (their last token's KV not yet computed, as after any decode)."""
+        there, or its steps stop paying (``StepYield``; then it rests until a draft verified the
+        host's way stands): the step in flight is read back, and the requests go on as decoding
+        requests of the scheduler (their last token's KV not yet computed, as after any decode)."""
         t0 = time.perf_counter()
         if self._device_inflight is None:
             if not self._device_can_run():
@@ -259,13 +263,16 @@ class EngineCore:
             requests = list(self.scheduler.running)
             self._device_allocate(requests)
             self.device_speculation.enter(requests)
+            self._device_yield = StepYield.prior(self.device_speculation.k)
             t1 = time.perf_counter()
             self._device_inflight = self._device_launch(requests)
             t2 = time.perf_counter()
             self._record_device_step(t0, t1, t2, t2)
             return outputs
         requests = self._device_inflight[0].requests
-        if not self._device_can_run(requests):
+        pays = self._device_yield.pays(self.device_speculation.k, self.row_cost)
+        if not pays or not self._device_can_run(requests):
+            self._device_resting = not pays
             outputs = self._device_finalize(self._take_device())
             self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
             return outputs
@@ -281,10 +288,10 @@ class EngineCore:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
         it, None when entering) are all the scheduler runs, none finished, none waits; each
         decodes greedily (``takes_device_path``) with room for two more steps in its context,
-        and the KV blocks for those are free."""
+        and the KV blocks for those are free. Not entered while it rests (``_device_step``)."""
         spec = self.device_speculation
         running = self.scheduler.running
-        if self.scheduler.waiting or not running or len(running) > spec.max_requests:
+        if (current is None and self._device_resting) or self.scheduler.waiting or not running or len(running) > spec.max_requests:
             return False
         if current is not None and (len(current) != len(running) or any(r.status.finished for r in current)):
             return False
@@ -338,6 +345,9 @@ class EngineCore:
         if timing.span is not None:
             self._account_device_span(timing)
         outputs = []
+        gained = [len(result.tokens) for req, result in zip(step.requests, results) if not req.status.finished]
+        if gained:
+            self._device_yield.record(sum(gained) / len(gained))
         for req, result in zip(step.requests, results):
             if req.status.finished:
                 continue
@@ -482,6 +492,7 @@ class EngineCore:
                 c.request.num_computed_tokens -= len(c.drafts) - (len(tokens) - 1)
                 self.spec_stats.record(len(c.drafts), len(tokens) - 1)
                 c.request.acceptance.update(len(c.drafts), len(tokens) - 1)
+                self._device_resting = self._device_resting and len(tokens) == 1  # a draft stood: quoting again
             learned.append((c.request, tokens, result.logprobs[row : row + len(tokens)]))
             row += rows
         for req in step.requests:  # before any finishes: its full blocks stay findable after it

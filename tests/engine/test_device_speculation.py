@@ -100,6 +100,50 @@ def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
 
 
+def test_steps_that_do_not_pay_send_the_requests_the_hosts_way(smollm, llm_gguf_path, quoting_prompts, plain):
+    """Rows priced so high that no drafts can pay for them (a row costs 5 one-token steps): the
+    first device step's yield is below its cost, so the request leaves after it and rests (the
+    host drafts nothing at that price); the answer is still the plain engine's. A new request
+    gives device speculation a fresh chance."""
+    llm = device_llm(smollm, llm_gguf_path, speculative_row_cost=5.0)
+    launches = count_launches(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    for p, want in zip(quoting_prompts[:2], plain):
+        assert llm.generate([p], params)[0].token_ids == want.token_ids
+    assert launches == [1, 1]
+    assert llm.core._device_resting
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_a_draft_standing_the_hosts_way_brings_the_requests_back(smollm, llm_gguf_path, quoting_prompts, plain):
+    """Device speculation left for a poor yield (forced after its first step) rests while the
+    host verifies; the host's first draft that stands ends the rest and the request goes back to
+    the device; the answer is the plain engine's throughout."""
+    core = device_llm(smollm, llm_gguf_path).core
+    spec = core.device_speculation
+    entries: list[int] = []
+    enter = spec.enter
+
+    def spy(requests):
+        entries.append(core.spec_stats.num_accepted_tokens)
+        return enter(requests)
+
+    spec.enter = spy
+    req = core.add_request(quoting_prompts[0], SamplingParams(temperature=0.0, max_tokens=40))
+    tokens: list[int] = []
+    rested: list[bool] = []  # right after the leave
+    while core.has_unfinished_requests():
+        if len(entries) == 1 and core._device_inflight is not None:
+            core._device_yield.mean = 0.0  # as after steps that gained nothing
+        for out in core.step():
+            tokens += out.token_ids
+        if len(entries) == 1 and core._device_inflight is None and not rested:
+            rested.append(core._device_resting)
+    assert tokens == plain[0].token_ids
+    assert rested == [True] and len(entries) >= 2 and req.status.finished
+    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+
+
 def test_sampling_the_device_cannot_do_goes_the_hosts_way(smollm, llm_gguf_path, quoting_prompts):
     """Temperature 1, penalties and logprobs never take a device step, and still finish."""
     llm = device_llm(smollm, llm_gguf_path)
