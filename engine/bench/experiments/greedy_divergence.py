@@ -7,7 +7,9 @@ their sums differ in the last bits, and where the top two logits are that close 
 flip (after which the answers go apart). A flip at a near-tie is numerics; a parting where the
 plain engine's choice led by a clear margin is a bug. For each question: plain's tokens with its
 top-2 log-probs, each other engine's tokens, and at the first difference the position, plain's
-two candidates and their log-prob gap, and the engine's token.
+two candidates and their log-prob gap, and the engine's token. Device speculation runs three
+ways: as configured, never leaving mid-answer for its yield (row cost 0), and on CUDA with the
+tensor-op ``verify_and_draft`` in its graphs instead of the Triton kernel.
 
     python engine/bench/experiments/greedy_divergence.py --model Q.gguf --documents D... --questions Q.txt
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+from engine import device_speculation
 from engine.config import EngineConfig
 from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore
@@ -53,8 +57,16 @@ def main() -> None:
         base = replace(base, kv_cache_memory_bytes=4 << 30)
     spec = replace(base, speculative="ngram", num_speculative_tokens=args.k, speculative_ngram_sizes=tuple(args.ngram_sizes),
                    speculative_row_cost=0.05)
+    device = replace(spec, speculative_device=True)
     engines = {"plain": build_engine(base, loaded), "ngram": build_engine(spec, loaded),
-               "ngram_device": build_engine(replace(spec, speculative_device=True), loaded)}
+               "ngram_device": build_engine(device, loaded),
+               # row cost 0: every step pays, so device speculation never leaves mid-answer for its yield
+               "ngram_device_no_rest": build_engine(replace(device, speculative_row_cost=0.0), loaded)}
+    if loaded.device.type == "cuda":  # the step graphs captured with the tensor-op verify_and_draft, not the kernel
+        original = device_speculation.verify_and_draft
+        device_speculation.verify_and_draft = partial(original, triton=False)
+        engines["ngram_device_tensor_ops"] = build_engine(device, loaded)
+        device_speculation.verify_and_draft = original
     documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
     questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
