@@ -287,8 +287,9 @@ class EngineCore:
     def _device_can_run(self, current: list[Request] | None = None) -> bool:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
         it, None when entering) are all the scheduler runs, none finished, none waits; each
-        decodes greedily (``takes_device_path``) with room for two more steps in its context,
-        and the KV blocks for those are free. Not entered while it rests (``_device_step``)."""
+        decodes greedily (``takes_device_path``) with room for three more steps in its context,
+        and the KV blocks for those are free (``_device_allocate``). Not entered while it rests
+        (``_device_step``)."""
         spec = self.device_speculation
         running = self.scheduler.running
         if (current is None and self._device_resting) or self.scheduler.waiting or not running or len(running) > spec.max_requests:
@@ -301,17 +302,18 @@ class EngineCore:
             if (req.status.finished or req.is_prefilling or (current is None and not takes_device_path(req.sampling_params))
                     or len(req.all_token_ids) + 3 * rows > self.max_model_len):
                 return False
-            need += max(0, self.block_manager.blocks_needed(len(req.all_token_ids) + 2 * rows) - len(req.block_ids))
+            need += max(0, self.block_manager.blocks_needed(len(req.all_token_ids) - 1 + 3 * rows) - len(req.block_ids))
         return need <= self.block_manager.num_free_blocks
 
     def _device_allocate(self, requests: list[Request]) -> None:
-        """KV blocks for each request's next two steps (the one launched now writes up to 2 * (k + 1)
-        positions past its known tokens: the step before it is not read yet), and their tables on
-        the device."""
+        """KV blocks for each request's next three steps, and their tables on the device. The step
+        launched now also computes the next step's slots from these tables, and the host learns
+        the tokens one step late: the step before this one (in flight) and this one may each add
+        k + 1 tokens to those known here, and the next step's rows reach k positions past them."""
         rows = self.device_speculation.k + 1
         for slot, req in enumerate(requests):
             req.num_computed_tokens = len(req.all_token_ids) - 1
-            if not self.block_manager.allocate_slots(req, 1 + 2 * rows):
+            if not self.block_manager.allocate_slots(req, 3 * rows):
                 raise AssertionError("_device_can_run counted the free blocks")  # never: checked just before
             self.device_speculation.update_table(slot, req.block_ids)
 

@@ -61,6 +61,35 @@ def test_greedy_answers_are_the_plain_engines_in_fewer_steps(smollm, llm_gguf_pa
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
+def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, quoting_prompts):
+    """Each step's rows are laid out by the step before it (its slots come from the device's block
+    tables then), while the host learns tokens a step late: the blocks of the step after next must
+    be in the tables already. At every launch of long answers that repeat their prompt (drafts
+    stand, so the device runs far ahead of the host), each real row's slot is its position's slot
+    in its request's blocks, and the answers are the plain engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    want = [LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
+    llm = device_llm(smollm, llm_gguf_path)
+    spec = llm.core.device_speculation
+    launch, checked = spec.launch, []
+
+    def check(requests):
+        page, rows = spec.page, spec.k + 1
+        for slot, req in enumerate(requests):
+            for row in range(slot * rows, (slot + 1) * rows):
+                pos = int(spec.positions[row])
+                assert pos // page < len(req.block_ids), f"row {row} at position {pos}: its block is not the request's yet"
+                assert int(spec.slots[row]) == req.block_ids[pos // page] * page + pos % page, f"row {row} at position {pos}"
+        checked.append(len(requests))
+        return launch(requests)
+
+    spec.launch = check
+    got = llm.generate(quoting_prompts[:2], params)
+    assert [o.token_ids for o in got] == want
+    assert len(checked) > 10 and llm.core.spec_stats.num_accepted_tokens > 60
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
 def test_a_request_arriving_mid_answer_is_served_and_changes_nothing(smollm, llm_gguf_path, quoting_prompts, plain):
     """A prompt arriving while another decodes on the device: the device step in flight is read
     back, the newcomer prefills the host's way, then both go on on the device; each answer is
@@ -87,7 +116,7 @@ def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf
     assert core._device_inflight is not None  # mid-answer on the device
     spec = core.device_speculation
     for slot, req in enumerate(core._device_inflight[0].requests):  # the device's tables are the requests' blocks
-        entered_with = core.block_manager.blocks_needed(len(req.prompt_token_ids) + 1 + 1 + 2 * (spec.k + 1))
+        entered_with = core.block_manager.blocks_needed(len(req.prompt_token_ids) + 3 * (spec.k + 1))  # _device_allocate on entry
         assert len(req.block_ids) > entered_with  # grown since it entered
         for row in range(slot * (spec.k + 1), (slot + 1) * (spec.k + 1)):
             assert spec.row_tables[row, : len(req.block_ids)].tolist() == req.block_ids
