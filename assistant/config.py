@@ -52,10 +52,10 @@ class EngineOptions:
     speculative: str = "auto"
     """auto: n-gram speculative decoding (engine.EngineConfig.speculative) on the CPU, where an
     answer that quotes the handbook decodes 1.67x faster at batch 1 (Qwen2.5-Coder-1.5B int4,
-    2-core CPU, docs/performance.md), and off on CUDA: there the engine's n-gram drafts run inside
-    its CUDA graphs with async scheduling (1.41x batch-1 decode on an H100 with the 1.5B and its
-    defaults, 2026-12-07), but the voice stack on one GPU has not been measured with them (row
-    graphs add captures and memory beside Whisper and the TTS). Or off / ngram / draft explicitly
+    2-core CPU, docs/performance.md), and off on CUDA: there the engine decides n-gram drafts on
+    the device inside its CUDA graphs (1.47x batch-1 decode on an H200 with the 1.5B, k=4,
+    n-grams 1..8, 2026-12-07), but the voice stack on one GPU has not been measured with them (row
+    and speculation graphs add captures and memory beside Whisper and the TTS). Or off / ngram / draft explicitly
     (draft: ``draft_model`` proposes; on the 2-core CPU its steps cost more than they save, so
     there it stays off in effect)."""
     draft_model: Path | None = None

@@ -303,17 +303,17 @@ class EngineConfig:
     with 8, where more steps verify. On an H100 (2026-12-07, the 1.5B, bench row cost 0.05) (1, 8)
     with 8 drafts gave 1.48x at batch 1 against 1.41x at (2, 4) with 4, and on another machine
     that day 1.37x against 1.31x; the defaults stay the CPU's."""
-    speculative_device: bool = False
+    speculative_device: Literal["auto", "on", "off"] = "auto"
     """With ``speculative="ngram"``: while every running request decodes greedily (temperature 0,
     no penalties, no logprobs), up to ``speculative_max_batch`` of them, and none waits, decide
     the drafts, their verification and the next step's inputs on the device, so that a verifying
     step is launched before the one before it is read back (engine/device_speculation.py); each
-    such step verifies ``num_speculative_tokens`` rows a request. Off by default until the spec
-    bench (``--device-too``) has measured it with real weights: an experiment of the same steps on
-    an H100 (2026-12-07, the 1.5B, batch 1, docs/performance.md) ran 1.43x the plain engine at
-    k=4 where the host's ran 1.33x, with ~50 tensor operations where ``verify_and_draft`` is now
-    one kernel; with it a 5-row step took 1.787 ms of device time against 1.630 for a one-token
-    step (random weights), and the device did not idle between steps."""
+    such step verifies ``num_speculative_tokens`` rows a request, and it leaves that way for the
+    host's while its drafts do not pay. auto: on with CUDA, off on the CPU (each step there is
+    waited for anyway). On an H200 (2026-12-07, the 1.5B, 32 handbook questions, k=4, n-grams
+    1..8, docs/performance.md) it decoded 1.47x the plain engine at batch 1 where the host's way
+    ran 1.34x, 1.37x against 1.26x at batch 4 and 1.28x against 1.30x at batch 8, the answers
+    token for token the host's (31/32 the plain engine's, the other parting at a near-tie)."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float | None = None
@@ -377,8 +377,10 @@ class EngineConfig:
             raise ConfigError(f"async_scheduling must be auto/on/off, got {self.async_scheduling!r}")
         if self.speculative not in ("off", "ngram", "draft"):
             raise ConfigError(f"speculative must be 'off', 'ngram' or 'draft', got {self.speculative!r}")
-        if self.speculative_device and self.speculative != "ngram":
-            raise ConfigError(f"speculative_device needs speculative='ngram' (its drafts are n-gram lookups on the device), "
+        if self.speculative_device not in ("auto", "on", "off"):
+            raise ConfigError(f"speculative_device must be auto/on/off, got {self.speculative_device!r}")
+        if self.speculative_device == "on" and self.speculative != "ngram":
+            raise ConfigError(f"speculative_device='on' needs speculative='ngram' (its drafts are n-gram lookups on the device), "
                               f"got speculative={self.speculative!r}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ConfigError("speculative='draft' and draft_model go together: name the draft model's path with "
@@ -417,6 +419,10 @@ class EngineConfig:
         if self.speculative_row_cost is not None:
             return self.speculative_row_cost
         return ROW_COST_BY_DEVICE.get(device_type, ROW_COST_BY_DEVICE["cpu"])
+
+    def device_speculation(self, device_type: str) -> bool:
+        """Whether n-gram speculation is decided on a device of this type (``speculative_device``)."""
+        return self.speculative == "ngram" and (self.speculative_device == "on" or (self.speculative_device == "auto" and device_type == "cuda"))
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -114,7 +114,7 @@ def build_engine(
         with capture_lock or nullcontext():
             _capture_graphs(runner, config, max_model_len, piecewise, memory, capture_lock or nullcontext())
     device_speculation = None
-    if config.speculative_device:
+    if config.device_speculation(device.type):
         with capture_lock or nullcontext():
             device_speculation = _device_speculation(runner, config, max_model_len, memory, graphs)
     core = EngineCore(config, loaded, memory, max_model_len, kv_cache, block_manager, scheduler, runner, proposer,

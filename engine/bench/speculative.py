@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
                    help="n-gram drafts also from the last answers, this many tokens (0: prompt lookup only); "
                         "emptied before each batch size, so that no question meets its own earlier answer")
     p.add_argument("--device-too", action="store_true",
-                   help="also an n-gram engine with speculative_device (drafts, verification and the next step's inputs "
+                   help="also an n-gram engine with speculative_device on (drafts, verification and the next step's inputs "
                         "decided on the device; greedy steps launched before the one before them is read back)")
     p.add_argument("--prompt-lookup-too", action="store_true",
                    help="also an n-gram engine without the answer cache (what the answers add, in the same run)")
@@ -118,12 +118,14 @@ def main(argv: list[str]) -> int:
         base = replace(base, kv_cache_memory_bytes=4 << 30)
     engines = {"plain": build_engine(base, loaded)}
     spec = replace(base, num_speculative_tokens=args.k, speculative_row_cost=args.row_cost, speculative_ngram_sizes=tuple(args.ngram_sizes))
-    engines["ngram"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
+    engines["ngram"] = build_engine(replace(spec, speculative="ngram", speculative_device="off",
+                                             speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
     if args.device_too:
-        engines["ngram_device"] = build_engine(replace(spec, speculative="ngram", speculative_device=True,
+        engines["ngram_device"] = build_engine(replace(spec, speculative="ngram", speculative_device="on",
                                                        speculative_answer_cache_tokens=args.answer_cache_tokens), loaded)
     if args.prompt_lookup_too:
-        engines["ngram_prompt"] = build_engine(replace(spec, speculative="ngram", speculative_answer_cache_tokens=0), loaded)
+        engines["ngram_prompt"] = build_engine(replace(spec, speculative="ngram", speculative_device="off", speculative_answer_cache_tokens=0),
+                                                   loaded)
     if args.draft_model:
         engines["draft"] = build_engine(replace(spec, speculative="draft", draft_model=str(args.draft_model),
                                                 speculative_draft_cost=args.draft_cost), loaded)

@@ -17,7 +17,7 @@ from tests.engine.helpers import generate_staggered
 
 
 def device_llm(smollm, llm_gguf_path, **kw) -> LLM:
-    return LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", speculative_device=True, **kw)
+    return LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", speculative_device="on", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +187,22 @@ def test_sampling_the_device_cannot_do_goes_the_hosts_way(smollm, llm_gguf_path,
 
 
 def test_device_speculation_needs_ngram_speculation(smollm, llm_gguf_path):
-    with pytest.raises(ConfigError, match="speculative_device needs speculative='ngram'"):
-        LLM(str(llm_gguf_path), loaded=smollm, speculative_device=True)
+    with pytest.raises(ConfigError, match="speculative_device='on' needs speculative='ngram'"):
+        LLM(str(llm_gguf_path), loaded=smollm, speculative_device="on")
+
+
+def test_auto_decides_ngram_speculation_on_cuda_devices_only(smollm, llm_gguf_path):
+    """``speculative_device="auto"`` (the default): on with CUDA for n-gram speculation, never on
+    the CPU (no device state is built there) nor for other kinds; "on" and "off" as said."""
+    from engine.config import EngineConfig
+
+    ngram = EngineConfig(model="m", speculative="ngram")
+    assert ngram.speculative_device == "auto"
+    assert ngram.device_speculation("cuda") and not ngram.device_speculation("cpu")
+    assert EngineConfig(model="m", speculative="ngram", speculative_device="on").device_speculation("cpu")
+    assert not EngineConfig(model="m", speculative="ngram", speculative_device="off").device_speculation("cuda")
+    assert not EngineConfig(model="m").device_speculation("cuda")
+    assert LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=64, speculative="ngram").core.device_speculation is None
 
 
 async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smollm, llm_gguf_path, quoting_prompts, plain):
@@ -200,7 +214,7 @@ async def test_a_client_going_away_mid_answer_on_the_device_frees_its_blocks(smo
     from tests.engine.helpers import wait_idle
 
     engine = AsyncEngine(core=build_engine(make_config(str(llm_gguf_path), num_kv_blocks=128, max_num_seqs=4, speculative="ngram",
-                                                       speculative_device=True), smollm))
+                                                       speculative_device="on"), smollm))
     launches = count_launches(engine.core)
     try:
         async def leave_early():

@@ -479,7 +479,7 @@ def test_row_graph_buckets_cover_the_largest_verifying_step():
     assert row_graph_sizes(EngineConfig(model="m", speculative="ngram", row_cuda_graphs="off")) == []
 
 
-@pytest.mark.parametrize("device", [False, True])
+@pytest.mark.parametrize("device", ["off", "on"])
 def test_a_stop_among_accepted_drafts_ends_the_answer_there(device, smollm, llm_gguf_path, quoting_prompts):
     """max_tokens, a stop string and the context's end cut a verified run of tokens exactly where
     a plain engine stops; with device speculation (engine/device_speculation.py) too, where the

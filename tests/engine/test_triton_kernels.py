@@ -1257,7 +1257,7 @@ def test_device_speculation_with_the_kernel_answers_as_the_plain_engine(smollm, 
     params = SamplingParams(temperature=0.0, max_tokens=24)
     plain = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128)
     want = generate_staggered(plain.core, prompts, params, steps_between=3)
-    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", speculative_device=True)
+    llm = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128, speculative="ngram", speculative_device="on")
     buckets = []
     launch = llm.core.device_speculation.launch
     monkeypatch.setattr(llm.core.device_speculation, "launch", lambda reqs: buckets.append(len(reqs)) or launch(reqs))

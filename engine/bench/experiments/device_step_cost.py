@@ -35,7 +35,7 @@ def main() -> None:
     base = replace(base, kv_cache_memory_bytes=2 << 30)
     engines = {"plain": build_engine(base, loaded)}
     for k in args.k:
-        engines[f"device k={k}"] = build_engine(replace(base, speculative="ngram", speculative_device=True, num_speculative_tokens=k,
+        engines[f"device k={k}"] = build_engine(replace(base, speculative="ngram", speculative_device="on", num_speculative_tokens=k,
                                                         speculative_ngram_sizes=(1, 8)), loaded)
     prompt = [random.Random(0).randrange(100, loaded.model_config.vocab_size - 100) for _ in range(args.context)]
     print(f"# device_step_cost on {device_name(loaded.device)}; {args.model} (random weights), context {args.context}, "

@@ -55,9 +55,9 @@ def main() -> None:
     loaded = LoadedModel.load(base)
     if loaded.device.type == "cuda":
         base = replace(base, kv_cache_memory_bytes=4 << 30)
-    spec = replace(base, speculative="ngram", num_speculative_tokens=args.k, speculative_ngram_sizes=tuple(args.ngram_sizes),
+    spec = replace(base, speculative="ngram", speculative_device="off", num_speculative_tokens=args.k, speculative_ngram_sizes=tuple(args.ngram_sizes),
                    speculative_row_cost=0.05)
-    device = replace(spec, speculative_device=True)
+    device = replace(spec, speculative_device="on")
     engines = {"plain": build_engine(base, loaded), "ngram": build_engine(spec, loaded),
                "ngram_device": build_engine(device, loaded),
                # row cost 0: every step pays, so device speculation never leaves mid-answer for its yield
