@@ -67,7 +67,7 @@ def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, qu
     be in the tables already. At every launch of long answers that repeat their prompt (drafts
     stand, so the device runs far ahead of the host), each real row's slot is its position's slot
     in its request's blocks, and the answers are the plain engine's."""
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)
     want = [LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
     llm = device_llm(smollm, llm_gguf_path)
     spec = llm.core.device_speculation
@@ -86,7 +86,7 @@ def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, qu
     spec.launch = check
     got = llm.generate(quoting_prompts[:2], params)
     assert [o.token_ids for o in got] == want
-    assert len(checked) > 10 and llm.core.spec_stats.num_accepted_tokens > 60
+    assert len(checked) > 10 and llm.core.spec_stats.num_accepted_tokens > 40
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
