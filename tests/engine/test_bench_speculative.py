@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -40,6 +42,7 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     for batch in (1, 2):
         for kind in ("ngram", "ngram_prompt", "ngram_device", "draft"):
             assert results[f"spec_{kind}_bs{batch}_speedup"] > 0 and results[f"spec_{kind}_bs{batch}_identical"] == "2/2"
+            assert results[f"spec_{kind}_bs{batch}_partings"] == []
             assert 0 <= results[f"spec_{kind}_bs{batch}_acceptance"] <= 1
         # the model as its own draft (drafts priced as on a launch-bound GPU, so that they are made):
         # every greedy draft is what the target says, unless the steps' rows round differently (a
@@ -51,3 +54,31 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
                      r"from read back to launch;", r.stdout)
     assert results["spec_ngram_bs1_read_back_launches"] > 0 and results["spec_ngram_bs1_read_back_turnaround_ms"] > 0
     assert "spec_ngram_bs1_read_back_idle_ms" not in results  # CUDA events only
+
+
+def test_an_answer_parting_from_plains_is_shown_with_plains_top_two_gap_there(smollm, llm_gguf_path, quoting_prompts):
+    """``parting_gaps``: where an answer parts from the plain engine's, and how close plain's top
+    two tokens were there (a near-tie, or a fault): here a plain answer with one token changed."""
+    from engine import LLM, SamplingParams
+    from engine.bench.speculative import parting_gaps
+
+    core = LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).core
+    group = quoting_prompts[1:3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    want, top = [], []
+    for p in group:
+        core.add_request(p, params)
+        tokens, lps = [], []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens += out.token_ids
+                lps += out.logprobs
+        want.append(tokens)
+        top.append(sorted(lps[5].values(), reverse=True)[:2])
+    assert parting_gaps(core, group, want, [list(w) for w in want], 12) == []
+    got = [list(w) for w in want]
+    got[1][5] += 1
+    [(i, at, gap)] = parting_gaps(core, group, want, got, 12)
+    assert (i, at) == (1, 5) and gap == pytest.approx(top[1][0] - top[1][1]) and gap >= 0
+    got[1] = want[1][:5]  # an answer that stops early parts where it ends
+    assert [(i, at) for i, at, _ in parting_gaps(core, group, want, got, 12)] == [(1, 5)]
