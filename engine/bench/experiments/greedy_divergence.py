@@ -5,11 +5,11 @@ Greedy speculation must give the plain engine's tokens, but a verifying step com
 with the multi-row kernels where a plain step computes one row with the one-row kernels: in bf16
 their sums differ in the last bits, and where the top two logits are that close the argmax can
 flip (after which the answers go apart). A flip at a near-tie is numerics; a parting where the
-plain engine's choice led by a clear margin is a bug. For each question: plain's tokens with its
-top-2 log-probs, each other engine's tokens, and at the first difference the position, plain's
-two candidates and their log-prob gap, and the engine's token. Device speculation runs three
-ways: as configured, never leaving mid-answer for its yield (row cost 0), and on CUDA with the
-tensor-op ``verify_and_draft`` in its graphs instead of the Triton kernel.
+plain engine's choice led by a clear margin is a bug. Each question is answered alone by each
+engine; at each answer's first difference from plain's, the token and plain's top-2 log-prob gap
+(``engine.bench.speculative.parting_gaps``, as the spec bench shows them). Device speculation runs
+three ways: as configured, never leaving mid-answer for its yield (row cost 0), and on CUDA with
+the tensor-op ``verify_and_draft`` in its graphs instead of the Triton kernel.
 
     python engine/bench/experiments/greedy_divergence.py --model Q.gguf --documents D... --questions Q.txt
 """
@@ -22,24 +22,10 @@ from functools import partial
 from pathlib import Path
 
 from engine import device_speculation
+from engine.bench.speculative import NEAR_TIE, parting_gaps, run_group
 from engine.config import EngineConfig
 from engine.engine_builder import build_engine
-from engine.engine_core import EngineCore
 from engine.loaded_model import LoadedModel
-from engine.sampling import SamplingParams
-
-
-def answer(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[dict[int, float]]]:
-    """One greedy answer alone: its tokens and (with ``params.logprobs``) their log-probs."""
-    req = core.add_request(prompt, params)
-    tokens: list[int] = []
-    logprobs: list[dict[int, float]] = []
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.request_id == req.request_id:
-                tokens += out.token_ids
-                logprobs += out.logprobs or []
-    return tokens, logprobs
 
 
 def main() -> None:
@@ -55,8 +41,8 @@ def main() -> None:
     loaded = LoadedModel.load(base)
     if loaded.device.type == "cuda":
         base = replace(base, kv_cache_memory_bytes=4 << 30)
-    spec = replace(base, speculative="ngram", speculative_device="off", num_speculative_tokens=args.k, speculative_ngram_sizes=tuple(args.ngram_sizes),
-                   speculative_row_cost=0.05)
+    spec = replace(base, speculative="ngram", speculative_device="off", num_speculative_tokens=args.k,
+                   speculative_ngram_sizes=tuple(args.ngram_sizes), speculative_row_cost=0.05)
     device = replace(spec, speculative_device="on")
     engines = {"plain": build_engine(base, loaded), "ngram": build_engine(spec, loaded),
                "ngram_device": build_engine(device, loaded),
@@ -69,33 +55,24 @@ def main() -> None:
         device_speculation.verify_and_draft = original
     documents = "\n\n".join(path.read_text(encoding="utf-8") for path in args.documents)
     questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    top2 = replace(greedy, logprobs=2)
-    parted = {kind: 0 for kind in engines if kind != "plain"}
-    gaps: dict[str, list[float]] = {kind: [] for kind in parted}
+    gaps: dict[str, list[float | None]] = {kind: [] for kind in engines if kind != "plain"}
     for n, q in enumerate(questions, 1):
-        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}])
-        want, lps = answer(engines["plain"], prompt, top2)
-        again, _ = answer(engines["plain"], prompt, greedy)
-        line = [f"q{n:02d}: plain {len(want)} tokens, same without logprobs: {again == want}"]
-        for kind in parted:
-            got, _ = answer(engines[kind], prompt, greedy)
-            if got == want:
+        prompt = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}])]
+        [want], _, _ = run_group(engines["plain"], prompt, args.max_tokens)
+        line = [f"q{n:02d}: plain {len(want)} tokens"]
+        for kind in gaps:
+            [got], _, _ = run_group(engines[kind], prompt, args.max_tokens)
+            parted = parting_gaps(engines["plain"], prompt, [want], [got], args.max_tokens)
+            for _, at, gap in parted:
+                gaps[kind].append(gap)
+                line.append(f"{kind} parts at {at}, plain's top-2 gap {'-' if gap is None else f'{gap:.4f}'}")
+            if not parted:
                 line.append(f"{kind} same")
-                continue
-            parted[kind] += 1
-            i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            if i < len(lps) and len(lps[i]) >= 2:
-                (t1, l1), (t2, l2) = sorted(lps[i].items(), key=lambda kv: -kv[1])[:2]
-                gaps[kind].append(l1 - l2)
-                line.append(f"{kind} parts at {i}: plain {t1} ({l1:.4f}) / runner-up {t2} ({l2:.4f}), gap {l1 - l2:.4f}; "
-                            f"{kind} took {got[i] if i < len(got) else 'end'}{' (the runner-up)' if i < len(got) and got[i] == t2 else ''}")
-            else:
-                line.append(f"{kind} parts at {i} (length)")
         print("; ".join(line), flush=True)
-    for kind in parted:
-        print(f"{kind}: {parted[kind]}/{len(questions)} parted; plain's top-2 gap there: "
-              f"{', '.join(f'{g:.4f}' for g in sorted(gaps[kind])) or '-'}")
+    for kind, found in gaps.items():
+        wide = sum(g is None or g > NEAR_TIE for g in found)
+        print(f"{kind}: {len(found)}/{len(questions)} parted, {wide} at more than a near-tie ({NEAR_TIE}); plain's top-2 gaps: "
+              f"{', '.join('-' if g is None else f'{g:.4f}' for g in found) or '-'}")
 
 
 if __name__ == "__main__":
