@@ -57,8 +57,10 @@ def main() -> None:
     p.add_argument("--k", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--device", action="store_true", help="device speculation steps instead of the host's verifying steps")
+    p.add_argument("--pdl", choices=["auto", "off"], default="auto")
     args = p.parse_args()
-    base = EngineConfig(model=args.model, load_format="dummy", max_model_len=4096, max_num_seqs=4)
+    base = EngineConfig(model=args.model, load_format="dummy", max_model_len=4096, max_num_seqs=4, pdl=args.pdl)
     loaded = LoadedModel.load(base)
     base = replace(base, kv_cache_memory_bytes=2 << 30)
     plain = build_engine(base, loaded)
@@ -67,11 +69,16 @@ def main() -> None:
     want, _ = answer(plain, prompt, args.tokens)
     columns = {"plain": kernel_us_a_step(plain, prompt, args.tokens)}
     for k in args.k:
-        core = build_engine(replace(base, speculative="ngram", num_speculative_tokens=k, speculative_row_cost=0.0), loaded)
-        core.proposer = OracleProposer(len(prompt), want)
+        spec = replace(base, speculative="ngram", num_speculative_tokens=k, speculative_row_cost=0.0)
+        if args.device:
+            core = build_engine(replace(spec, speculative_device="on", speculative_ngram_sizes=(1, 8)), loaded)
+        else:
+            core = build_engine(spec, loaded)
+            core.proposer = OracleProposer(len(prompt), want)
         columns[f"k={k}"] = kernel_us_a_step(core, prompt, args.tokens)
+    drafts = "device n-gram drafts" if args.device else "oracle drafts"
     print(f"# row_graph_profile on {device_name(loaded.device)}; {args.model} (random weights), context {args.context}, "
-          f"{args.tokens} tokens an answer, oracle drafts")
+          f"{args.tokens} tokens an answer, {drafts}, pdl {args.pdl}")
     print("  ".join(f"{name}: {steps} steps, device span {span:.3f} ms a step" for name, (_, steps, span) in columns.items()))
     names = sorted({n for us, _, _ in columns.values() for n in us}, key=lambda n: -max(c[0].get(n, 0.0) for c in columns.values()))
     print(f"{'us a step':>10} " + " ".join(f"{c:>9}" for c in columns) + "  kernel")
