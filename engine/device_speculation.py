@@ -196,16 +196,23 @@ class DeviceSpeculation:
         self.row_tables[first * (self.k + 1) :] = NULL_BLOCK
         self._block_counts[first:] = [0] * (self.max_requests - first)
 
-    def enter(self, requests: list[Request]) -> None:
+    def enter(self, requests: list[Request], last: torch.Tensor | None = None) -> None:
         """Take over ``requests`` (each decoding, its last token sampled, not yet computed): their
-        tokens and block tables to the device, the first drafts and rows looked up there."""
-        bucket = self.bucket(len(requests))
+        tokens and block tables to the device, the first drafts and rows looked up there.
+        ``last``: each request's last token, sampled on the device by a step the host has not
+        read yet (one a request, in order), after the tokens the host knows."""
+        n = len(requests)
+        bucket = self.bucket(n)
         width = max(len(r.all_token_ids) for r in requests)
-        tokens = np.zeros((len(requests), width), dtype=np.int64)
+        tokens = np.zeros((n, width), dtype=np.int64)
         for i, req in enumerate(requests):
             tokens[i, : len(req.all_token_ids)] = req.all_token_ids
-        self.history[: len(requests), :width] = to_device(tokens, torch.int64, self.history.device).view(len(requests), width)
-        self.lengths[: len(requests)] = to_device([len(r.all_token_ids) for r in requests], torch.int64, self.lengths.device)
+        self.history[:n, :width] = to_device(tokens, torch.int64, self.history.device).view(n, width)
+        self.lengths[:n] = to_device([len(r.all_token_ids) for r in requests], torch.int64, self.lengths.device)
+        if last is not None:
+            slots = torch.arange(n, device=self.history.device)
+            self.history[slots, self.lengths[:n]] = last.to(torch.int64)
+            self.lengths[:n] += 1
         self._reset_padding(len(requests))
         self._block_counts[: len(requests)] = [0] * len(requests)
         for i, req in enumerate(requests):

@@ -247,7 +247,8 @@ class EngineCore:
     # ---- device speculation (engine/device_speculation.py) -----------------------------------------
     def _device_step(self) -> list[RequestOutput] | None:
         """A step of device speculation, or None when this step goes the host's way. Entering it
-        reads back a host step in flight first; while in it, each step launches the next device
+        takes a host step in flight's samples on the device (``_samples_ahead``) and reads that
+        step while the first device step runs, or else reads it back first; while in it, each step launches the next device
         step, then reads the one before (its tokens are learned a step late). It is left when a
         request arrives, finishes or is aborted, or the next step's KV blocks or context are not
         there, or its steps stop paying (``StepYield``; then it rests until a draft verified the
@@ -255,19 +256,25 @@ class EngineCore:
         requests of the scheduler (their last token's KV not yet computed, as after any decode)."""
         t0 = time.perf_counter()
         if self._device_inflight is None:
-            if not self._device_can_run():
+            ahead = self._samples_ahead()
+            if not self._device_can_run(pending=ahead is not None):
                 return None
-            outputs = self._read_back() if self._inflight is not None else []
-            if not self._device_can_run():  # the tokens just read finished a request
-                return outputs
+            outputs = []
+            if ahead is None and self._inflight is not None:
+                outputs = self._read_back()
+                if not self._device_can_run():  # the tokens just read finished a request
+                    return outputs
             requests = list(self.scheduler.running)
-            self._device_allocate(requests)
-            self.device_speculation.enter(requests)
+            self._device_allocate(requests, pending=ahead is not None)
+            last = None if ahead is None else ahead.tokens[[ahead.row_of[r.request_id] for r in requests]]
+            self.device_speculation.enter(requests, last)
             self._device_yield = StepYield.prior(self.device_speculation.k)
             t1 = time.perf_counter()
             self._device_inflight = self._device_launch(requests)
             t2 = time.perf_counter()
-            self._record_device_step(t0, t1, t2, t2)
+            if ahead is not None:  # the host step's samples, read while the device step runs behind it
+                outputs = self._finalize(self._take_inflight())
+            self._record_device_step(t0, t1, t2, time.perf_counter())
             return outputs
         requests = self._device_inflight[0].requests
         pays = self._device_yield.pays(self.device_speculation.k, self.row_cost)
@@ -284,11 +291,12 @@ class EngineCore:
         self._record_device_step(t0, t1, t2, time.perf_counter())
         return outputs
 
-    def _device_can_run(self, current: list[Request] | None = None) -> bool:
+    def _device_can_run(self, current: list[Request] | None = None, pending: bool = False) -> bool:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
         it, None when entering) are all the scheduler runs, none finished, none waits; each
         decodes greedily (``takes_device_path``) with room for three more steps in its context,
-        and the KV blocks for those are free (``_device_allocate``). Not entered while it rests
+        and the KV blocks for those are free (``_device_allocate``); ``pending``: each has one
+        token more than the host knows, sampled by the step in flight. Not entered while it rests
         (``_device_step``)."""
         spec = self.device_speculation
         running = self.scheduler.running
@@ -299,32 +307,48 @@ class EngineCore:
         rows = spec.k + 1
         need = 0
         for req in running:
+            known = len(req.all_token_ids) + pending
             if (req.status.finished or req.is_prefilling or (current is None and not takes_device_path(req.sampling_params))
-                    or len(req.all_token_ids) + 3 * rows > self.max_model_len):
+                    or known + 3 * rows > self.max_model_len):
                 return False
-            need += max(0, self.block_manager.blocks_needed(len(req.all_token_ids) - 1 + 3 * rows) - len(req.block_ids))
+            need += max(0, self.block_manager.blocks_needed(known - 1 + 3 * rows) - len(req.block_ids))
         return need <= self.block_manager.num_free_blocks
 
-    def _device_allocate(self, requests: list[Request]) -> None:
+    def _samples_ahead(self) -> DeviceTokens | None:
+        """The samples of the host step in flight, on the device, when device speculation can
+        enter on them without reading that step back first: it sampled one token (no drafts) for
+        every running request. Entering after a prompt's last chunk then costs no idle device."""
+        step = self._inflight
+        if step is None or step.device_tokens is None or any(c.drafts for c in step.sampled):
+            return None
+        row_of = step.device_tokens.row_of
+        if all(r.request_id in row_of and r.num_pending_tokens == 1 for r in self.scheduler.running):
+            return step.device_tokens
+        return None
+
+    def _device_allocate(self, requests: list[Request], pending: bool = False) -> None:
         """KV blocks for each request's next three steps, and their tables on the device. The step
         launched now also computes the next step's slots from these tables, and the host learns
         the tokens one step late: the step before this one (in flight) and this one may each add
-        k + 1 tokens to those known here, and the next step's rows reach k positions past them."""
+        k + 1 tokens to those known here, and the next step's rows reach k positions past them.
+        ``pending``: each request's last token is still in flight (``_samples_ahead``), one past
+        those known."""
         rows = self.device_speculation.k + 1
         for slot, req in enumerate(requests):
-            req.num_computed_tokens = len(req.all_token_ids) - 1
+            req.num_computed_tokens = len(req.all_token_ids) - 1 + pending
             if not self.block_manager.allocate_slots(req, 3 * rows):
                 raise AssertionError("_device_can_run counted the free blocks")  # never: checked just before
             self.device_speculation.update_table(slot, req.block_ids)
 
     def _device_launch(self, requests: list[Request]) -> tuple[DeviceStep, InflightStep]:
         """Queue a device speculation step (timed by CUDA events as a graph step)."""
-        after_read_back, span = self._begin_span(self._device_inflight is None)
+        behind = self._device_inflight is not None or self._inflight is not None  # launched behind a step in flight
+        after_read_back, span = self._begin_span(not behind)
         step = self.device_speculation.launch(requests)
         if span is not None:
             span[1].record()
         self.num_steps += 1
-        return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, self._device_inflight is not None,
+        return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, behind,
                                   after_read_back, self.device_speculation.rows(step.bucket))
 
     def _record_device_step(self, t0: float, t1: float, t2: float, t3: float) -> None:

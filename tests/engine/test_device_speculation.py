@@ -61,6 +61,37 @@ def test_greedy_answers_are_the_plain_engines_in_fewer_steps(smollm, llm_gguf_pa
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
+def test_with_async_scheduling_it_enters_on_the_samples_in_flight(smollm, llm_gguf_path, quoting_prompts, plain):
+    """With async scheduling (the GPU's default) a prompt's last step is still in flight when
+    device speculation enters: it takes that step's samples on the device, and the host reads
+    the step while the first device step runs behind it (no read back first). The answers are
+    the plain engine's, alone and together, also of one and two tokens (the token in flight
+    ends the request while a device step runs), and every KV block comes back."""
+    llm = device_llm(smollm, llm_gguf_path, async_scheduling="on")
+    spec = llm.core.device_speculation
+    entered: list[bool] = []  # each entry: on the samples in flight
+    enter = spec.enter
+
+    def spy(requests, last=None):
+        entered.append(last is not None)
+        return enter(requests, last)
+
+    spec.enter = spy
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    first_entries = []  # each generate's first entry (later ones follow a rest: nothing is in flight then)
+    for p, want in zip(quoting_prompts, plain):
+        assert llm.generate([p], params)[0].token_ids == want.token_ids
+        first_entries.append(entered[0])
+        entered.clear()
+    assert [o.token_ids for o in llm.generate(quoting_prompts, params)] == [w.token_ids for w in plain]
+    first_entries.append(entered[0])
+    for n in (1, 2):
+        assert llm.generate(quoting_prompts[:1], SamplingParams(temperature=0.0, max_tokens=n))[0].token_ids == plain[0].token_ids[:n]
+    assert first_entries == [True] * 4
+    assert llm.core.spec_stats.num_accepted_tokens > 10
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
 def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, quoting_prompts):
     """Each step's rows are laid out by the step before it (its slots come from the device's block
     tables then), while the host learns tokens a step late: the blocks of the step after next must
@@ -153,9 +184,9 @@ def test_a_draft_standing_the_hosts_way_brings_the_requests_back(smollm, llm_ggu
     entries: list[int] = []
     enter = spec.enter
 
-    def spy(requests):
+    def spy(requests, last=None):
         entries.append(core.spec_stats.num_accepted_tokens)
-        return enter(requests)
+        return enter(requests, last)
 
     spec.enter = spy
     req = core.add_request(quoting_prompts[0], SamplingParams(temperature=0.0, max_tokens=40))
