@@ -30,6 +30,7 @@ from engine.prefix_cache import PrefixCacheStats
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.transfer import to_device
 from engine.speculative import DraftWant, Proposer, SpecDecodeStats, accepted_tokens, best_k
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,9 @@ class EngineCore:
                     return outputs
             requests = list(self.scheduler.running)
             self._device_allocate(requests, pending=ahead is not None)
-            last = None if ahead is None else ahead.tokens[[ahead.row_of[r.request_id] for r in requests]]
+            last = None
+            if ahead is not None:  # indices staged through pinned memory: a pageable copy would wait for the step in flight
+                last = ahead.tokens.index_select(0, to_device([ahead.row_of[r.request_id] for r in requests], torch.int64, self.device))
             self.device_speculation.enter(requests, last)
             self._device_yield = StepYield.prior(self.device_speculation.k)
             t1 = time.perf_counter()
