@@ -234,6 +234,52 @@ def _attend_new_token(q, acc, m_i, l_i, k_row, v_row, cos, sin, d, dmask, partne
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_new_rows(q, acc, m_i, l_i, K_NEW, V_NEW, stride_knt, stride_knh, stride_vnt, stride_vnh, b, kvh, pos, num_new,
+                     COS_SIN, stride_cs, d, dmask, partner, slot, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
+                     stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, scale,
+                     D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, NEW_ROWS: tl.constexpr):
+    """A row's new tokens of this step as one tile (a verifying row graph, ``ROW_GROUP`` > 1): tile
+    row t is the token of the row t rows back (t < num_new; t = 0 the row's own), its k rotated
+    by its position's RoPE, k and v as the cache stores them (FP8: attended as stored, per-token
+    scales), attended from registers in one online-softmax update; the row's own token written to
+    the cache at ``slot``. One tile instead of :func:`_attend_new_token` once a token: those ran
+    one after another in the program that owns the last position, the kernel's longest."""
+    t = tl.arange(0, NEW_ROWS)
+    here = t < num_new
+    lo = d < HALF
+    j = tl.where(lo, d, d - HALF)
+    at = tl.where(here, pos - t, pos)
+    tile = here[:, None] & dmask[None, :]
+    cos = tl.load(COS_SIN + at[:, None] * stride_cs + j[None, :], mask=tile, other=0.0).to(tl.float32)
+    sin = (tl.load(COS_SIN + at[:, None] * stride_cs + HALF + j[None, :], mask=tile, other=0.0).to(tl.float32)
+           * tl.where(lo, -1.0, 1.0)[None, :])
+    rows = b - tl.where(here, t, 0)
+    k_rows = K_NEW + rows[:, None] * stride_knt + kvh * stride_knh
+    k_f = (tl.load(k_rows + d[None, :], mask=tile, other=0.0).to(tl.float32) * cos
+           + tl.load(k_rows + partner[None, :], mask=tile, other=0.0).to(tl.float32) * sin)
+    v_f = tl.load(V_NEW + rows[:, None] * stride_vnt + kvh * stride_vnh + d[None, :], mask=tile, other=0.0).to(tl.float32)
+    own = t == 0
+    dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + t[:, None] * 0 + d[None, :]
+    write = own[:, None] & dmask[None, :]
+    if FP8:
+        k_scale = _fp8_scale(tl.max(tl.abs(k_f), 1))
+        v_scale = _fp8_scale(tl.max(tl.abs(v_f), 1))
+        k_new = _to_fp8(k_f, k_scale[:, None], K_CACHE.dtype.element_ty)
+        v_new = _to_fp8(v_f, v_scale[:, None], V_CACHE.dtype.element_ty)
+        dst_s = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + kvh * stride_sh + t * 0
+        tl.store(K_SCALE + dst_s, k_scale, mask=own)
+        tl.store(V_SCALE + dst_s, v_scale, mask=own)
+    else:
+        k_new = k_f.to(K_CACHE.dtype.element_ty)
+        v_new = v_f.to(V_CACHE.dtype.element_ty)
+        k_scale = at.to(tl.float32)  # unused stand-ins
+        v_scale = k_scale
+    tl.store(K_CACHE + dst, k_new, mask=write)
+    tl.store(V_CACHE + dst, v_new, mask=write)
+    return _attend_kv(q, acc, m_i, l_i, k_new, v_new, k_scale, v_scale, here, scale, FP8)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh", "NUM_SPLITS"])
 def split_kv_decode_attention(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, OUT, O_PART, LSE_PART,
@@ -246,6 +292,7 @@ def split_kv_decode_attention(
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS, USE_PDL: tl.constexpr,
     FUSED_ROPE: tl.constexpr, HALF: tl.constexpr, SMALL_TILE: tl.constexpr, FP8: tl.constexpr, KV_LINE: tl.constexpr = 0,
     KV_LINES: tl.constexpr = 1, KV_PRELOAD: tl.constexpr = False, ROW_GROUP: tl.constexpr = 1,
+    NEW_ROWS: tl.constexpr = 16,
 ):
     """FUSED_ROPE: Q, K_NEW, V_NEW are this step's raw q|k|v (the request's last token): the
     kernel rotates q and k by POS itself, the split that owns the last position writes k and v to
@@ -260,7 +307,8 @@ def split_kv_decode_attention(
     that the up to ROW_GROUP - 1 rows before it write in this step (the row before holds position
     - 1 and writes the slot that position has in this row's block table, and so on back) are
     attended from those rows' raw k and v, rotated here, like the row's own token, and never read
-    from the cache, which those rows write in the same kernel."""
+    from the cache, which those rows write in the same kernel: one tile of NEW_ROWS (a power of
+    two >= ROW_GROUP, 16 at least for the dot) by the split that owns the last position."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -340,22 +388,18 @@ def split_kv_decode_attention(
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0 + tl.arange(0, TILE_N), end, d, b, kvh, K_CACHE, V_CACHE,
                                      BLOCK_TABLES, stride_bt, stride_kb, stride_ks, stride_kh, scale,
                                      K_SCALE, V_SCALE, stride_sb, stride_ss, stride_sh, D, PAGE, FP8)
-    if FUSED_ROPE:  # the new tokens, oldest first: the row's own written to the cache for later steps; all attended from registers
-        for i in tl.static_range(ROW_GROUP):  # the new token ROW_GROUP - 1 - i rows back, the row's own last
-            here = owner & (ROW_GROUP - 1 - i < num_new)
-            row = b - tl.where(here, ROW_GROUP - 1 - i, 0)
-            if i == ROW_GROUP - 1:
-                cos_r, sin_r, write_own = cos, sin, owner
-            else:
-                write_own = owner & False
-                at = tl.where(here, pos - (ROW_GROUP - 1 - i), pos)
-                cos_r = tl.load(COS_SIN + at * stride_cs + j, mask=dmask, other=0.0).to(tl.float32)
-                sin_r = (tl.load(COS_SIN + at * stride_cs + HALF + j, mask=dmask, other=0.0).to(tl.float32)
-                         * tl.where(lo, -1.0, 1.0))
-            acc, m_i, l_i = _attend_new_token(q, acc, m_i, l_i, K_NEW + row * stride_knt + kvh * stride_knh,
-                                              V_NEW + row * stride_vnt + kvh * stride_vnh, cos_r, sin_r, d, dmask, partner,
-                                              here, write_own, slot, kvh, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
+    if FUSED_ROPE:  # the new tokens: the row's own written to the cache for later steps; all attended from registers
+        if ROW_GROUP == 1:
+            acc, m_i, l_i = _attend_new_token(q, acc, m_i, l_i, K_NEW + b * stride_knt + kvh * stride_knh,
+                                              V_NEW + b * stride_vnt + kvh * stride_vnh, cos, sin, d, dmask, partner,
+                                              owner, owner, slot, kvh, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
                                               stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, scale, D, PAGE, FP8)
+        else:
+            if owner:
+                acc, m_i, l_i = _attend_new_rows(q, acc, m_i, l_i, K_NEW, V_NEW, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                                                 b, kvh, pos, num_new, COS_SIN, stride_cs, d, dmask, partner, slot, K_CACHE,
+                                                 V_CACHE, K_SCALE, V_SCALE, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                                 stride_sh, scale, D, HALF, PAGE, FP8, NEW_ROWS)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -171,6 +171,7 @@ def decode_attention(
         USE_PDL=pdl, FUSED_ROPE=new is not None, HALF=dim // 2, FP8=kv_cache.quantized,
         KV_LINE=line if pdl and new is not None and DECODE_KV_PREFETCH else 0, KV_LINES=_pow2(-(-dim // line)),
         KV_PRELOAD=new is not None and DECODE_KV_PRELOAD, ROW_GROUP=row_group if new is not None else 1,
+        NEW_ROWS=max(16, _pow2(row_group)),
         num_warps=num_warps, **({"num_stages": DECODE_FP8_STAGES} if kv_cache.quantized else {}), **launch_options(pdl),
     )
     if splits == 1:

@@ -340,6 +340,42 @@ def stored_fraction_equal(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() == want.float()).float().mean().item()
 
 
+def test_verifying_rows_write_their_tokens_in_fp8_and_attend_to_each_other_as_stored():
+    """The fused kernel's verifying rows (``row_group``) over an FP8 cache: each of a request's 5
+    rows writes its own token as e4m3 with its scale (as torch rounds them) and attends to the
+    new tokens of the rows before it from registers, as stored: each row's output is the
+    reference over the cache the kernel leaves, up to its own position."""
+    from dataclasses import replace
+
+    from engine.attention.triton_paged import NewTokens
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    hq, hkv, dim, page, ctx = 4, 2, 64, 4, 37
+    cache, meta = fp8_batch([5], [ctx], hkv, dim, page, seed)
+    positions = torch.arange(ctx, ctx + 5, device=DEVICE)
+    q = torch.randn(5, hq, dim, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(5, hkv, dim, device=DEVICE, dtype=DTYPE) * 5
+    v = torch.randn(5, hkv, dim, device=DEVICE, dtype=DTYPE)
+    cos_sin = rope_table(256, dim)
+    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    seq_lens = (positions + 1).to(torch.int32)
+    tables = meta.block_tables.expand(5, -1).contiguous()
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, tables, seq_lens, dim**-0.5, out, new=NewTokens(k, v, positions, cos_sin, meta.slot_mapping),
+                     row_group=5)
+    slots = meta.slot_mapping
+    for x, values, scales in ((rotate(k.float(), cos, sin), cache.k, cache.k_scale), (v.float(), cache.v, cache.v_scale)):
+        want, want_scale = quantize(x)
+        torch.testing.assert_close(scales.view(-1, hkv)[slots], want_scale, rtol=1e-5, atol=0, msg=f"seed {seed}")
+        assert stored_fraction_equal(values.view(torch.uint8).view(-1, hkv, dim)[slots].view(FP8_DTYPE), want) >= 0.95, f"seed {seed}"
+    rows = replace(meta, block_tables=tables, seq_lens=seq_lens, seq_lens_host=seq_lens.tolist(), num_decodes=5,
+                   query_lens_host=[1] * 5, scratch={})
+    ref = paged_attention_reference(rotate(q.float(), cos, sin).to(DTYPE), cache.dequantized(DTYPE), rows, dim**-0.5)
+    assert not out.isnan().any()
+    assert rel(out, ref) < FP8_TOL, f"seed {seed}"
+
+
 @pytest.mark.parametrize("hq,hkv,dim,page", [(6, 2, 64, 4), (4, 4, 24, 8)])  # 24: padded lanes must not move a row's amax
 def test_rope_and_store_into_an_fp8_cache_matches_torchs_rounding(hq, hkv, dim, page):
     """The write after RoPE: each (token, head) row's scale is its amax / 448 and its values
