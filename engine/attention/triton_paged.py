@@ -37,13 +37,13 @@ DECODE_KV_PRELOAD = True
 # A row graph's verifying step (rows that are successive tokens of one request) in the fused decode
 # kernel too: each row attends to its request's new keys of the rows before it from their raw k|v
 # (split_kv_decode_attention's ROW_GROUP), instead of RoPE + the KV write as a kernel of its own
-# before attention in every layer. Off: the graph of k + 1 rows scans back k rows for each row
-# whatever the step's real rows, and that costs more than the kernel it saves from k=4 up. 1.5B
-# shape, H100, 2026-12-07 16:31 (engine/bench/experiments/verify_step_anatomy.py, which A/Bs this
-# switch), device ms a verifying step at 2,160 tokens of context, fused against not: k=2 1.796 /
-# 1.813, k=4 1.879 / 1.846, k=8 1.941 / 1.865. The real 1.5B at k=8 on that machine: 872 tok/s
-# fused against 907 not.
-FUSE_ROW_KV_WRITE = False
+# before attention in every layer. Those new tokens are one tile of the split that owns the last
+# position (_attend_new_rows). 1.5B shape, random weights, H100, device speculation steps at 2,160
+# tokens of context (engine/bench/experiments/device_step_cost.py, two rounds, 2026-12-07 22:48):
+# k=4 1.727 ms a step fused against 1.761 not, k=8 1.864 against 1.868. When the kernel attended
+# the new tokens one after another, it lost from k=4 up (k=4 1.879 against 1.846, 16:31 the same
+# day, verify_step_anatomy.py).
+FUSE_ROW_KV_WRITE = True
 
 
 @dataclass(frozen=True)

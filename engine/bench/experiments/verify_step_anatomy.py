@@ -12,7 +12,7 @@ row adds against one row, the device's idle gap after a step read back at once a
 turnaround to the next launch, and decode tokens/s. Attention reads a request's context once per
 row in a row graph, so the cost a row adds grows with the context; the rest is the projections'.
 Each k runs twice: row graphs captured with RoPE and the KV write fused into the attention kernel
-(``FUSE_ROW_KV_WRITE``) and as a kernel of their own before it (the default).
+(``FUSE_ROW_KV_WRITE``, the default since 2026-12-07 22:48) and as a kernel of their own before it.
 Run from the repository root on a GPU: ``PYTHONPATH=$PWD python
 engine/bench/experiments/verify_step_anatomy.py [--model engine/configs/qwen2.5-coder-1.5b.json]
 [--contexts 64 2160] [--k 1 2 4 8] [--tokens 96]``.
