@@ -89,6 +89,23 @@ class StepYield:
         return self.mean >= 1 + row_cost * k
 
 
+@dataclass
+class DeviceSpeculationStats:
+    """Totals since start of the ways in and out of device speculation: its steps, and of them
+    the request verifications with drafts; entries, and of them those taken on the samples of a
+    host step in flight (no read back first); leaves because its steps stopped paying (it rests
+    then, and the host's verifying steps, each read back at once, stand in until a draft stands),
+    and other leaves (a request arriving, finishing or aborted; no KV blocks or context for the
+    next steps). Each leave reads the device step in flight back before the next launch."""
+
+    steps: int = 0
+    verifications: int = 0
+    entries: int = 0
+    entries_ahead: int = 0
+    leaves_for_yield: int = 0
+    leaves_other: int = 0
+
+
 def takes_device_path(params: SamplingParams) -> bool:
     """Whether a request's sampling leaves its tokens to the device's argmax: temperature 0, no
     penalties (they read the outputs on the host), no logprobs (the device path returns none)."""

@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device_speculation import DeviceSpeculation, DeviceStep, StepYield, takes_device_path
+from engine.device_speculation import DeviceSpeculation, DeviceSpeculationStats, DeviceStep, StepYield, takes_device_path
 from engine.execution_path import ExecutionPath
 from engine.kv_cache import KVCache
 from engine.loaded_model import LoadedModel
@@ -107,6 +107,7 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.scheduler.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        self.device_stats = DeviceSpeculationStats()
         self.block_manager.prefix_cache.stats = PrefixCacheStats()
 
     def warm_up(self) -> None:
@@ -271,6 +272,8 @@ class EngineCore:
             if ahead is not None:  # indices staged through pinned memory: a pageable copy would wait for the step in flight
                 last = ahead.tokens.index_select(0, to_device([ahead.row_of[r.request_id] for r in requests], torch.int64, self.device))
             self.device_speculation.enter(requests, last)
+            self.device_stats.entries += 1
+            self.device_stats.entries_ahead += ahead is not None
             self._device_yield = StepYield.prior(self.device_speculation.k)
             t1 = time.perf_counter()
             self._device_inflight = self._device_launch(requests)
@@ -283,6 +286,10 @@ class EngineCore:
         pays = self._device_yield.pays(self.device_speculation.k, self.row_cost)
         if not pays or not self._device_can_run(requests):
             self._device_resting = not pays
+            if pays:
+                self.device_stats.leaves_other += 1
+            else:
+                self.device_stats.leaves_for_yield += 1
             outputs = self._device_finalize(self._take_device())
             self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
             return outputs
@@ -351,6 +358,7 @@ class EngineCore:
         if span is not None:
             span[1].record()
         self.num_steps += 1
+        self.device_stats.steps += 1
         return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, behind,
                                   after_read_back, self.device_speculation.rows(step.bucket))
 
@@ -382,6 +390,7 @@ class EngineCore:
                 continue
             if result.num_drafts:
                 self.spec_stats.record(result.num_drafts, result.num_accepted)
+                self.device_stats.verifications += 1
             for token in result.tokens:
                 outputs.append(self._append_token(req, token, None, now))
                 if req.status.finished:

@@ -27,7 +27,7 @@ import datetime as dt
 import json
 import platform
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
@@ -221,6 +221,13 @@ def main(argv: list[str]) -> int:
             results[f"spec_{kind}_bs{batch}_drafted_ahead"] = st.num_drafts_ahead
             results[f"spec_{kind}_bs{batch}_guesses_right"] = st.num_guesses_right
             results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
+            ds = engines[kind].device_stats
+            if ds.steps:  # where device speculation's read backs come from
+                lines.append(f"  batch {batch}, {names[kind]}: {ds.steps} device steps ({ds.verifications} request verifications), "
+                             f"{ds.entries} entries ({ds.entries_ahead} on the samples of a step in flight), leaves: "
+                             f"{ds.leaves_for_yield} for its yield, {ds.leaves_other} other; {st.num_drafts - ds.verifications} "
+                             f"request verifications the host's way")
+                results[f"spec_{kind}_bs{batch}_device"] = asdict(ds)
         for kind, core in engines.items():
             lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")
             t = core.step_times

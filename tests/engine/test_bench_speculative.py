@@ -53,6 +53,11 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     assert re.search(r"batch 1, n-gram speculation steps: .*; [1-9]\d* launches after a step read back at once: host [\d.]+ ms "
                      r"from read back to launch;", r.stdout)
     assert results["spec_ngram_bs1_read_back_launches"] > 0 and results["spec_ngram_bs1_read_back_turnaround_ms"] > 0
+    # device speculation's ways in and out (async scheduling: each answer enters on its prompt's samples in flight)
+    assert re.search(r"batch 1, n-gram speculation on the device: \d+ device steps \(\d+ request verifications\), (\d+) entries "
+                     r"\((\d+) on the samples of a step in flight\), leaves: \d+ for its yield, \d+ other;", r.stdout)
+    device = results["spec_ngram_device_bs1_device"]
+    assert device["entries_ahead"] >= 2 and device["entries"] >= device["entries_ahead"] and device["steps"] > device["entries"]
     assert "spec_ngram_bs1_read_back_idle_ms" not in results  # CUDA events only
 
 

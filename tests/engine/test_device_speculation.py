@@ -88,6 +88,8 @@ def test_with_async_scheduling_it_enters_on_the_samples_in_flight(smollm, llm_gg
     for n in (1, 2):
         assert llm.generate(quoting_prompts[:1], SamplingParams(temperature=0.0, max_tokens=n))[0].token_ids == plain[0].token_ids[:n]
     assert first_entries == [True] * 4
+    stats = llm.core.device_stats
+    assert stats.entries_ahead >= 6 and stats.entries >= stats.entries_ahead  # the two short answers entered too
     assert llm.core.spec_stats.num_accepted_tokens > 10
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
@@ -172,6 +174,7 @@ def test_steps_that_do_not_pay_send_the_requests_the_hosts_way(smollm, llm_gguf_
         assert llm.generate([p], params)[0].token_ids == want.token_ids
     assert launches == [1, 1]
     assert llm.core._device_resting
+    assert (llm.core.device_stats.leaves_for_yield, llm.core.device_stats.entries) == (2, 2)
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
@@ -201,6 +204,7 @@ def test_a_draft_standing_the_hosts_way_brings_the_requests_back(smollm, llm_ggu
             rested.append(core._device_resting)
     assert tokens == plain[0].token_ids
     assert rested == [True] and len(entries) >= 2 and req.status.finished
+    assert core.device_stats.leaves_for_yield >= 1 and core.device_stats.entries == len(entries)
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
 
 
