@@ -30,8 +30,8 @@ from engine.prefix_cache import PrefixCacheStats
 from engine.request import Request, RequestStatus
 from engine.sampling import PendingSample, SampleInput, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.transfer import to_device
 from engine.speculative import DraftWant, Proposer, SpecDecodeStats, accepted_tokens, best_k
+from engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +249,10 @@ class EngineCore:
     # ---- device speculation (engine/device_speculation.py) -----------------------------------------
     def _device_step(self) -> list[RequestOutput] | None:
         """A step of device speculation, or None when this step goes the host's way. Entering it
-        takes a host step in flight's samples on the device (``_samples_ahead``) and reads that
-        step while the first device step runs, or else reads it back first; while in it, each step launches the next device
-        step, then reads the one before (its tokens are learned a step late). It is left when a
+        takes the samples of a host step in flight on the device (``_samples_ahead``) and reads
+        that step while the first device step runs, or else reads it back first; while in it,
+        each step launches the next device step, then reads the one before (its tokens are
+        learned a step late). It is left when a
         request arrives, finishes or is aborted, or the next step's KV blocks or context are not
         there, or its steps stop paying (``StepYield``; then it rests until a draft verified the
         host's way stands): the step in flight is read back, and the requests go on as decoding
