@@ -252,11 +252,11 @@ class EngineCore:
         takes the samples of a host step in flight on the device (``_samples_ahead``) and reads
         that step while the first device step runs, or else reads it back first; while in it,
         each step launches the next device step, then reads the one before (its tokens are
-        learned a step late). It is left when a
-        request arrives, finishes or is aborted, or the next step's KV blocks or context are not
-        there, or its steps stop paying (``StepYield``; then it rests until a draft verified the
-        host's way stands): the step in flight is read back, and the requests go on as decoding
-        requests of the scheduler (their last token's KV not yet computed, as after any decode)."""
+        learned a step late). It is left when a request arrives, finishes or is aborted, or the
+        next step's KV blocks or context are not there, or its steps stop paying (``StepYield``;
+        then it rests until a draft verified the host's way stands): the step in flight is read
+        back, and the requests go on as decoding requests of the scheduler (their last token's KV
+        not yet computed, as after any decode)."""
         t0 = time.perf_counter()
         if self._device_inflight is None:
             ahead = self._samples_ahead()
