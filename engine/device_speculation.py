@@ -18,7 +18,8 @@ Every step has ``k + 1`` rows a request, with drafts or not (a request without a
 padding and gets one token), and a bucket of requests (``buckets``; a padding request's rows
 write only the null block). Only greedy requests without penalties or logprobs take this path,
 and only while nothing else is scheduled: :class:`engine.engine_core.EngineCore` enters it when
-every running request decodes and none waits, and leaves it (the step in flight read back, the
+every running request decodes and none waits (on the samples of the host step in flight, taken
+on the device, when that step sampled every request's last token), and leaves it (the step in flight read back, the
 requests handed back to the scheduler) when a request arrives, finishes or is aborted, or its next
 KV blocks are not free. It also leaves when its steps stop paying (:class:`StepYield`): an answer
 that quotes nothing verifies padding rows for one token a step, where a plain step costs less; the
