@@ -19,9 +19,9 @@ padding and gets one token), and a bucket of requests (``buckets``; a padding re
 write only the null block). Only greedy requests without penalties or logprobs take this path,
 and only while nothing else is scheduled: :class:`engine.engine_core.EngineCore` enters it when
 every running request decodes and none waits (on the samples of the host step in flight, taken
-on the device, when that step sampled every request's last token), and leaves it (the step in flight read back, the
-requests handed back to the scheduler) when a request arrives, finishes or is aborted, or its next
-KV blocks are not free. It also leaves when its steps stop paying (:class:`StepYield`): an answer
+on the device, when that step sampled every request's last token), and leaves it (the step in
+flight read back, the requests handed back to the scheduler) when a request arrives, finishes or
+is aborted, or its next KV blocks are not free. It also leaves when its steps stop paying (:class:`StepYield`): an answer
 that quotes nothing verifies padding rows for one token a step, where a plain step costs less; the
 host's way then drafts only where its lookups find matches, and a draft it verifies that stands
 brings the requests back.
@@ -231,8 +231,8 @@ class DeviceSpeculation:
             slots = torch.arange(n, device=self.history.device)
             self.history[slots, self.lengths[:n]] = last.to(torch.int64)
             self.lengths[:n] += 1
-        self._reset_padding(len(requests))
-        self._block_counts[: len(requests)] = [0] * len(requests)
+        self._reset_padding(n)
+        self._block_counts[:n] = [0] * n
         for i, req in enumerate(requests):
             self.update_table(i, req.block_ids)
         self._verify_and_draft(bucket, None)

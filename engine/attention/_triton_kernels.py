@@ -194,26 +194,25 @@ def _attend_tile(q, acc, m_i, l_i, offs, end, d, b, kvh, K_CACHE, V_CACHE, BLOCK
 
 
 @triton.jit
-def _attend_new_token(q, acc, m_i, l_i, k_row, v_row, cos, sin, d, dmask, partner, here, write_own, slot, kvh,
+def _attend_new_token(q, acc, m_i, l_i, k_row, v_row, cos, sin, d, dmask, partner, owner, slot, kvh,
                       K_CACHE, V_CACHE, K_SCALE, V_SCALE, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
                       scale, D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
-    """One of the step's new tokens for a decode program: k rotated by (cos, sin), k and v as the
-    cache stores them (FP8: attended as stored, the values later steps read), attended from
-    registers where ``here``; written to the cache at ``slot`` where ``write_own`` (the row's own
-    token, by the split that owns the last position)."""
+    """A one-token decode row's new token: k rotated by (cos, sin), k and v as the cache stores
+    them (FP8: attended as stored, the values later steps read); where ``owner`` (the split that
+    owns the last position) written to the cache at ``slot`` and attended from registers."""
     k_f = (tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32) * cos
            + tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32) * sin)
     v_f = tl.load(v_row + d, mask=dmask, other=0.0).to(tl.float32)
     dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kvh * stride_kh + d
-    write = d < tl.where(write_own, D, 0)  # dmask for the writer, nothing for the others
+    write = d < tl.where(owner, D, 0)  # dmask for the writer, nothing for the others
     if FP8:
         ks_new = _fp8_scale(tl.max(tl.abs(k_f), 0))
         vs_new = _fp8_scale(tl.max(tl.abs(v_f), 0))
         k_new = _to_fp8(k_f, ks_new, K_CACHE.dtype.element_ty)
         v_new = _to_fp8(v_f, vs_new, V_CACHE.dtype.element_ty)
         dst_s = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + kvh * stride_sh
-        tl.store(K_SCALE + dst_s, ks_new, mask=write_own)
-        tl.store(V_SCALE + dst_s, vs_new, mask=write_own)
+        tl.store(K_SCALE + dst_s, ks_new, mask=owner)
+        tl.store(V_SCALE + dst_s, vs_new, mask=owner)
         k_att = k_new.to(tl.float32) * ks_new
         v_att = v_new.to(tl.float32) * vs_new
     else:
@@ -224,7 +223,7 @@ def _attend_new_token(q, acc, m_i, l_i, k_row, v_row, cos, sin, d, dmask, partne
     tl.store(K_CACHE + dst, k_new, mask=write)
     tl.store(V_CACHE + dst, v_new, mask=write)
     s_new = tl.sum(q.to(tl.float32) * k_att[None, :], 1) * scale
-    s_new = tl.where(here, s_new, float("-inf"))
+    s_new = tl.where(owner, s_new, float("-inf"))
     m_new = tl.maximum(m_i, s_new)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p_new = tl.exp(s_new - m_safe)
@@ -392,7 +391,7 @@ def split_kv_decode_attention(
         if ROW_GROUP == 1:
             acc, m_i, l_i = _attend_new_token(q, acc, m_i, l_i, K_NEW + b * stride_knt + kvh * stride_knh,
                                               V_NEW + b * stride_vnt + kvh * stride_vnh, cos, sin, d, dmask, partner,
-                                              owner, owner, slot, kvh, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
+                                              owner, slot, kvh, K_CACHE, V_CACHE, K_SCALE, V_SCALE,
                                               stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh, scale, D, PAGE, FP8)
         else:
             if owner:
