@@ -33,6 +33,7 @@ from pathlib import Path
 from engine.bench.ceilings import copy_bandwidth, decode_step_bytes
 from engine.bench.report import Row, device_name, format_table
 from engine.config import ROW_COST_BY_DEVICE, EngineConfig
+from engine.device_speculation import DeviceSpeculationStats
 from engine.engine_builder import build_engine
 from engine.engine_core import EngineCore
 from engine.loaded_model import LoadedModel
@@ -184,6 +185,7 @@ def main(argv: list[str]) -> int:
         same = dict.fromkeys(kinds, 0)
         for kind in kinds:
             engines[kind].spec_stats = SpecDecodeStats()
+            engines[kind].device_stats = DeviceSpeculationStats()  # this batch size's, not the warm-up's
             proposer = engines[kind].proposer
             if isinstance(proposer, NgramProposer) and proposer.answers is not None:
                 proposer.answers.clear()
@@ -222,12 +224,13 @@ def main(argv: list[str]) -> int:
             results[f"spec_{kind}_bs{batch}_guesses_right"] = st.num_guesses_right
             results[f"spec_{kind}_bs{batch}_identical"] = f"{same[kind]}/{len(prompts)}"
             ds = engines[kind].device_stats
+            host_way = st.num_drafts - ds.verifications  # every verification is in spec_stats, the device's also in ds
             if ds.steps:  # where device speculation's read backs come from
                 lines.append(f"  batch {batch}, {names[kind]}: {ds.steps} device steps ({ds.verifications} request verifications), "
                              f"{ds.entries} entries ({ds.entries_ahead} on the samples of a step in flight), leaves: "
-                             f"{ds.leaves_for_yield} for its yield, {ds.leaves_other} other; {st.num_drafts - ds.verifications} "
+                             f"{ds.leaves_for_yield} for its yield, {ds.leaves_other} other; {host_way} "
                              f"request verifications the host's way")
-                results[f"spec_{kind}_bs{batch}_device"] = asdict(ds)
+                results[f"spec_{kind}_bs{batch}_device"] = asdict(ds) | {"host_verifications": host_way}
         for kind, core in engines.items():
             lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")
             t = core.step_times

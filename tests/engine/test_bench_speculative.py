@@ -58,6 +58,8 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
                      r"\((\d+) on the samples of a step in flight\), leaves: \d+ for its yield, \d+ other;", r.stdout)
     device = results["spec_ngram_device_bs1_device"]
     assert device["entries_ahead"] >= 2 and device["entries"] >= device["entries_ahead"] and device["steps"] > device["entries"]
+    for batch in (1, 2):  # counted per batch size (the warm-up's and batch 1's steps not in batch 2's)
+        assert results[f"spec_ngram_device_bs{batch}_device"]["host_verifications"] >= 0
     assert "spec_ngram_bs1_read_back_idle_ms" not in results  # CUDA events only
 
 
