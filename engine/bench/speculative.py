@@ -253,6 +253,19 @@ def main(argv: list[str]) -> int:
             lines.append(f"  batch {batch}, draft model: {draft_times.steps - draft_before[0]} draft steps, {ms:.1f} ms each with the "
                          f"host's work (a plain decode token took {1e3 / plain_tps * batch:.1f} ms a step at this batch)")
             results[f"spec_draft_bs{batch}_draft_step_ms"] = ms
+            st = engines["draft"].spec_stats
+            if batch == 1 and st.num_drafts:  # a request's cycle: its draft steps, then one verifying step
+                plain_ms = 1e3 / plain_tps
+                steps = (draft_times.steps - draft_before[0]) / st.num_drafts
+                drafts = st.num_draft_tokens / st.num_drafts
+                verify = 1 + spec.row_cost(loaded.device.type) * drafts  # the verifying step, in plain steps
+                bound = (st.mean_accepted_length or 1) / (steps * ms / plain_ms + verify)
+                even = ((st.mean_accepted_length or 1) - verify) / steps  # the draft step's share of a plain one that breaks even
+                lines.append(f"  batch 1, draft model's cycle: {steps:.2f} draft steps of {ms / plain_ms:.2f} plain steps each and a "
+                             f"verifying step of ~{verify:.2f}, for {st.mean_accepted_length or 1:.2f} tokens: at most {bound:.2f}x with "
+                             f"no host time between them; the drafts pay while a draft step costs under {even:.2f} of a plain step")
+                results["spec_draft_bs1_cycle_bound"] = bound
+                results["spec_draft_bs1_break_even_draft_step"] = even
         if batch == 1:
             ceiling = bw / decode_step_bytes(engines["plain"], len(prompts[0]) + args.max_tokens // 2)
             rows.append(Row("decode, batch 1, no speculation", plain_tps, "tok/s", "bandwidth ceiling of a 1-token step", ceiling))

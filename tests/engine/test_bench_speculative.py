@@ -39,6 +39,15 @@ def test_the_speculative_bench_prints_speedup_acceptance_and_identical_outputs(l
     for kind in ("ngram", "draft"):
         assert results[f"spec_{kind}_pays_at_batches"] == [b for b in (1, 2) if results[f"spec_{kind}_bs{b}_speedup"] > 1]
     assert "decode, batch 1: draft model" in r.stdout and "draft steps" in r.stdout
+    # the draft model's cycle, priced from this run's steps: what it could give at most, and the draft step that breaks even
+    cycle = re.search(r"batch 1, draft model's cycle: ([\d.]+) draft steps of ([\d.]+) plain steps each and a verifying step of "
+                      r"~([\d.]+), for ([\d.]+) tokens: at most ([\d.]+)x with no host time between them; the drafts pay while a "
+                      r"draft step costs under (-?[\d.]+) of a plain step", r.stdout)
+    assert cycle, r.stdout[-3000:]
+    steps, share, verify, tokens, bound, even = map(float, cycle.groups())
+    assert steps >= 1 and share > 0 and 1 <= verify <= 1 + 0.05 * 4 and 1 <= tokens <= 5
+    assert results["spec_draft_bs1_cycle_bound"] == pytest.approx(tokens / (steps * share + verify), rel=0.02)
+    assert results["spec_draft_bs1_break_even_draft_step"] == pytest.approx((tokens - verify) / steps, abs=0.01)
     for batch in (1, 2):
         for kind in ("ngram", "ngram_prompt", "ngram_device", "draft"):
             assert results[f"spec_{kind}_bs{batch}_speedup"] > 0 and results[f"spec_{kind}_bs{batch}_identical"] == "2/2"
