@@ -147,6 +147,7 @@ class ASRConfig:
     no_speech_threshold: float = 0.6
     log_prob_threshold: float = -1.0
     compression_ratio_threshold: float = 2.4
+    reject_repeated_sentences: bool = True  # a segment saying one sentence twice in a row (a short repetition loop)
 
     def __post_init__(self) -> None:
         _check(

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,17 @@ from speech.audio import to_float32
 from speech.config import ASRConfig, ConfigError
 
 ASR_SAMPLE_RATE = 16000
+
+
+def repeats_a_sentence(text: str) -> bool:
+    """Whether ``text`` says one sentence twice in a row: a repetition loop too short for the
+    compression ratio to show. Whisper base wrote "I am going out for a little while. I am going
+    out for a little while. See you in a month." for two questions played backwards at once
+    (average log-probability -0.76, compression ratio 1.39: both within their thresholds). A
+    sentence counts from three words (or six characters without spaces, as in Chinese), so a
+    spoken "Yes. Yes." stays."""
+    sentences = [s.strip().lower() for s in re.split(r"(?<=[.!?。！？])\s*", text) if s.strip()]
+    return any(a == b and (len(a.split()) >= 3 or len(a) >= 6 and " " not in a) for a, b in pairwise(sentences))
 
 
 class ASRError(RuntimeError):
@@ -75,8 +88,8 @@ class FasterWhisperBackend(ASRBackend):
     faster-whisper skips a window whose ``no_speech_prob`` is above ``no_speech_threshold`` while
     its ``avg_logprob`` is below ``log_prob_threshold`` (silence, noise). A segment it keeps is
     still dropped here if its ``avg_logprob`` is below ``log_prob_threshold`` (e.g. babble that is
-    not words) or its ``compression_ratio`` above ``compression_ratio_threshold`` (repetition
-    loops). Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
+    not words), its ``compression_ratio`` above ``compression_ratio_threshold`` (repetition
+    loops) or it says one sentence twice in a row (:func:`repeats_a_sentence`, shorter loops). Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
     """
 
     def __init__(self, config: ASRConfig) -> None:
@@ -127,6 +140,7 @@ class FasterWhisperBackend(ASRBackend):
             if (
                 segment.avg_logprob < config.log_prob_threshold
                 or segment.compression_ratio > config.compression_ratio_threshold
+                or config.reject_repeated_sentences and repeats_a_sentence(segment.text)
             ):
                 rejected += 1
             else:

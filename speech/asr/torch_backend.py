@@ -9,8 +9,8 @@ project's settings (greedy, temperature 0, no timestamps, no previous text; the 
 clip's first window) and applies the same guards as
 :class:`~speech.asr.backend.FasterWhisperBackend`: a window whose no-speech probability is above
 ``no_speech_threshold`` while its average log-probability is not above ``log_prob_threshold`` is
-skipped; a kept window below ``log_prob_threshold`` or above ``compression_ratio_threshold`` is
-rejected. So on the CPU in float32 its transcripts equal faster-whisper's.
+skipped; a kept window below ``log_prob_threshold``, above ``compression_ratio_threshold`` or
+saying one sentence twice in a row is rejected. So on the CPU in float32 its transcripts equal faster-whisper's.
 
 ``load_format="dummy"`` builds the large-v3-turbo shape with random weights for timing: every
 decode runs exactly ``dummy_tokens`` tokens after the prompt and prefix, without guards, and is
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from speech.asr.backend import ASRBackend, Decoded, resolve_device
+from speech.asr.backend import ASRBackend, Decoded, repeats_a_sentence, resolve_device
 from speech.asr.ct2_weights import read_ct2_model
 from speech.asr.encoder_graphs import EncoderGraphs
 from speech.asr.greedy_decode import DecodeRules, GreedyDecoder, RowPrompt
@@ -228,7 +228,8 @@ class TorchWhisperBackend(ASRBackend):
                 continue  # silence: faster-whisper skips the window
             if not text.strip():
                 continue
-            if avg_logprob < config.log_prob_threshold or compression_ratio(text.strip()) > config.compression_ratio_threshold:
+            if (avg_logprob < config.log_prob_threshold or compression_ratio(text.strip()) > config.compression_ratio_threshold
+                    or config.reject_repeated_sentences and repeats_a_sentence(text)):
                 rejected += 1
             else:
                 kept.append(text)

@@ -247,6 +247,7 @@ def test_guards_remove_what_whisper_makes_up(question_clips, whisper_base, base_
             no_speech_threshold=1.0,
             log_prob_threshold=-1e9,
             compression_ratio_threshold=1e9,
+            reject_repeated_sentences=False,
         )
     )
     mandarin = load_tts(TTSConfig(backend="espeak", language="zh")).synthesize(
@@ -263,6 +264,16 @@ def test_guards_remove_what_whisper_makes_up(question_clips, whisper_base, base_
         assert unguarded.transcribe(audio, language="en").text != "", name
         decoded = whisper_base.transcribe(audio, language="en")
         assert decoded.text == "" and decoded.rejected_segments == rejected_here, (name, decoded)
+
+
+def test_a_sentence_said_twice_in_a_row_is_a_repetition_loop() -> None:
+    from speech.asr.backend import repeats_a_sentence
+
+    assert repeats_a_sentence("I am going out for a little while. I am going out for a little while. See you in a month.")
+    assert repeats_a_sentence("请登录人事系统。请登录人事系统。")
+    assert not repeats_a_sentence("Yes. Yes. How do I apply for annual leave?")
+    assert not repeats_a_sentence("How do I apply for annual leave? And how many days do I get?")
+    assert not repeats_a_sentence("Is it paid? Is it paid by the company?")
 
 
 # -- languages, rates, commit, errors -----------------------------------------------------------
