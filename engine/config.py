@@ -308,12 +308,20 @@ class EngineConfig:
     no penalties, no logprobs), up to ``speculative_max_batch`` of them, and none waits, decide
     the drafts, their verification and the next step's inputs on the device, so that a verifying
     step is launched before the one before it is read back (engine/device_speculation.py); each
-    such step verifies ``num_speculative_tokens`` rows a request, and it leaves that way for the
-    host's while its drafts do not pay. auto: on with CUDA, off on the CPU (each step there is
+    such step verifies ``num_speculative_tokens`` rows a request (and, with
+    ``speculative_device_rests``, it leaves that way for the host's while its drafts do not pay). auto: on with CUDA, off on the CPU (each step there is
     waited for anyway). On an H200 (2026-12-07, the 1.5B, 32 handbook questions, k=4, n-grams
     1..8, docs/performance.md) it decoded 1.47x the plain engine at batch 1 where the host's way
     ran 1.34x, 1.37x against 1.26x at batch 4 and 1.28x against 1.30x at batch 8, the answers
     token for token the host's (31/32 the plain engine's, the other parting at a near-tie)."""
+    speculative_device_rests: bool = False
+    """Let device speculation leave for the host's way while its steps gain less than their rows
+    cost (``StepYield``, priced at ``speculative_row_cost``), until a draft verified there stands.
+    Off: on an H100 (2026-12-08, the 1.5B, 32 handbook questions, n-grams 1..8, batch 1,
+    docs/performance.md) resting cost more than it saved, k=4 1.57x with rests at row cost 0.05,
+    1.59x at 0.02 and 1.67x never resting, k=8 1.62x, 1.64x and 1.69x, batch 4 1.31x against 1.39x:
+    leaving and coming back each read a step back, and a device step of 5 rows costs only 1.08
+    one-row steps."""
     num_speculative_tokens: int = 4
     """Drafts a verifying step proposes at most (``k``): each costs one more row in the step."""
     speculative_row_cost: float | None = None

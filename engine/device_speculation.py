@@ -19,12 +19,14 @@ padding and gets one token), and a bucket of requests (``buckets``; a padding re
 write only the null block). Only greedy requests without penalties or logprobs take this path,
 and only while nothing else is scheduled: :class:`engine.engine_core.EngineCore` enters it when
 every running request decodes and none waits (on the samples of the host step in flight, taken
-on the device, when that step sampled every request's last token), and leaves it (the step in
-flight read back, the requests handed back to the scheduler) when a request arrives, finishes or
-is aborted, or its next KV blocks are not free. It also leaves when its steps stop paying (:class:`StepYield`): an answer
-that quotes nothing verifies padding rows for one token a step, where a plain step costs less; the
-host's way then drafts only where its lookups find matches, and a draft it verifies that stands
-brings the requests back.
+on the device, when that step sampled every request's last token) and none has decoded in a
+batch too large to speculate, and leaves it (the step in flight read back, the requests handed
+back to the scheduler) when a request arrives, finishes or is aborted, or its next KV blocks are
+not free. With ``speculative_device_rests`` it also leaves when its steps stop paying
+(:class:`StepYield`): an answer that quotes nothing verifies padding rows for one token a step,
+where a plain step costs less; the host's way then drafts only where its lookups find matches,
+and a draft it verifies that stands brings the requests back. Off by default: on a GPU a device
+step of 5 rows costs little more than one of 1, and leaving and coming back cost read backs.
 """
 
 from __future__ import annotations

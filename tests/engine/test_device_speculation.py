@@ -162,12 +162,39 @@ def test_an_abort_mid_answer_leaves_the_other_request_untouched(smollm, llm_gguf
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
 
 
-def test_steps_that_do_not_pay_send_the_requests_the_hosts_way(smollm, llm_gguf_path, quoting_prompts, plain):
-    """Rows priced so high that no drafts can pay for them (a row costs 5 one-token steps): the
-    first device step's yield is below its cost, so the request leaves after it and rests (the
-    host drafts nothing at that price); the answer is still the plain engine's. A new request
-    gives device speculation a fresh chance."""
+def test_by_default_device_speculation_stays_whatever_its_steps_yield(smollm, llm_gguf_path, quoting_prompts, plain):
+    """Rows priced so high that no drafts could pay for them (a row costs 5 one-token steps), but
+    rests off (the default): the request stays on the device to its end, in fewer steps than
+    tokens, and the answer is the plain engine's."""
     llm = device_llm(smollm, llm_gguf_path, speculative_row_cost=5.0)
+    launches = count_launches(llm)
+    got = llm.generate(quoting_prompts[:1], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert got.token_ids == plain[0].token_ids
+    assert 1 < len(launches) < len(got.token_ids) and not llm.core._device_resting
+    assert (llm.core.device_stats.leaves_for_yield, llm.core.device_stats.entries) == (0, 1)
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_a_request_that_decoded_in_a_batch_too_large_to_speculate_never_enters(smollm, llm_gguf_path, quoting_prompts, plain):
+    """Async scheduling, speculation up to 2 requests: three decode together, so none of them
+    enters device speculation in the group's tail (as none drafts the host's way); a request
+    alone afterwards does. Answers are the plain engine's."""
+    llm = device_llm(smollm, llm_gguf_path, async_scheduling="on", speculative_max_batch=2)
+    launches = count_launches(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    assert [o.token_ids for o in llm.generate(quoting_prompts, params)] == [w.token_ids for w in plain]
+    assert launches == [] and llm.core.device_stats.entries == 0
+    assert llm.generate(quoting_prompts[:1], params)[0].token_ids == plain[0].token_ids
+    assert launches and llm.core.device_stats.entries == 1
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_steps_that_do_not_pay_send_the_requests_the_hosts_way(smollm, llm_gguf_path, quoting_prompts, plain):
+    """With rests on, rows priced so high that no drafts can pay for them: the first device
+    step's yield is below its cost, so the request leaves after it and rests (the host drafts
+    nothing at that price); the answer is still the plain engine's. A new request gives device
+    speculation a fresh chance."""
+    llm = device_llm(smollm, llm_gguf_path, speculative_row_cost=5.0, speculative_device_rests=True)
     launches = count_launches(llm)
     params = SamplingParams(temperature=0.0, max_tokens=40)
     for p, want in zip(quoting_prompts[:2], plain):
@@ -179,10 +206,10 @@ def test_steps_that_do_not_pay_send_the_requests_the_hosts_way(smollm, llm_gguf_
 
 
 def test_a_draft_standing_the_hosts_way_brings_the_requests_back(smollm, llm_gguf_path, quoting_prompts, plain):
-    """Device speculation left for a poor yield (forced after its first step) rests while the
-    host verifies; the host's first draft that stands ends the rest and the request goes back to
-    the device; the answer is the plain engine's throughout."""
-    core = device_llm(smollm, llm_gguf_path).core
+    """With rests on, device speculation left for a poor yield (forced after its first step) rests
+    while the host verifies; the host's first draft that stands ends the rest and the request goes
+    back to the device; the answer is the plain engine's throughout."""
+    core = device_llm(smollm, llm_gguf_path, speculative_device_rests=True).core
     spec = core.device_speculation
     entries: list[int] = []
     enter = spec.enter
