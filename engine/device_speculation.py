@@ -21,8 +21,9 @@ and only while nothing else is scheduled: :class:`engine.engine_core.EngineCore`
 every running request decodes and none waits (on the samples of the host step in flight, taken
 on the device, when that step sampled every request's last token) and none has decoded in a
 batch too large to speculate, and leaves it (the step in flight read back, the requests handed
-back to the scheduler) when a request arrives, finishes or is aborted, or its next KV blocks are
-not free. With ``speculative_device_rests`` it also leaves when its steps stop paying
+back to the scheduler) when a request arrives, every request has finished or been aborted, or
+its next KV blocks are not free; a request that finishes or is aborted while others go on is
+dropped (``drop``: its slot becomes a padding request, no read back). With ``speculative_device_rests`` it also leaves when its steps stop paying
 (:class:`StepYield`): an answer that quotes nothing verifies padding rows for one token a step,
 where a plain step costs less; the host's way then drafts only where its lookups find matches,
 and a draft it verifies that stands brings the requests back. Off by default: on a GPU a device
@@ -53,7 +54,7 @@ class DeviceStep:
     """A launched device verifying step: its requests (the first ``len(requests)`` of the
     bucket), the pinned buffer its outputs are copied into and the event after that copy."""
 
-    requests: list[Request]
+    requests: list[Request | None]  # None: a slot dropped while the others stayed (padding)
     bucket: int
     parity: int
     copied: torch.cuda.Event | None
@@ -98,13 +99,16 @@ class DeviceSpeculationStats:
     the request verifications with drafts; entries, and of them those taken on the samples of a
     host step in flight (no read back first); leaves because its steps stopped paying (it rests
     then, and the host's verifying steps, each read back at once, stand in until a draft stands),
-    and other leaves (a request arriving, finishing or aborted; no KV blocks or context for the
-    next steps). Each leave reads the device step in flight back before the next launch."""
+    and other leaves (a request arriving; every request finished or aborted; no KV blocks or
+    context for the next steps). Each leave reads the device step in flight back before the next
+    launch. ``drops``: requests that finished or were aborted while the others stayed (no read
+    back: their slots became padding)."""
 
     steps: int = 0
     verifications: int = 0
     entries: int = 0
     entries_ahead: int = 0
+    drops: int = 0
     leaves_for_yield: int = 0
     leaves_other: int = 0
 
@@ -249,9 +253,21 @@ class DeviceSpeculation:
         self.row_tables[rows, have : len(block_ids)] = new[None, :]
         self._block_counts[slot] = len(block_ids)
 
-    def launch(self, requests: list[Request]) -> DeviceStep:
-        """Queue one step for the requests ``enter`` took (in its order) and the copy of its
-        outputs to the host; returns at once."""
+    def drop(self, slot: int, bucket: int) -> None:
+        """The request in ``slot`` finished or was aborted while the others go on: from the next
+        launch its slot is a padding request (one token, the null block). The step in flight has
+        laid out the next step's rows for it in its blocks, so every row of the ``bucket`` is laid
+        out again, queued behind that step (the others' rows come out the same: the same tokens)."""
+        rows = slice(slot * (self.k + 1), (slot + 1) * (self.k + 1))
+        self.history[slot, 0] = 0
+        self.lengths[slot] = 1
+        self.row_tables[rows] = NULL_BLOCK
+        self._block_counts[slot] = 0
+        self._verify_and_draft(bucket, None)
+
+    def launch(self, requests: list[Request | None]) -> DeviceStep:
+        """Queue one step for the requests ``enter`` took (in its order; None for a dropped slot)
+        and the copy of its outputs to the host; returns at once."""
         bucket = self.bucket(len(requests))
         self._parity ^= 1
         if len(requests) < bucket:  # padding requests restart at one token: their rows stay in the null block's first positions

@@ -252,11 +252,13 @@ class EngineCore:
         takes the samples of a host step in flight on the device (``_samples_ahead``) and reads
         that step while the first device step runs, or else reads it back first; while in it,
         each step launches the next device step, then reads the one before (its tokens are
-        learned a step late). It is left when a request arrives, finishes or is aborted, or the
-        next step's KV blocks or context are not there, or its steps stop paying (``StepYield``;
-        then it rests until a draft verified the host's way stands): the step in flight is read
-        back, and the requests go on as decoding requests of the scheduler (their last token's KV
-        not yet computed, as after any decode)."""
+        learned a step late). A request that finished or was aborted is dropped (its slot padding,
+        ``_device_drop``) while the others stay. It is left when a request arrives, every request
+        has finished, the next step's KV blocks or context are not there, or (with
+        ``speculative_device_rests``) its steps stop paying (``StepYield``; then it rests until a
+        draft verified the host's way stands): the step in flight is read back, and the requests
+        go on as decoding requests of the scheduler (their last token's KV not yet computed, as
+        after any decode)."""
         t0 = time.perf_counter()
         if self._device_inflight is None:
             ahead = self._samples_ahead()
@@ -283,7 +285,10 @@ class EngineCore:
                 outputs = self._finalize(self._take_inflight())
             self._record_device_step(t0, t1, t2, time.perf_counter())
             return outputs
-        requests = self._device_inflight[0].requests
+        step = self._device_inflight[0]
+        requests = [None if r is not None and r.status.finished else r for r in step.requests]  # finished: dropped
+        while requests and requests[-1] is None:
+            requests.pop()
         pays = not self.config.speculative_device_rests or self._device_yield.pays(self.device_speculation.k, self.row_cost)
         if not pays or not self._device_can_run(requests):
             self._device_resting = not pays
@@ -294,6 +299,7 @@ class EngineCore:
             outputs = self._device_finalize(self._take_device())
             self._read_back_at = time.perf_counter() if self.has_unfinished_requests() else None
             return outputs
+        self._device_drop(step, requests)
         self._device_allocate(requests)
         t1 = time.perf_counter()
         previous, self._device_inflight = self._device_inflight, self._device_launch(requests)
@@ -302,9 +308,18 @@ class EngineCore:
         self._record_device_step(t0, t1, t2, time.perf_counter())
         return outputs
 
-    def _device_can_run(self, current: list[Request] | None = None, pending: bool = False) -> bool:
+    def _device_drop(self, step: DeviceStep, requests: list[Request | None]) -> None:
+        """The requests of ``step`` that finished or were aborted (not in ``requests``, the next
+        step's) leave device speculation alone: their slots become padding, and the others stay
+        on the device without a read back."""
+        for slot, req in enumerate(step.requests):
+            if req is not None and (slot >= len(requests) or requests[slot] is None):
+                self.device_speculation.drop(slot, step.bucket)
+                self.device_stats.drops += 1
+
+    def _device_can_run(self, current: list[Request | None] | None = None, pending: bool = False) -> bool:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
-        it, None when entering) are all the scheduler runs, none finished, none waits; each
+        it, dropped slots None; None when entering) are all the scheduler runs, none finished, none waits; each
         decodes greedily (``takes_device_path``) with room for three more steps in its context,
         and the KV blocks for those are free (``_device_allocate``); ``pending``: each has one
         token more than the host knows, sampled by the step in flight. Not entered while it rests
@@ -315,8 +330,10 @@ class EngineCore:
         running = self.scheduler.running
         if (current is None and self._device_resting) or self.scheduler.waiting or not running or len(running) > spec.max_requests:
             return False
-        if current is not None and (len(current) != len(running) or any(r.status.finished for r in current)):
-            return False
+        if current is not None:
+            live = [r for r in current if r is not None]
+            if not live or len(live) != len(running) or any(r.status.finished for r in live):
+                return False
         rows = spec.k + 1
         need = 0
         for req in running:
@@ -340,7 +357,7 @@ class EngineCore:
             return step.device_tokens
         return None
 
-    def _device_allocate(self, requests: list[Request], pending: bool = False) -> None:
+    def _device_allocate(self, requests: list[Request | None], pending: bool = False) -> None:
         """KV blocks for each request's next three steps, and their tables on the device. The step
         launched now also computes the next step's slots from these tables, and the host learns
         the tokens one step late: the step before this one (in flight) and this one may each add
@@ -349,12 +366,14 @@ class EngineCore:
         those known."""
         rows = self.device_speculation.k + 1
         for slot, req in enumerate(requests):
+            if req is None:  # a dropped slot
+                continue
             req.num_computed_tokens = len(req.all_token_ids) - 1 + pending
             if not self.block_manager.allocate_slots(req, 3 * rows):
                 raise AssertionError("_device_can_run counted the free blocks")  # never: checked just before
             self.device_speculation.update_table(slot, req.block_ids)
 
-    def _device_launch(self, requests: list[Request]) -> tuple[DeviceStep, InflightStep]:
+    def _device_launch(self, requests: list[Request | None]) -> tuple[DeviceStep, InflightStep]:
         """Queue a device speculation step (timed by CUDA events as a graph step)."""
         behind = self._device_inflight is not None or self._inflight is not None  # launched behind a step in flight
         after_read_back, span = self._begin_span(not behind)
@@ -363,15 +382,15 @@ class EngineCore:
             span[1].record()
         self.num_steps += 1
         self.device_stats.steps += 1
-        return step, InflightStep(list(requests), [], None, None, ExecutionPath.GRAPH, span, behind,
+        return step, InflightStep([r for r in requests if r is not None], [], None, None, ExecutionPath.GRAPH, span, behind,
                                   after_read_back, self.device_speculation.rows(step.bucket))
 
     def _record_device_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
         """Host phases of the device step just launched: deciding and allocating (t0..t1; on entry
         with the read back of a host step in flight), the launch (t1..t2), reading back the
         device step before it (t2..t3)."""
-        step, timing = self._device_inflight
-        self.step_times.record(t0, t1, t1, t2, t3, ExecutionPath.GRAPH, len(step.requests), timing.num_tokens)
+        timing = self._device_inflight[1]
+        self.step_times.record(t0, t1, t1, t2, t3, ExecutionPath.GRAPH, len(timing.requests), timing.num_tokens)
 
     def _take_device(self) -> tuple[DeviceStep, InflightStep]:
         step, self._device_inflight = self._device_inflight, None
@@ -386,11 +405,11 @@ class EngineCore:
         if timing.span is not None:
             self._account_device_span(timing)
         outputs = []
-        gained = [len(result.tokens) for req, result in zip(step.requests, results) if not req.status.finished]
+        gained = [len(result.tokens) for req, result in zip(step.requests, results) if req is not None and not req.status.finished]
         if gained:
             self._device_yield.record(sum(gained) / len(gained))
         for req, result in zip(step.requests, results):
-            if req.status.finished:
+            if req is None or req.status.finished:
                 continue
             if result.num_drafts:
                 self.spec_stats.record(result.num_drafts, result.num_accepted)

@@ -228,8 +228,8 @@ def main(argv: list[str]) -> int:
             if ds.steps:  # where device speculation's read backs come from
                 lines.append(f"  batch {batch}, {names[kind]}: {ds.steps} device steps ({ds.verifications} request verifications), "
                              f"{ds.entries} entries ({ds.entries_ahead} on the samples of a step in flight), leaves: "
-                             f"{ds.leaves_for_yield} for its yield, {ds.leaves_other} other; {host_way} "
-                             f"request verifications the host's way")
+                             f"{ds.leaves_for_yield} for its yield, {ds.leaves_other} other; {ds.drops} requests dropped as they finished "
+                             f"(the others stayed); {host_way} request verifications the host's way")
                 results[f"spec_{kind}_bs{batch}_device"] = asdict(ds) | {"host_verifications": host_way}
         for kind, core in engines.items():
             lines.append(f"  batch {batch}, {names.get(kind, 'no speculation')} steps: {step_profile(core.step_times)}")

@@ -99,7 +99,8 @@ def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, qu
     tables then), while the host learns tokens a step late: the blocks of the step after next must
     be in the tables already. At every launch of long answers that repeat their prompt (drafts
     stand, so the device runs far ahead of the host), each real row's slot is its position's slot
-    in its request's blocks, and the answers are the plain engine's."""
+    in its request's blocks (a slot dropped when its request finished writes only the null
+    block), and the answers are the plain engine's."""
     params = SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)
     want = [LLM(str(llm_gguf_path), loaded=smollm, num_kv_blocks=128).generate([p], params)[0].token_ids for p in quoting_prompts[:2]]
     llm = device_llm(smollm, llm_gguf_path)
@@ -109,6 +110,9 @@ def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, qu
     def check(requests):
         page, rows = spec.page, spec.k + 1
         for slot, req in enumerate(requests):
+            if req is None:
+                assert all(int(spec.slots[row]) < page for row in range(slot * rows, (slot + 1) * rows)), "a dropped slot's row"
+                continue
             for row in range(slot * rows, (slot + 1) * rows):
                 pos = int(spec.positions[row])
                 assert pos // page < len(req.block_ids), f"row {row} at position {pos}: its block is not the request's yet"
@@ -121,6 +125,25 @@ def test_every_row_writes_into_its_requests_own_blocks(smollm, llm_gguf_path, qu
     assert [o.token_ids for o in got] == want
     assert len(checked) > 10 and llm.core.spec_stats.num_accepted_tokens > 40
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_a_request_finishing_first_leaves_the_other_on_the_device(smollm, llm_gguf_path, quoting_prompts, plain):
+    """Two answers together, the first cut at 10 tokens: when it finishes, its slot becomes
+    padding and the other stays on the device (one entry, one drop, one leave at the end, no
+    read back between), in the first slot and in the last. Each answer is the plain engine's."""
+    for short in (0, 1):
+        core = device_llm(smollm, llm_gguf_path).core
+        reqs = [core.add_request(p, SamplingParams(temperature=0.0, max_tokens=10 if i == short else 40))
+                for i, p in enumerate(quoting_prompts[:2])]
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens[out.request_id] += out.token_ids
+        assert len(plain[short].token_ids) > 10
+        assert [tokens[r.request_id] for r in reqs] == [w.token_ids[:10] if i == short else w.token_ids for i, w in enumerate(plain[:2])]
+        stats = core.device_stats
+        assert (stats.entries, stats.drops, stats.leaves_other) == (1, 1, 1), stats
+        assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
 
 
 def test_a_request_arriving_mid_answer_is_served_and_changes_nothing(smollm, llm_gguf_path, quoting_prompts, plain):

@@ -1275,8 +1275,9 @@ def test_device_speculation_with_the_kernel_answers_as_the_plain_engine(smollm, 
     """The engine's device speculation (engine/device_speculation.py) with ``verify_and_draft``
     run as the Triton kernel, as on CUDA (here in the interpreter, the model on the CPU): three
     real SmolLM2 answers arriving a few steps apart, so that buckets of 1, 2 and 4 requests (one
-    of them padding) run and the device is left and entered again around each arrival, are the
-    plain engine's token for token, and every KV block comes back."""
+    of them padding) run, the device is left and entered again around each arrival, and a
+    finished answer's slot is laid out again as padding while the others stay, are the plain
+    engine's token for token, and every KV block comes back."""
     import functools
 
     import engine.device_speculation as device_speculation
@@ -1299,4 +1300,5 @@ def test_device_speculation_with_the_kernel_answers_as_the_plain_engine(smollm, 
     monkeypatch.setattr(llm.core.device_speculation, "launch", lambda reqs: buckets.append(len(reqs)) or launch(reqs))
     assert generate_staggered(llm.core, prompts, params, steps_between=3) == want
     assert {1, 3} <= set(buckets) and llm.core.spec_stats.num_drafts > 0
+    assert llm.core.device_stats.drops >= 1, llm.core.device_stats  # a slot laid out again as padding by the kernel
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
