@@ -733,6 +733,10 @@ def test_an_int4_weight_projection_matches_its_dequantized_weight(rows, pdl):
     from engine.kernels.int4_linear import Int4Tile, int4_linear, int4_split_k
     from engine.w4a16 import int4_linear_ref, quantize_groups
 
+    # seeded: at one row the error grows as x's sum nears zero by chance (seeds 0-59 at most
+    # 1.4e-3, the largest where the sum was smallest); an x left unseeded by the tests before it
+    # read 2.3e-3 once
+    torch.manual_seed(0)
     tol = max(TOL, 2e-3)
     for k, n, group in ((384, 100, 128), (256, 72, 32), (256, 120, 128)):
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
