@@ -57,7 +57,7 @@ class ModelConfig:
     attention_bias: bool = False
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], name: str = "llama") -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "llama") -> ModelConfig:
         """Build from a HF ``LlamaConfig`` or ``Qwen2Config`` dict (``rope_parameters`` or ``rope_scaling``)."""
         architecture = hf_architecture(d)
         if d.get("use_sliding_window"):
@@ -92,7 +92,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "ModelConfig":
+    def from_json(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     questions = [q.strip() for q in args.questions.read_text(encoding="utf-8").splitlines() if q.strip()]
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"{documents}\n\nQuestion: {q}"}]) for q in questions]
     bw = copy_bandwidth(loaded.device)
-    print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; "
+    print(f"# engine.bench speculative on {device_name(loaded.device)}, {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; "
           f"model {Path(args.model).name} ({args.quantization}), draft model {Path(args.draft_model).name if args.draft_model else '-'}, "
           f"k={args.k}, n-grams {args.ngram_sizes[0]}..{args.ngram_sizes[1]}, n-gram answer cache {args.answer_cache_tokens} tokens, row cost {spec.row_cost(loaded.device.type)}, draft cost {args.draft_cost}, drafts at batches up to {max_batch}, "
           f"{len(questions)} questions, "
@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
     print(format_table(rows))
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
+        args.json.write_text(json.dumps({"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": sys.argv,
                                          "machine": platform.node(), "device": device_name(loaded.device),
                                          "row_cost": spec.row_cost(loaded.device.type), "results": results}, indent=2))
     return 1 if faults else 0  # greedy: an answer parting other than at a near-tie is a bug
