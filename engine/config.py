@@ -309,8 +309,8 @@ class EngineConfig:
     the drafts, their verification and the next step's inputs on the device, so that a verifying
     step is launched before the one before it is read back (engine/device_speculation.py); each
     such step verifies ``num_speculative_tokens`` rows a request (and, with
-    ``speculative_device_rests``, it leaves that way for the host's while its drafts do not pay). auto: on with CUDA, off on the CPU (each step there is
-    waited for anyway). On an H200 (2026-12-07, the 1.5B, 32 handbook questions, k=4, n-grams
+    ``speculative_device_rests``, it leaves that way for the host's while its drafts do not pay).
+    auto: on with CUDA, off on the CPU (each step there is waited for anyway). On an H200 (2026-12-07, the 1.5B, 32 handbook questions, k=4, n-grams
     1..8, docs/performance.md) it decoded 1.47x the plain engine at batch 1 where the host's way
     ran 1.34x, 1.37x against 1.26x at batch 4 and 1.28x against 1.30x at batch 8, the answers
     token for token the host's (31/32 the plain engine's, the other parting at a near-tie)."""

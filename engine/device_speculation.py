@@ -23,11 +23,12 @@ on the device, when that step sampled every request's last token) and none has d
 batch too large to speculate, and leaves it (the step in flight read back, the requests handed
 back to the scheduler) when a request arrives, every request has finished or been aborted, or
 its next KV blocks are not free; a request that finishes or is aborted while others go on is
-dropped (``drop``: its slot becomes a padding request, no read back). With ``speculative_device_rests`` it also leaves when its steps stop paying
-(:class:`StepYield`): an answer that quotes nothing verifies padding rows for one token a step,
-where a plain step costs less; the host's way then drafts only where its lookups find matches,
-and a draft it verifies that stands brings the requests back. Off by default: on a GPU a device
-step of 5 rows costs little more than one of 1, and leaving and coming back cost read backs.
+dropped (``drop``: its slot becomes a padding request, no read back). With
+``speculative_device_rests`` it also leaves when its steps stop paying (:class:`StepYield`): an
+answer that quotes nothing verifies padding rows for one token a step, where a plain step costs
+less; the host's way then drafts only where its lookups find matches, and a draft it verifies
+that stands brings the requests back. Off by default: on a GPU a device step of 5 rows costs
+little more than one of 1, and leaving and coming back cost read backs.
 """
 
 from __future__ import annotations
@@ -213,12 +214,14 @@ class DeviceSpeculation:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 
-    def _reset_padding(self, first: int) -> None:
-        """Slots ``first``.. as padding requests: one token, an empty table (the null block)."""
-        self.history[first:, 0] = 0
-        self.lengths[first:] = 1
-        self.row_tables[first * (self.k + 1) :] = NULL_BLOCK
-        self._block_counts[first:] = [0] * (self.max_requests - first)
+    def _reset_padding(self, first: int, stop: int | None = None) -> None:
+        """Slots ``first`` to ``stop`` (the last by default) as padding requests: one token, an
+        empty table (the null block)."""
+        stop = self.max_requests if stop is None else stop
+        self.history[first:stop, 0] = 0
+        self.lengths[first:stop] = 1
+        self.row_tables[first * (self.k + 1) : stop * (self.k + 1)] = NULL_BLOCK
+        self._block_counts[first:stop] = [0] * (stop - first)
 
     def enter(self, requests: list[Request], last: torch.Tensor | None = None) -> None:
         """Take over ``requests`` (each decoding, its last token sampled, not yet computed): their
@@ -253,16 +256,13 @@ class DeviceSpeculation:
         self.row_tables[rows, have : len(block_ids)] = new[None, :]
         self._block_counts[slot] = len(block_ids)
 
-    def drop(self, slot: int, bucket: int) -> None:
-        """The request in ``slot`` finished or was aborted while the others go on: from the next
-        launch its slot is a padding request (one token, the null block). The step in flight has
-        laid out the next step's rows for it in its blocks, so every row of the ``bucket`` is laid
-        out again, queued behind that step (the others' rows come out the same: the same tokens)."""
-        rows = slice(slot * (self.k + 1), (slot + 1) * (self.k + 1))
-        self.history[slot, 0] = 0
-        self.lengths[slot] = 1
-        self.row_tables[rows] = NULL_BLOCK
-        self._block_counts[slot] = 0
+    def drop(self, slots: list[int], bucket: int) -> None:
+        """The requests in ``slots`` finished or were aborted while the others go on: from the
+        next launch each slot is a padding request. The step in flight has laid out the next
+        step's rows for them in their blocks, so every row of the ``bucket`` is laid out again,
+        once, queued behind that step (the others' rows come out the same: the same tokens)."""
+        for slot in slots:
+            self._reset_padding(slot, slot + 1)
         self._verify_and_draft(bucket, None)
 
     def launch(self, requests: list[Request | None]) -> DeviceStep:

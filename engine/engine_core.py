@@ -312,15 +312,16 @@ class EngineCore:
         """The requests of ``step`` that finished or were aborted (not in ``requests``, the next
         step's) leave device speculation alone: their slots become padding, and the others stay
         on the device without a read back."""
-        for slot, req in enumerate(step.requests):
-            if req is not None and (slot >= len(requests) or requests[slot] is None):
-                self.device_speculation.drop(slot, step.bucket)
-                self.device_stats.drops += 1
+        slots = [slot for slot, req in enumerate(step.requests)
+                 if req is not None and (slot >= len(requests) or requests[slot] is None)]
+        if slots:
+            self.device_speculation.drop(slots, step.bucket)
+            self.device_stats.drops += len(slots)
 
     def _device_can_run(self, current: list[Request | None] | None = None, pending: bool = False) -> bool:
         """Whether the next step can be a device speculation step: ``current`` (the requests in
-        it, dropped slots None; None when entering) are all the scheduler runs, none finished, none waits; each
-        decodes greedily (``takes_device_path``) with room for three more steps in its context,
+        it, dropped slots None; None when entering) are all the scheduler runs, none finished,
+        none waits; each decodes greedily (``takes_device_path``) with room for three more steps in its context,
         and the KV blocks for those are free (``_device_allocate``); ``pending``: each has one
         token more than the host knows, sampled by the step in flight. Not entered while it rests
         (``_device_step``), nor for a request that decoded in a batch too large to speculate
@@ -336,9 +337,9 @@ class EngineCore:
                 return False
         rows = spec.k + 1
         need = 0
+        entering = current is None
         for req in running:
             known = len(req.all_token_ids) + pending
-            entering = current is None
             if (req.status.finished or req.is_prefilling or (entering and not (takes_device_path(req.sampling_params) and req.may_draft))
                     or known + 3 * rows > self.max_model_len):
                 return False

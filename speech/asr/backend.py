@@ -89,7 +89,8 @@ class FasterWhisperBackend(ASRBackend):
     its ``avg_logprob`` is below ``log_prob_threshold`` (silence, noise). A segment it keeps is
     still dropped here if its ``avg_logprob`` is below ``log_prob_threshold`` (e.g. babble that is
     not words), its ``compression_ratio`` above ``compression_ratio_threshold`` (repetition
-    loops) or it says one sentence twice in a row (:func:`repeats_a_sentence`, shorter loops). Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
+    loops) or it says one sentence twice in a row (:func:`repeats_a_sentence`, shorter loops).
+    Decoding is greedy at temperature 0 with no fallback, so latency is predictable.
     """
 
     def __init__(self, config: ASRConfig) -> None:

@@ -10,7 +10,8 @@ clip's first window) and applies the same guards as
 :class:`~speech.asr.backend.FasterWhisperBackend`: a window whose no-speech probability is above
 ``no_speech_threshold`` while its average log-probability is not above ``log_prob_threshold`` is
 skipped; a kept window below ``log_prob_threshold``, above ``compression_ratio_threshold`` or
-saying one sentence twice in a row is rejected. So on the CPU in float32 its transcripts equal faster-whisper's.
+saying one sentence twice in a row is rejected. So on the CPU in float32 its transcripts equal
+faster-whisper's.
 
 ``load_format="dummy"`` builds the large-v3-turbo shape with random weights for timing: every
 decode runs exactly ``dummy_tokens`` tokens after the prompt and prefix, without guards, and is
